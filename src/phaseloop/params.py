@@ -1,0 +1,37 @@
+"""Parameter and FLOP accounting without allocating weights (the model is built on the
+meta device)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from .config import ModelConfig
+from .model import build_model
+
+
+def count_params(cfg: ModelConfig, seq_len: int | None = None) -> dict:
+    """Integer fields: total, embedding (input), unembedding (output head; 0 when tied),
+    non_embedding (everything else) and flops_per_token: forward-pass FLOPs per token at
+    ``seq_len`` (default the config's max_seq_len), 2 per multiply-add, counted by
+    torch's FlopCounterMode on meta tensors — every matmul including the head and the
+    attention score/value products (full T x T, the Kaplan et al. 2020 convention)."""
+    model = build_model(cfg, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.embed.tok.weight.numel()
+    unembedding = 0 if cfg.tie_embeddings else model.head.weight.numel()
+    T = seq_len or cfg.max_seq_len
+    idx = torch.zeros(1, T, dtype=torch.long, device="meta")
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(idx)
+    return {"arch": cfg.arch, "total": int(total), "embedding": int(embedding),
+            "unembedding": int(unembedding), "non_embedding": int(total - embedding - unembedding),
+            "flops_per_token": int(fc.get_total_flops() // T), "seq_len": T,
+            "depth": int(getattr(model.trunk, "depth", cfg.n_layers))}
+
+
+def format_count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)

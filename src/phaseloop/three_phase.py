@@ -1,0 +1,117 @@
+"""Three-Phase Transformer (Abu Ayyash, arXiv 2604.14430, 2026): what is new about it.
+
+The residual stream of width D is split into N contiguous stripes ("phases") of width
+d_phase = D / N. This file holds the three new modules; the shared block and embedding
+switch them on from ``ModelConfig`` so any trunk (stack, looped, universal) can carry
+the phase structure:
+
+* ``PhaseRotation``  — modification 2, between attention and FFN, not residual;
+* ``PhaseRMSNorm``   — modification 3, replaces every norm;
+* ``HornInjection``  — modification 5, DC channel set to r(t) = 1/(t+1) once on the
+  embedding output.
+Modification 1 (partition) is ``n_phases``; modification 4 (phase-aligned GQA) is a
+config check; dropping the sqrt(d_model) embedding factor is ``embed_scale=False``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, register_presets
+
+
+class PhaseRotation(nn.Module):
+    """Givens rotation of channel pairs (2k, 2k+1) of phase i by θ_k + 2πi/N (3PT §2.2).
+
+    θ ∈ R^{d_phase/2} is learnable and shared by all phases; the offsets are fixed
+    (learnable as an ablation). Init θ_k = (ℓ+1)π/(2L) for layer ℓ of L. One vectorised
+    op over all phases: x viewed as [..., N, d_phase/2, 2].
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, n_layers: int):
+        super().__init__()
+        self.n_phases, self.d_phase = cfg.n_phases, cfg.d_phase
+        self.residual = cfg.residual_rotation
+        self.theta = nn.Parameter(torch.full((cfg.d_phase // 2,), self.init_angle(layer_idx, n_layers)))
+        offsets = 2 * math.pi * torch.arange(cfg.n_phases, dtype=torch.float32) / cfg.n_phases
+        if cfg.learnable_offsets:
+            self.offsets = nn.Parameter(offsets)
+        else:
+            self.register_buffer("offsets", offsets, persistent=False)
+
+    @staticmethod
+    def init_angle(layer_idx: int, n_layers: int) -> float:
+        return (layer_idx + 1) * math.pi / (2 * n_layers)
+
+    def angles(self) -> torch.Tensor:
+        """[N, d_phase/2]: θ_k + 2πi/N."""
+        return self.theta[None, :] + self.offsets[:, None]
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        a_NP = self.angles()
+        cos_NP, sin_NP = a_NP.cos().to(x_BTD.dtype), a_NP.sin().to(x_BTD.dtype)
+        x_BTNP2 = x_BTD.unflatten(-1, (self.n_phases, self.d_phase // 2, 2))
+        x0, x1 = x_BTNP2.unbind(-1)
+        y_BTNP2 = torch.stack((x0 * cos_NP - x1 * sin_NP, x0 * sin_NP + x1 * cos_NP), dim=-1)
+        y_BTD = y_BTNP2.flatten(-3)
+        return x_BTD + y_BTD if self.residual else y_BTD
+
+
+class PhaseRMSNorm(nn.Module):
+    """N independent RMSNorms, one per stripe (3PT §2.3); D gains, init 1."""
+
+    def __init__(self, dim: int, n_phases: int, eps: float = 1e-6):
+        super().__init__()
+        self.n_phases, self.eps = n_phases, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_NP = x.unflatten(-1, (self.n_phases, -1))
+        y_NP = F.rms_norm(x_NP, (x_NP.shape[-1],), None, self.eps)
+        return y_NP.flatten(-2) * self.weight
+
+
+class HornInjection(nn.Module):
+    """Gabriel's horn DC injection (3PT §2.5): x(t, j) += r(t) − mean_j x(t, :), with
+    r(t) = 1/(t+1) at the token's true absolute position t (also under KV caching).
+
+    Only the component along the all-ones direction changes. ``learnable_horn`` (ours)
+    adds a learnable gain g: r(t) = g/(t+1), g init 1.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(())) if cfg.learnable_horn else None
+
+    def forward(self, x_BTD: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        T = x_BTD.shape[1]
+        t = torch.arange(start_pos, start_pos + T, device=x_BTD.device, dtype=torch.float32)
+        r_T = 1.0 / (t + 1.0)
+        if self.gain is not None:
+            r_T = r_T * self.gain
+        dc_BT1 = r_T.to(x_BTD.dtype)[None, :, None] - x_BTD.mean(dim=-1, keepdim=True)
+        return x_BTD + dc_BT1
+
+
+def zero_sum_diagnostic(x_BTD: torch.Tensor, n_phases: int) -> float:
+    """Σ_i mean(stripe i), averaged over batch and positions (the paper's plot). Right
+    after injection this equals N·H_T/T (H_T the T-th harmonic number)."""
+    return x_BTD.unflatten(-1, (n_phases, -1)).mean(-1).sum(-1).mean().item()
+
+
+# 3PT twins of the paper's RoPE-only baselines: same shapes, N = 3, no sqrt(d) factor.
+_3PT = dict(arch="three_phase", n_phases=3, embed_scale=False, tie_embeddings=False)
+register_presets({
+    "3pt-123m": dict(_3PT, d_model=768, n_layers=12, n_heads=12, n_kv_heads=3, d_ff=2048,
+                     vocab_size=32000, max_seq_len=1024, embed_init_std=1.0),
+    "3pt-5.5m": dict(_3PT, d_model=192, n_layers=4, n_heads=6, n_kv_heads=3, d_ff=512,
+                     vocab_size=10000, max_seq_len=128, embed_init_std=1.0),
+    "3pt-tiny": dict(_3PT, d_model=96, n_layers=2, n_heads=6, n_kv_heads=3, d_ff=256,
+                     vocab_size=256, max_seq_len=64),
+    "3pt-small": dict(_3PT, d_model=192, n_layers=4, n_heads=6, n_kv_heads=3, d_ff=512,
+                      vocab_size=256, max_seq_len=128),
+})
