@@ -1,0 +1,39 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_data_dir() -> Path | None:
+    """../shared/data (CI sets PHASELOOP_DATA_DIR to it)."""
+    for cand in (os.environ.get("PHASELOOP_DATA_DIR"), REPO.parent / "shared" / "data"):
+        if cand and Path(cand).is_dir():
+            return Path(cand)
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _isolate(tmp_path_factory, monkeypatch):
+    """Token caches go to a per-session temp folder; runs are deterministic."""
+    monkeypatch.setenv("PHASELOOP_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def data_dir(monkeypatch):
+    d = shared_data_dir()
+    if d is None:
+        pytest.skip("../shared/data not present (set PHASELOOP_DATA_DIR)")
+    monkeypatch.setenv("PHASELOOP_DATA_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    """A small user text file (not one of the named sources)."""
+    p = tmp_path / "corpus.txt"
+    p.write_text(("the quick brown fox jumps over the lazy dog. " * 40 + "\n") * 30)
+    return p

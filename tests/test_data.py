@@ -1,0 +1,155 @@
+import hashlib
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from phaseloop import DataError
+from phaseloop import data as D
+from phaseloop.tokenizer import ByteTokenizer, get_tokenizer
+
+
+def test_byte_tokenizer_roundtrip_any_bytes():
+    tok = ByteTokenizer()
+    text = "naïve — ünïcödé ✓\n"
+    ids = tok.encode(text)
+    assert ids.dtype == np.uint8 and len(ids) == len(text.encode())
+    assert tok.decode(ids) == text
+    raw = bytes(range(256))
+    assert bytes(tok.encode(raw).tolist()) == raw
+    assert (tok.token_bytes() == 1).all() and tok.vocab_size == 256
+
+
+def test_unknown_tokenizer():
+    with pytest.raises(Exception, match="unknown tokenizer"):
+        get_tokenizer("sentencepiece-9000")
+
+
+def test_file_source_fingerprint_and_memmap(text_file):
+    c = D.load_corpus(text_file)
+    assert c.fingerprint == hashlib.sha256(text_file.read_bytes()).hexdigest()
+    assert isinstance(c.tokens, np.memmap) and len(c.tokens) == text_file.stat().st_size
+    assert bytes(c.tokens[:9]) == text_file.read_bytes()[:9]
+    assert D.load_corpus(text_file).fingerprint == c.fingerprint  # cached path reused
+    text_file.write_text(text_file.read_text() + "x")
+    assert D.load_corpus(text_file).fingerprint != c.fingerprint
+
+
+def test_folder_source(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "one.txt").write_bytes(b"alpha" * 50)
+    (tmp_path / "two.bin").write_bytes(bytes(range(256)))
+    (tmp_path / ".hidden").write_bytes(b"secret")
+    c = D.load_corpus(tmp_path)
+    assert c.n_files == 2 and c.n_bytes == 250 + 256
+    assert b"secret" not in bytes(c.tokens)
+
+
+def test_stdlib_source_is_builtin_and_fingerprinted():
+    root, files = D.stdlib_files()
+    assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+    assert not any("site-packages" in f.parts for f in files)
+    c = D.load_corpus("stdlib")
+    d = c.describe()
+    assert d["source"] == "stdlib" and len(d["fingerprint"]) == 64 and d["files"] == len(files)
+    assert d["tokens"] > 1_000_000
+
+
+@pytest.mark.parametrize("bad, msg", [("does/not/exist.txt", "does not exist"), ("", "does not exist")])
+def test_missing_source(bad, msg):
+    with pytest.raises(DataError, match=msg):
+        D.load_corpus(bad or "/nonexistent-dir/")
+
+
+def test_empty_file(tmp_path):
+    p = tmp_path / "empty.txt"
+    p.write_text("")
+    with pytest.raises(DataError, match="empty"):
+        D.load_corpus(p)
+
+
+def test_shakespeare_from_data_dir(data_dir):
+    c = D.load_corpus("shakespeare")
+    assert c.fingerprint == D.SHAKESPEARE_SHA256 and c.n_bytes == 1115394
+
+
+def test_shakespeare_offline_without_copy_says_how_to_pass_data(monkeypatch, tmp_path):
+    monkeypatch.delenv("PHASELOOP_DATA_DIR", raising=False)
+    monkeypatch.setenv("PHASELOOP_CACHE", str(tmp_path))
+
+    def offline(*a, **k):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(D.urllib.request, "urlopen", offline)
+    with pytest.raises(DataError, match="--data"):
+        D.load_corpus("shakespeare")
+
+
+def test_shakespeare_download_checks_sha256(monkeypatch, tmp_path):
+    monkeypatch.delenv("PHASELOOP_DATA_DIR", raising=False)
+    monkeypatch.setenv("PHASELOOP_CACHE", str(tmp_path))
+
+    class Fake:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def read(self):
+            return b"not shakespeare"
+
+    monkeypatch.setattr(D.urllib.request, "urlopen", lambda *a, **k: Fake())
+    with pytest.raises(DataError, match="sha256"):
+        D.load_corpus("shakespeare")
+    assert not (tmp_path / "tinyshakespeare" / "input.txt").exists()
+
+
+def test_split_is_deterministic_tail(text_file):
+    c = D.load_corpus(text_file)
+    tr, va = c.split(0.1, 33)
+    n = len(c.tokens)
+    assert len(va) == int(n * 0.1) and len(tr) + len(va) == n
+    assert np.array_equal(va, c.tokens[n - len(va):])
+    with pytest.raises(DataError, match="too small"):
+        c.split(0.5, n)
+
+
+def test_train_windows_random_contiguous_and_seeded(text_file):
+    c = D.load_corpus(text_file)
+    tr, _ = c.split(0.1, 17)
+    a, b = D.TrainBatches(tr, 16, 4, seed=3), D.TrainBatches(tr, 16, 4, seed=3)
+    x1, y1 = a.next()
+    x2, y2 = b.next()
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are inputs shifted by one
+    raw = bytes(tr)
+    for row in x1:
+        assert bytes(row.tolist()) in raw  # contiguous window of the training split
+    state = a.state()
+    nxt = a.next()
+    a.set_state(state)
+    assert torch.equal(a.next()[0], nxt[0])
+    assert not torch.equal(D.TrainBatches(tr, 16, 4, seed=4).next()[0], x1)
+
+
+def test_eval_windows_fixed_and_cover_split(text_file):
+    c = D.load_corpus(text_file)
+    _, va = c.split(0.2, 17)
+    w1, w2 = D.eval_windows(va, 16, 8), D.eval_windows(va, 16, 8)
+    assert torch.equal(w1, w2) and w1.shape == (8, 17)
+    assert bytes(w1[0].tolist()) == bytes(va[:17])
+    assert bytes(w1[-1].tolist()) == bytes(va[-17:])
+
+
+def test_bpb_is_nats_per_byte_over_ln2(text_file):
+    from phaseloop import ModelConfig, build_model
+    from phaseloop.train import evaluate
+
+    c = D.load_corpus(text_file)
+    _, va = c.split(0.2, 17)
+    m = build_model(ModelConfig.from_preset("rope-tiny"))
+    r = evaluate(m, D.eval_windows(va, 16, 4), c.tokenizer.token_bytes())
+    assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2))
+    assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]))

@@ -1,0 +1,210 @@
+"""Three-Phase Transformer (Abu Ayyash 2026): each of the five modifications, its
+switch, and the presets."""
+
+import math
+
+import pytest
+import torch
+
+from phaseloop import ConfigError, ModelConfig, build_model
+from phaseloop.params import count_params
+from phaseloop.three_phase import HornInjection, PhaseRMSNorm, PhaseRotation, zero_sum_diagnostic
+
+
+def cfg3(**kw):
+    return ModelConfig(**{**dict(arch="three_phase", vocab_size=64, d_model=48, n_layers=3,
+                                 n_heads=6, n_kv_heads=3, d_ff=96, max_seq_len=32), **kw})
+
+
+def givens_reference(x, theta, N):
+    """Independent per-pair loop: phase i, pair k rotated by theta_k + 2*pi*i/N."""
+    D = x.shape[-1]
+    dp = D // N
+    y = x.clone()
+    for i in range(N):
+        for k in range(dp // 2):
+            a = theta[k] + 2 * math.pi * i / N
+            c0, c1 = i * dp + 2 * k, i * dp + 2 * k + 1
+            R = torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+            y[..., [c0, c1]] = x[..., [c0, c1]] @ R.T
+    return y
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 6])
+def test_rotation_equals_explicit_givens_and_preserves_stripe_norms(N):
+    cfg = cfg3(n_phases=N, phase_aligned_gqa=False, d_model=48, n_heads=6, n_kv_heads=6)
+    pr = PhaseRotation(cfg, layer_idx=1, n_layers=3)
+    with torch.no_grad():
+        pr.theta.copy_(torch.randn_like(pr.theta))
+    x = torch.randn(2, 5, 48)
+    y = pr(x)
+    assert torch.allclose(y, givens_reference(x, pr.theta.detach().tolist(), N), atol=1e-5)
+    stripes = lambda t: t.unflatten(-1, (N, -1)).norm(dim=-1)
+    assert torch.allclose(stripes(y), stripes(x), atol=1e-5)
+
+
+def test_offsets_and_depth_linear_init():
+    cfg = cfg3(n_layers=4)
+    m = build_model(cfg)
+    for l, layer in enumerate(m.trunk.layers):
+        pr = layer.mid
+        assert isinstance(pr, PhaseRotation)
+        assert torch.allclose(pr.offsets, torch.tensor([0, 2 * math.pi / 3, 4 * math.pi / 3]))
+        assert torch.allclose(pr.theta, torch.full((8,), (l + 1) * math.pi / (2 * 4)))
+        assert pr.theta.shape == (cfg.d_phase // 2,)
+
+
+def test_rotation_sits_between_attention_and_ffn_not_residual():
+    cfg = cfg3(n_layers=1)
+    blk = build_model(cfg).trunk.layers[0]
+    seen = {}
+    blk.mid.register_forward_hook(lambda mod, inp, out: seen.update(inp=inp[0], out=out))
+    blk.ffn_norm.register_forward_pre_hook(lambda mod, inp: seen.update(ffn_in=inp[0]))
+    from phaseloop.layers import Context, rope_tables
+
+    x = torch.randn(1, 4, 48)
+    cos, sin = rope_tables(torch.arange(4), cfg.head_dim, cfg.rope_base)
+    y = blk(x, Context(cos, sin))
+    h = x + blk.attn(blk.attn_norm(x), Context(cos, sin))
+    assert torch.allclose(seen["inp"], h, atol=1e-6)
+    assert torch.equal(seen["ffn_in"], seen["out"])
+    assert torch.allclose(y, seen["out"] + blk.ffn(blk.ffn_norm(seen["out"])), atol=1e-6)
+    # residual ablation: h + PR(h)
+    res = PhaseRotation(cfg3(residual_rotation=True), 0, 1)
+    plain = PhaseRotation(cfg3(), 0, 1)
+    assert torch.allclose(res(x), x + plain(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("start", [0, 7])
+def test_horn_sets_channel_mean_and_keeps_orthogonal_directions(start):
+    horn = HornInjection(cfg3())
+    x = torch.randn(2, 6, 48) * 3 + 0.5
+    y = horn(x, start_pos=start)
+    t = torch.arange(start, start + 6, dtype=torch.float32)
+    assert torch.allclose(y.mean(-1), (1 / (t + 1)).expand(2, 6), atol=1e-6)
+    centred = lambda v: v - v.mean(-1, keepdim=True)
+    assert torch.allclose(centred(y), centred(x), atol=1e-5)
+
+
+def test_horn_is_on_the_embedding_output_at_absolute_positions():
+    m = build_model(cfg3())
+    idx = torch.randint(0, 64, (1, 5))
+    assert torch.allclose(m.embed(idx, start_pos=10).mean(-1), 1 / torch.arange(11.0, 16.0), atol=1e-6)
+    assert not any(isinstance(mod, HornInjection) for mod in m.trunk.modules())  # once, not per block
+
+
+def test_zero_sum_diagnostic_after_injection():
+    T, N = 64, 3
+    y = HornInjection(cfg3())(torch.randn(4, T, 48))
+    H_T = sum(1 / k for k in range(1, T + 1))
+    assert zero_sum_diagnostic(y, N) == pytest.approx(N * H_T / T, rel=1e-5)
+
+
+def test_phase_norm_equals_independent_rmsnorms():
+    N, D = 3, 48
+    pn = PhaseRMSNorm(D, N, eps=1e-6)
+    with torch.no_grad():
+        pn.weight.copy_(torch.randn(D))
+    x = torch.randn(2, 5, D)
+    refs = []
+    for i in range(N):
+        ref = torch.nn.RMSNorm(D // N, eps=1e-6)
+        with torch.no_grad():
+            ref.weight.copy_(pn.weight[i * D // N:(i + 1) * D // N])
+        refs.append(ref(x[..., i * D // N:(i + 1) * D // N]))
+    assert torch.allclose(pn(x), torch.cat(refs, -1), atol=1e-5)
+    assert sum(p.numel() for p in pn.parameters()) == D
+
+
+def test_phase_norm_at_every_norm_site():
+    m = build_model(cfg3())
+    norms = [m.norm] + [n for layer in m.trunk.layers for n in (layer.attn_norm, layer.ffn_norm)]
+    assert all(isinstance(n, PhaseRMSNorm) for n in norms)
+
+
+@pytest.mark.parametrize("twin, tp", [("rope-123m", "3pt-123m"), ("rope-5.5m", "3pt-5.5m"),
+                                      ("rope-tiny", "3pt-tiny"), ("rope-small", "3pt-small")])
+def test_3pt_presets_exceed_twins_by_L_dphase_over_2(twin, tp):
+    a, b = ModelConfig.from_preset(twin), ModelConfig.from_preset(tp)
+    assert (a.d_model, a.n_layers, a.n_heads, a.n_kv_heads, a.d_ff, a.vocab_size) == \
+           (b.d_model, b.n_layers, b.n_heads, b.n_kv_heads, b.d_ff, b.vocab_size)
+    assert b.n_phases == 3 and not b.embed_scale
+    diff = count_params(b)["total"] - count_params(a)["total"]
+    assert diff == b.n_layers * b.d_phase // 2
+    if tp == "3pt-123m":
+        assert diff == 1536  # the paper's figure
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(n_phases=5), "must divide d_model"),
+    (dict(n_phases=16, d_model=48, n_heads=6, n_kv_heads=6, phase_aligned_gqa=False), "even"),
+    (dict(n_phases=2, n_heads=6, n_kv_heads=3), "phase-aligned GQA"),
+    (dict(arch="rope", learnable_offsets=True), "phase_rotation"),
+    (dict(arch="rope", learnable_horn=True), "horn"),
+])
+def test_invalid_phase_configs(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        cfg3(**kw)
+
+
+def test_n1_is_valid_and_a_plain_rotation():
+    cfg = cfg3(n_phases=1)
+    pr = build_model(cfg).trunk.layers[0].mid
+    assert torch.allclose(pr.offsets, torch.zeros(1))
+
+
+# ---------------------------------------------------------------------------- ablation switches
+def _keys(cfg):
+    return {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
+
+
+@pytest.mark.parametrize("switch, added, removed", [
+    ("phase_rotation", set(), {f"trunk.layers.{i}.mid.theta" for i in range(3)}),
+    ("horn", set(), set()),
+    ("phase_norm", set(), set()),
+    ("phase_aligned_gqa", set(), set()),
+])
+def test_each_switch_changes_only_its_part(switch, added, removed):
+    on = cfg3()
+    off = on.replace(**{switch: False})
+    k_on, k_off = _keys(on), _keys(off)
+    assert set(k_off) == set(k_on) - removed | added
+    m_on, m_off = build_model(on), build_model(off)
+    if switch == "phase_rotation":
+        assert all(isinstance(layer.mid, torch.nn.Identity) for layer in m_off.trunk.layers)
+        assert isinstance(m_off.norm, PhaseRMSNorm) and m_off.embed.horn is not None
+    if switch == "horn":
+        assert m_off.embed.horn is None and isinstance(m_off.trunk.layers[0].mid, PhaseRotation)
+    if switch == "phase_norm":
+        assert not isinstance(m_off.norm, PhaseRMSNorm) and m_off.embed.horn is not None
+        assert isinstance(m_off.trunk.layers[0].mid, PhaseRotation)
+    if switch == "phase_aligned_gqa":  # only relaxes validation: N=2 with 3 kv heads allowed
+        cfg3(phase_aligned_gqa=False, n_phases=2)
+        assert k_on == k_off
+    # with identical weights, the outputs differ (the switch does something)
+    sd = {k: v for k, v in m_on.state_dict().items() if k in k_off}
+    m_off.load_state_dict(sd, strict=False)
+    idx = torch.randint(0, 64, (1, 8))
+    if switch != "phase_aligned_gqa":
+        assert not torch.allclose(m_on(idx).logits, m_off(idx).logits)
+
+
+def test_extra_ablation_switches():
+    base = cfg3()
+    n_base = sum(p.numel() for p in build_model(base).parameters())
+    lo = build_model(base.replace(learnable_offsets=True))
+    assert sum(p.numel() for p in lo.parameters()) == n_base + 3 * base.n_phases
+    assert isinstance(lo.trunk.layers[0].mid.offsets, torch.nn.Parameter)
+    lh = build_model(base.replace(learnable_horn=True))
+    assert sum(p.numel() for p in lh.parameters()) == n_base + 1
+    assert build_model(base.replace(residual_rotation=True)).trunk.layers[0].mid.residual
+    # the sqrt(d) embedding factor is its own switch
+    assert build_model(base.replace(embed_scale=True)).embed.scale == pytest.approx(math.sqrt(48))
+
+
+def test_phase_structure_composes_with_the_rope_arch():
+    """The five options are block/embedding options: any trunk can switch them on."""
+    cfg = ModelConfig(arch="rope", vocab_size=64, d_model=48, n_layers=2, n_heads=6, n_kv_heads=3,
+                      d_ff=96, n_phases=3, phase_rotation=True, phase_norm=True, horn=True)
+    m = build_model(cfg)
+    assert isinstance(m.trunk.layers[1].mid, PhaseRotation) and isinstance(m.norm, PhaseRMSNorm)
