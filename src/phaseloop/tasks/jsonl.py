@@ -25,8 +25,18 @@ _SHAPE = 'one JSON object per line, like {"input": "abc", "target": "cba"}'
 
 
 def _short(value: object, limit: int = 40) -> str:
-    r = repr(value)
+    r = json.dumps(value, ensure_ascii=False)
     return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {list: "array", dict: "object", str: "string"}.get(type(value), type(value).__name__)
 
 
 def load_jsonl(path: str | os.PathLike) -> list[Example]:
@@ -57,7 +67,7 @@ def load_jsonl(path: str | os.PathLike) -> list[Example]:
                 ) from None
             if not isinstance(obj, dict):
                 raise TaskDataError(
-                    f"{where}: expected a JSON object, got {type(obj).__name__} {_short(obj)}; write {_SHAPE}"
+                    f"{where}: expected a JSON object, got {_json_type(obj)} {_short(obj)}; write {_SHAPE}"
                 )
             for key in REQUIRED_KEYS:
                 if key not in obj:
@@ -66,7 +76,7 @@ def load_jsonl(path: str | os.PathLike) -> list[Example]:
                     )
                 if not isinstance(obj[key], str):
                     raise TaskDataError(
-                        f"{where}: {key!r} must be a string, got {type(obj[key]).__name__} "
+                        f"{where}: {key!r} must be a string, got {_json_type(obj[key])} "
                         f"{_short(obj[key])}; write it as a JSON string in double quotes, e.g. \"{key}\": \"123\""
                     )
             length = obj.get("length", len(obj["input"]))
