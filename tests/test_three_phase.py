@@ -208,3 +208,38 @@ def test_phase_structure_composes_with_the_rope_arch():
                       d_ff=96, n_phases=3, phase_rotation=True, phase_norm=True, horn=True)
     m = build_model(cfg)
     assert isinstance(m.trunk.layers[1].mid, PhaseRotation) and isinstance(m.norm, PhaseRMSNorm)
+
+
+# ---------------------------------------------------------------------------- analysis commands
+def test_angle_drift_and_zero_sum_commands(tmp_path, text_file, capsys):
+    import json
+
+    from phaseloop.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "3pt-tiny", "--steps", "8", "--batch-size", "2", "--warmup", "2",
+                 "--eval-windows", "2", "--data", str(text_file), "--out", str(run), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["angles", str(run)]) == 0
+    rows = json.loads((run / "angle_drift.json").read_text())
+    assert [r["layer"] for r in rows] == [0, 1]
+    assert rows[0]["init"] == pytest.approx(math.pi / 4) and rows[1]["init"] == pytest.approx(math.pi / 2)
+    assert all(r["mean_abs_drift"] > 0 for r in rows)  # 8 AdamW steps moved the angles
+    assert (run / "angle_drift.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    assert main(["zero-sum", str(run), "--windows", "2"]) == 0
+    out = capsys.readouterr().out
+    H = sum(1 / k for k in range(1, 65))
+    emb = float(out.split("embedding")[1].split()[0])
+    assert emb == pytest.approx(3 * H / 64, abs=1e-4)
+
+
+def test_angles_on_a_model_without_rotation(tmp_path, text_file, capsys):
+    from phaseloop.cli import main
+
+    run = tmp_path / "run"
+    main(["train", "--preset", "rope-tiny", "--steps", "2", "--batch-size", "2", "--eval-windows", "1",
+          "--data", str(text_file), "--out", str(run), "--quiet"])
+    capsys.readouterr()
+    assert main(["angles", str(run)]) == 2
+    assert "no phase rotation" in capsys.readouterr().err

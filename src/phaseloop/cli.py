@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -138,9 +139,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_params(args) -> int:
+    from .accounting import PRESETS as ENC_DEC
     from .config import PRESETS, ModelConfig
     from .params import count_params, format_count
 
+    if args.match or args.shared or args.preset in ENC_DEC:
+        return cmd_params_encdec(args)
     names = list(PRESETS) if args.all else [args.preset or "rope-small"]
     rows = [count_params(ModelConfig.from_preset(n, **parse_overrides(args.set)), args.seq_len)
             | {"preset": n} for n in names]
@@ -153,6 +157,200 @@ def cmd_params(args) -> int:
         print(f"{r['preset']:<16}{r['arch']:<13}{format_count(r['total']):>10}"
               f"{format_count(r['embedding']):>11}{format_count(r['unembedding']):>10}"
               f"{format_count(r['non_embedding']):>10}{r['flops_per_token'] / 1e9:>11.3f}")
+    return 0
+
+
+def cmd_params_encdec(args) -> int:
+    """UT §3: tensor2tensor-convention encoder-decoder presets, and --match solving for
+    the width of a weight-tied model with a preset's parameter count."""
+    from . import accounting as acc
+
+    if args.set or args.all:
+        raise PhaseloopError("--set/--all do not apply to the encoder-decoder presets "
+                             f"({', '.join(acc.PRESETS)}); drop them")
+    if args.shared and not args.match:
+        raise PhaseloopError("--shared needs --match PRESET, e.g. --match transformer-base --shared")
+    seq_len = args.seq_len or acc.DEFAULT_SEQ_LEN
+    rows = [acc.count(spec, seq_len) for spec in acc.PRESETS.values()]
+    ref = rows[0]
+    if args.match:
+        res = acc.match(args.match, shared=args.shared, seq_len=seq_len)
+        if args.json:
+            print(json.dumps(res, indent=2))
+            return 0
+        kind = "weight-tied (1+1 layers, shared)" if args.shared else "6+6 distinct layers"
+        print(f"{kind} encoder-decoder with the parameters of {args.match} "
+              f"({res['target_total']:,}): d = {res['d_exact']:.1f} -> d = {res['d']}, "
+              f"d_ff = {4 * res['d']}, {res['model']['total']:,} parameters\n")
+        print(acc.table(rows + [res["model"]], ref))
+        return 0
+    row = acc.count(acc.get(args.preset), seq_len)
+    if args.json:
+        print(json.dumps(row, indent=2))
+        return 0
+    print(acc.table(rows, ref))
+    return 0
+
+
+def cmd_angles(args) -> int:
+    """3PT: per-layer |θ_final − θ_init| of a trained run, printed and plotted."""
+    from .checkpoint import load_run, write_json
+    from .three_phase import angle_drift
+
+    model, _ = load_run(args.run)
+    rows = angle_drift(model)
+    if not rows:
+        raise PhaseloopError(f"{args.run} has no phase rotation (train with --preset 3pt-* "
+                             "or --set phase_rotation=true)")
+    print(f"{'layer':>5} {'theta_init':>10} {'mean|drift|':>12} {'max|drift|':>11}")
+    for r in rows:
+        print(f"{r['layer']:>5} {r['init']:>10.4f} {r['mean_abs_drift']:>12.5f} {r['max_abs_drift']:>11.5f}")
+    run_dir = Path(args.run)
+    write_json(run_dir / "angle_drift.json", rows)
+    png = Path(args.png) if args.png else run_dir / "angle_drift.png"
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([r["layer"] for r in rows], [r["mean_abs_drift"] for r in rows], "o-", label="mean over pairs")
+    ax.plot([r["layer"] for r in rows], [r["max_abs_drift"] for r in rows], "s--", alpha=0.6, label="max")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("|θ_final − θ_init| (rad)")
+    ax.set_title("3PT rotation-angle drift by depth")
+    ax.legend()
+    fig.tight_layout()
+    _save_fig(fig, png)
+    print(f"wrote {png} and {run_dir / 'angle_drift.json'}")
+    return 0
+
+
+def cmd_zero_sum(args) -> int:
+    """3PT: Σ_i mean(stripe i) averaged over positions, at the embedding and each layer."""
+    from .checkpoint import load_run
+    from .data import eval_windows, load_corpus
+    from .three_phase import zero_sum_profile
+
+    model, run_cfg = load_run(args.run)
+    if args.phases:
+        model.cfg = model.cfg.replace(n_phases=args.phases)
+    corpus = load_corpus(args.data or run_cfg["data"]["source"])
+    seq_len = args.seq_len or model.cfg.max_seq_len
+    _, val = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
+    windows = eval_windows(val, seq_len, args.windows)[:, :-1]
+    N, T = model.cfg.n_phases, seq_len
+    expect = N * sum(1 / k for k in range(1, T + 1)) / T
+    print(f"zero-sum diagnostic, N={N}, T={T} (horn value N*H_T/T = {expect:.4f})")
+    for r in zero_sum_profile(model, windows):
+        print(f"  {r['site']:<10} {r['zero_sum']:+.5f}")
+    return 0
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PhaseloopError("plots need matplotlib; pip install 'phaseloop[plot]'") from None
+    return plt
+
+
+def _save_fig(fig, path: Path) -> None:
+    """Render to a temporary file, then rename (nothing half-written)."""
+    import io
+
+    from .data import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    atomic_write_bytes(Path(path), buf.getvalue())
+    _pyplot().close(fig)
+
+
+def cmd_compare(args) -> int:
+    """Train every (variant, seed) of a recipe, then write summary.json, report.md, plots."""
+    from . import compare
+
+    recipe = compare.load_recipe(args.recipe)
+    recipe = compare.apply_overrides(recipe, args.variants, args.seeds, args.steps, args.data,
+                                     args.match, log=compare._stderr)
+    out = args.out or f"runs/compare-{compare.slugify(recipe.name)}"
+    command = " ".join(shlex.quote(a) for a in ["phaseloop", *sys.argv[1:]])
+    try:
+        s = compare.run_comparison(recipe, out, progress=not args.quiet, command=command)
+    except KeyboardInterrupt:
+        print(f"phaseloop: interrupted; rerun the same command to resume ({out} keeps the "
+              "finished runs and the last checkpoints)", file=sys.stderr)
+        return 130
+    print(compare.format_table(s))
+    print(f"wrote {Path(out) / 'report.md'}, summary.json and {len(s['plots'])} plots")
+    return 0
+
+
+# ---------------------------------------------------------------------------- tasks (UT paper)
+def _task_setup(args):
+    from .tasks.runner import TaskRunConfig, task_model_config
+
+    cfg, arch = task_model_config(args.arch, args.preset, parse_overrides(args.set))
+    rc = TaskRunConfig(**{k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size),
+                                            ("lr", args.lr), ("device", args.device)) if v is not None})
+    items = [s.strip() for s in args.seeds.split(",")]
+    if not all(s.isdigit() for s in items):
+        raise PhaseloopError(f"bad --seeds {args.seeds!r}; write integers like 0,1")
+    seeds = list(dict.fromkeys(int(s) for s in items))
+    return cfg, arch, rc, seeds
+
+
+def cmd_task(args) -> int:
+    """Algorithmic task (or a JSONL file): train over seeds; table, metrics.json, plot."""
+    from .tasks.runner import format_table, run_task
+
+    cfg, arch, rc, seeds = _task_setup(args)
+    train_len = args.train_len or ("40" if args.paper else "1-20")
+    test_len = args.test_len or ("400" if args.paper else "40,80")
+    offsets = args.offsets if args.offsets is not None else (
+        "auto" if args.paper and "universal" in (arch or cfg.arch) else "0")
+    if offsets != "auto" and not offsets.isdigit():
+        raise PhaseloopError(f"bad --offsets {offsets!r}; write auto or an integer >= 0")
+    name = args.task.split(":")[0]
+    out = Path(args.out or f"runs/task-{name}-{arch or cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}")
+    res = run_task(args.task, cfg, rc, seeds, train_len, test_len, out, n_test=args.n_test,
+                   test_file=args.test_file, offsets=offsets if offsets == "auto" else int(offsets),
+                   arch=arch, log=None if args.quiet else print)
+    print(format_table(res["summary"], f"{args.task} | {arch or cfg.arch} | train {train_len} | "
+                       f"seeds {','.join(map(str, seeds))} (mean ±std over seeds)"))
+    print(f"wrote {out / 'metrics.json'}" + (f" and {out / 'accuracy_vs_length.png'}" if res["plot"]
+                                              else " (no plot: pip install matplotlib)"))
+    return 0
+
+
+def cmd_babi(args) -> int:
+    """bAbI QA: error per task, failed tasks, ponder time by supporting facts."""
+    import os
+
+    from .tasks.runner import format_babi_table, run_babi_seeds
+
+    cfg, arch, rc, seeds = _task_setup(args)
+    data_dir = args.data_dir or Path(os.environ.get("PHASELOOP_DATA_DIR", "data")) / "babi" / "en-1k"
+    try:
+        tasks = [int(t) for t in args.tasks.split(",")]
+    except ValueError:
+        raise PhaseloopError(f"bad --tasks {args.tasks!r}; write task numbers like 1,2,3") from None
+    window = None if args.max_sentences == "all" else args.max_sentences
+    if window is not None and not window.isdigit():
+        raise PhaseloopError(f"bad --max-sentences {window!r}; write an integer or all")
+    out = Path(args.out or f"runs/babi-{arch or cfg.arch}-{time.strftime('%Y%m%d-%H%M%S')}")
+    res = run_babi_seeds(cfg, data_dir, tasks, rc, seeds, args.joint, window and int(window), out, arch,
+                         log=None if args.quiet else print, max_test=args.n_test)
+    print(format_babi_table(res))
+    print(f"wrote {out / 'metrics.json'}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Hand-set prefix-parity scan (UT paper): shared step vs fixed stack vs no step signal."""
+    from .tasks.parity_demo import render_demo
+
+    print(render_demo(args.length, seed=args.seed, n_layers=args.layers))
     return 0
 
 
@@ -201,7 +399,75 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--set", action="append", metavar="KEY=VALUE")
     c.add_argument("--seq-len", type=int, help="sequence length for FLOPs (default: the preset's)")
     c.add_argument("--json", action="store_true")
+    c.add_argument("--match", metavar="PRESET",
+                   help="UT §3: solve for the width d (d_ff=4d) with the parameters of PRESET "
+                        "(transformer-base, ...); with --shared a weight-tied encoder-decoder")
+    c.add_argument("--shared", action="store_true", help="with --match: one shared layer per side")
     c.set_defaults(func=cmd_params)
+
+    a = sub.add_parser("angles", help="3PT: per-layer rotation-angle drift of a run (+ PNG)")
+    a.add_argument("run")
+    a.add_argument("--png", help="plot path (default RUN/angle_drift.png)")
+    a.set_defaults(func=cmd_angles)
+
+    z = sub.add_parser("zero-sum", help="3PT: zero-sum diagnostic of a run's residual stream")
+    z.add_argument("run")
+    z.add_argument("--data", help="data source (default: the run's own)")
+    z.add_argument("--windows", type=int, default=8)
+    z.add_argument("--seq-len", type=int)
+    z.add_argument("--phases", type=int, help="stripes to measure (default: the model's N)")
+    z.set_defaults(func=cmd_zero_sum)
+
+    m = sub.add_parser("compare", help="train model variants over seeds and report (default: the quick recipe)")
+    m.add_argument("recipe", nargs="?", help="recipe .toml/.json (see recipes/) or a built-in name; default quick")
+    m.add_argument("--out", help="comparison folder (default runs/compare-NAME); rerun to resume")
+    m.add_argument("--variants", nargs="+", metavar="VARIANT",
+                   help="recipe variant names or specs, e.g. rope 'three_phase N=1' universal+act")
+    m.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1")
+    m.add_argument("--steps", type=int, help="optimizer steps per run")
+    m.add_argument("--data", help="a text file or folder, or stdlib | shakespeare")
+    m.add_argument("--match", choices=("none", "params", "flops", "depth"),
+                   help="resize variants to the reference's parameters, FLOPs/token or depth")
+    m.add_argument("--quiet", action="store_true", help="no progress bar")
+    m.set_defaults(func=cmd_compare)
+
+    for name, hlp in (("task", "train/evaluate on an algorithmic task or a JSONL file (UT paper)"),
+                      ("babi", "train/evaluate on bAbI QA tasks (UT paper)")):
+        k = sub.add_parser(name, help=hlp)
+        if name == "task":
+            k.add_argument("--task", required=True, help="copy | reverse | addition | parity | jsonl:PATH")
+            k.add_argument("--train-len", help="training lengths, e.g. 1-20 (default; --paper: 40)")
+            k.add_argument("--test-len", help="test lengths, e.g. 40,80 (default; --paper: 400)")
+            k.add_argument("--paper", action="store_true", help="the paper's setting: train 40, test 400, "
+                           "random position offsets for UT")
+            k.add_argument("--offsets", help="max random start offset in training: an integer or auto")
+            k.add_argument("--n-test", type=int, default=100, help="test examples per test length")
+            k.add_argument("--test-file", help="JSONL test file for --task jsonl:PATH (default: 10%% held out)")
+        else:
+            k.add_argument("--tasks", default="1,2,3", help="task numbers, e.g. 1,2,3")
+            k.add_argument("--data-dir", help="folder of qa*_train/test.txt (default $PHASELOOP_DATA_DIR/babi/en-1k)")
+            k.add_argument("--joint", action="store_true", help="one model on all tasks (default: one per task)")
+            k.add_argument("--max-sentences", default="20", help="keep the last N story sentences, or all")
+            k.add_argument("--n-test", type=int, help="score the first N test questions per task (default all)")
+        k.add_argument("--arch", help="any decoder arch (uses its -tiny preset), or transformer-seq2seq | "
+                       "universal-seq2seq")
+        k.add_argument("--preset", help="model preset (overrides the -tiny default)")
+        k.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
+        k.add_argument("--steps", type=int, help="optimizer steps (default 400)")
+        k.add_argument("--batch-size", type=int)
+        k.add_argument("--lr", type=float)
+        k.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1")
+        k.add_argument("--device", help="cpu (default) | cuda[:N]")
+        k.add_argument("--out", help="run folder for metrics.json (and the plot)")
+        k.add_argument("--quiet", action="store_true")
+        k.set_defaults(func=cmd_task if name == "task" else cmd_babi)
+
+    d = sub.add_parser("demo", help="runnable explainer demos")
+    d.add_argument("which", choices=["parity"], help="parity: the hand-set prefix-parity scan")
+    d.add_argument("--length", type=int, default=100)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--layers", type=int, help="fixed-stack depth (default: one layer short)")
+    d.set_defaults(func=cmd_demo)
     return p
 
 
