@@ -289,10 +289,12 @@ def cmd_compare(args) -> int:
 # ---------------------------------------------------------------------------- tasks (UT paper)
 def _task_setup(args):
     from .tasks.runner import TaskRunConfig, task_model_config
+    from .train import resolve_device
 
     cfg, arch = task_model_config(args.arch, args.preset, parse_overrides(args.set))
-    rc = TaskRunConfig(**{k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size),
-                                            ("lr", args.lr), ("device", args.device)) if v is not None})
+    device = str(resolve_device(args.device or "cpu"))
+    rc = TaskRunConfig(device=device, **{k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size),
+                                                           ("lr", args.lr)) if v is not None})
     items = [s.strip() for s in args.seeds.split(",")]
     if not all(s.isdigit() for s in items):
         raise PhaseloopError(f"bad --seeds {args.seeds!r}; write integers like 0,1")
@@ -351,6 +353,65 @@ def cmd_demo(args) -> int:
     from .tasks.parity_demo import render_demo
 
     print(render_demo(args.length, seed=args.seed, n_layers=args.layers))
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    """Hyperloop §4: weight-only INT8/INT4 quantisation of a run (RTN or GPTQ with the
+    Hessians of weight-shared layers pooled over their loop passes), validation loss/BPB
+    before and after, packed safetensors + JSON report written atomically."""
+    import os
+
+    from .checkpoint import load_run, write_json
+    from .data import TrainBatches, eval_windows, load_corpus
+    from .params import format_count
+    from .quant import quantize_model, save_quantized
+    from .train import evaluate, resolve_device
+
+    if args.group_size < 1 and args.group_size != -1:
+        raise PhaseloopError(f"--group-size {args.group_size}: use a positive size or -1 (per row)")
+    if args.windows < 1 or args.calib_batches < 1 or args.calib_batch_size < 1:
+        raise PhaseloopError("--windows, --calib-batches and --calib-batch-size must be >= 1")
+    device = resolve_device(args.device)
+    model, run_cfg = load_run(args.run, device)
+    run_path = Path(args.run)
+    run_dir = run_path.parent if (run_path / "model.safetensors").exists() else run_path
+    corpus = load_corpus(args.data or run_cfg["data"]["source"],
+                         run_cfg["data"].get("tokenizer", "bytes"))
+    seq_len = run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
+    train_tok, val_tok = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
+    windows = eval_windows(val_tok, seq_len, args.windows)
+    token_bytes = corpus.tokenizer.token_bytes()
+    before = evaluate(model, windows, token_bytes, 16, device)
+    calib = None
+    if args.method == "gptq":  # calibration windows from the run's training split
+        batches = TrainBatches(train_tok, seq_len, args.calib_batch_size, args.seed)
+        calib = [batches.next()[0] for _ in range(args.calib_batches)]
+    group = None if args.group_size == -1 else args.group_size
+    report = quantize_model(model, args.bits, group, args.method, calib)
+    after = evaluate(model, windows, token_bytes, 16, device)
+
+    out_dir = Path(args.out) if args.out else run_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"quant-w{args.bits}-g{args.group_size}-{args.method}"
+    weights = out_dir / f"{stem}.safetensors"
+    tmp = out_dir / f".{stem}.safetensors.tmp"
+    try:
+        save_quantized(model, tmp, {"run": str(run_dir), "arch": model.cfg.arch})
+        os.replace(tmp, weights)
+    finally:
+        tmp.unlink(missing_ok=True)
+    report.update({"run": str(run_dir), "arch": model.cfg.arch, "weights": str(weights),
+                   "before": before, "after": after, "data": corpus.name,
+                   "fingerprint": corpus.fingerprint, "windows": len(windows), "seq_len": seq_len,
+                   "calib": None if calib is None else {"batches": len(calib),
+                                                        "batch_size": args.calib_batch_size,
+                                                        "seed": args.seed}})
+    write_json(out_dir / f"{stem}.json", report)
+    print(f"{model.cfg.arch} {stem}: val loss {before['val_loss']:.4f} -> {after['val_loss']:.4f}, "
+          f"bpb {before['val_bpb']:.4f} -> {after['val_bpb']:.4f}, params "
+          f"{format_count(report['bytes_before'])}B -> {format_count(report['bytes_after'])}B "
+          f"({report['n_quantized']} Linears) -> {weights}")
     return 0
 
 
@@ -457,10 +518,28 @@ def build_parser() -> argparse.ArgumentParser:
         k.add_argument("--batch-size", type=int)
         k.add_argument("--lr", type=float)
         k.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1")
-        k.add_argument("--device", help="cpu (default) | cuda[:N]")
+        k.add_argument("--device", help="cpu (default) | auto | cuda[:N]")
         k.add_argument("--out", help="run folder for metrics.json (and the plot)")
         k.add_argument("--quiet", action="store_true")
         k.set_defaults(func=cmd_task if name == "task" else cmd_babi)
+
+    q = sub.add_parser("quantize", help="weight-only INT8/INT4 quantisation of a run, "
+                       "with validation loss/BPB before and after")
+    q.add_argument("run", help="run folder (or its checkpoint folder)")
+    q.add_argument("--bits", type=int, choices=(8, 4), required=True)
+    q.add_argument("--group-size", type=int, default=128, help="input columns per scale "
+                   "(-1: one per row; a layer it does not divide falls back to per row)")
+    q.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
+                   help="rtn: round to nearest; gptq: Frantar et al. 2022, Hessians of shared "
+                   "layers pooled over all loop passes")
+    q.add_argument("--calib-batches", type=int, default=8, help="GPTQ calibration batches")
+    q.add_argument("--calib-batch-size", type=int, default=8)
+    q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
+    q.add_argument("--windows", type=int, default=64, help="validation windows")
+    q.add_argument("--data", help="data source (default: the run's own)")
+    q.add_argument("--out", help="folder for the weights and report (default: the run folder)")
+    q.add_argument("--device", default="auto")
+    q.set_defaults(func=cmd_quantize)
 
     d = sub.add_parser("demo", help="runnable explainer demos")
     d.add_argument("which", choices=["parity"], help="parity: the hand-set prefix-parity scan")

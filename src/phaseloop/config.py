@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-ARCHS = ("rope", "three_phase")
+ARCHS = ("rope", "three_phase", "looped", "hyperloop", "mhc", "universal")
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -53,6 +53,31 @@ class ModelConfig:
     residual_rotation: bool = False  # ablation: h + PR(h) instead of PR(h)
     learnable_horn: bool = False  # ablation (ours): learnable gain g in r(t) = g/(t+1)
 
+    # --- Looped / Hyperloop (Zeitoun et al. 2026) and mHC (Xie et al. 2025), see hyperloop.py
+    # For looped archs n_layers counts *unique* layers: begin + middle + end.
+    n_begin: int | None = None  # looped archs: layers before the loop (None -> n_layers // 4)
+    n_end: int | None = None  # layers after the loop (None -> n_layers // 4); middle = the rest
+    n_loops: int = 3  # L, applications of the shared middle block
+    n_streams: int = 4  # residual streams of the hyper-connections (hyperloop, mhc)
+    hc_res: str | None = None  # H_res: diagonal | sinkhorn | identity (None -> arch default)
+    hc_per_layer: bool = False  # hyperloop ablation: connections after every middle layer
+    hc_transition: str = "hc"  # hyperloop: hc (paper) | pooled_mlp (the review's variant)
+    hc_alpha_init: float = 0.01  # init of the alpha scales of the dynamic coefficients
+    sinkhorn_iters: int = 20  # Sinkhorn-Knopp iterations for hc_res=sinkhorn
+
+    # --- Universal Transformer (Dehghani et al. 2019), see universal.py --------------
+    # arch="universal": one shared Block applied n_steps times (n_layers must be 1).
+    n_steps: int = 6  # T, applications of the shared block (overridable at inference)
+    step_signal: str = "sinusoid"  # step part of the coordinate signal: sinusoid | learned
+    act: bool = False  # adaptive computation time per position (UT §2.2)
+    act_type: str = "basic"  # basic (tensor2tensor, interpolating) | accumulated (Graves 2016)
+    act_epsilon: float = 0.01  # a position halts once its summed halting prob. > 1 - eps
+    act_max_steps: int | None = None  # None -> 2 * n_steps (see act_steps)
+    act_loss_weight: float = 0.01  # ponder loss weight (added to the loss, logged apart)
+    act_halting_bias_init: float = 1.0  # bias of the halting unit (tensor2tensor: 1.0)
+    act_early_exit: bool = True  # uncached forward stops once no position runs (same output)
+    use_rope: bool = True  # any arch: False drops RoPE (paper-faithful UT: sinusoids only)
+
     def __post_init__(self) -> None:
         tp = self.arch == "three_phase"
         if self.n_phases is None:
@@ -88,6 +113,8 @@ class ModelConfig:
             if not getattr(self, name) > 0:
                 _fail(name, getattr(self, name), "must be > 0")
         self._validate_phases()
+        self._validate_loops()
+        self._validate_universal()
 
     def _validate_phases(self) -> None:
         N = self.n_phases
@@ -105,6 +132,74 @@ class ModelConfig:
         if self.learnable_horn and not self.horn:
             _fail("horn", False, "learnable_horn needs horn=True")
 
+    def _validate_loops(self) -> None:
+        looped, hc = self.arch in ("looped", "hyperloop"), self.arch in ("hyperloop", "mhc")
+        for name in ("n_begin", "n_end"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                _fail(name, v, "must be a non-negative integer or null (default split)")
+        for name in ("n_loops", "n_streams", "sinkhorn_iters"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                _fail(name, v, "must be a positive integer")
+        if looped and self.loop_split[1] < 1:
+            b, _, e = self.loop_split
+            _fail("n_layers", self.n_layers, f"leaves no middle layer after n_begin={b} and "
+                  f"n_end={e}; raise n_layers or lower n_begin/n_end")
+        if self.hc_res not in (None, "diagonal", "sinkhorn", "identity"):
+            _fail("hc_res", self.hc_res, "choose diagonal, sinkhorn or identity")
+        if self.hc_transition not in ("hc", "pooled_mlp"):
+            _fail("hc_transition", self.hc_transition, "choose hc or pooled_mlp")
+        if not self.hc_alpha_init >= 0:
+            _fail("hc_alpha_init", self.hc_alpha_init, "must be >= 0")
+        # options of one trunk set on another would be silently ignored: refuse them
+        unused = {"n_begin": not looped, "n_end": not looped, "n_loops": not looped,
+                  "n_streams": not hc, "hc_res": not hc, "hc_alpha_init": not hc,
+                  "sinkhorn_iters": not hc, "hc_per_layer": self.arch != "hyperloop",
+                  "hc_transition": self.arch != "hyperloop"}
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, off in unused.items():
+            if off and getattr(self, name) != defaults[name]:
+                _fail(name, getattr(self, name), f"has no effect with arch={self.arch!r}; "
+                      "drop it or pick an arch that uses it (looped, hyperloop, mhc)")
+        if hc and self.n_streams < 2:
+            _fail("n_streams", self.n_streams, "hyper-connections need >= 2 streams; "
+                  "use arch='looped' (or 'rope') for a single residual stream")
+        if self.hc_transition == "pooled_mlp" and (self.hc_per_layer or self.hc_res is not None):
+            _fail("hc_transition", self.hc_transition,
+                  "the pooled-MLP variant has no H_res and runs once per loop; drop hc_res "
+                  "and hc_per_layer")
+
+    def _validate_universal(self) -> None:
+        ut = self.arch == "universal"
+        if ut and self.n_layers != 1:
+            _fail("n_layers", self.n_layers, "arch='universal' applies ONE shared block; set "
+                  "n_layers=1 and the number of applications with n_steps")
+        if not isinstance(self.n_steps, int) or isinstance(self.n_steps, bool) or self.n_steps < 1:
+            _fail("n_steps", self.n_steps, "must be a positive integer")
+        if self.act_max_steps is not None and (not isinstance(self.act_max_steps, int)
+                                               or isinstance(self.act_max_steps, bool)
+                                               or self.act_max_steps < 1):
+            _fail("act_max_steps", self.act_max_steps, "must be a positive integer or null (2*n_steps)")
+        if self.step_signal not in ("sinusoid", "learned"):
+            _fail("step_signal", self.step_signal, "choose sinusoid or learned")
+        if self.act_type not in ("basic", "accumulated"):
+            _fail("act_type", self.act_type, "choose basic (tensor2tensor) or accumulated (Graves)")
+        if not 0 < self.act_epsilon < 1:
+            _fail("act_epsilon", self.act_epsilon, "must be in (0, 1); the threshold is 1 - eps")
+        if not self.act_loss_weight >= 0:
+            _fail("act_loss_weight", self.act_loss_weight, "must be >= 0")
+        defaults = {f.name: f.default for f in fields(self)}
+        act_fields = ("act_type", "act_epsilon", "act_max_steps", "act_loss_weight",
+                      "act_halting_bias_init", "act_early_exit")
+        for name in ("n_steps", "step_signal", "act") + act_fields:
+            if not ut and getattr(self, name) != defaults[name]:
+                _fail(name, getattr(self, name), f"has no effect with arch={self.arch!r}; "
+                      "drop it or use arch='universal'")
+        for name in act_fields:
+            if ut and not self.act and getattr(self, name) != defaults[name]:
+                _fail(name, getattr(self, name), "is an ACT option; set act=true or drop it")
+
     # ------------------------------------------------------------------ helpers
     @property
     def head_dim(self) -> int:
@@ -113,6 +208,23 @@ class ModelConfig:
     @property
     def d_phase(self) -> int:
         return self.d_model // self.n_phases
+
+    @property
+    def loop_split(self) -> tuple[int, int, int]:
+        """(begin, middle, end) unique layers of a looped trunk (default ~25/50/25 %)."""
+        b = self.n_layers // 4 if self.n_begin is None else self.n_begin
+        e = self.n_layers // 4 if self.n_end is None else self.n_end
+        return b, self.n_layers - b - e, e
+
+    @property
+    def hc_res_form(self) -> str:
+        """H_res form: the field, else diagonal (hyperloop paper) / sinkhorn (mHC)."""
+        return self.hc_res or ("sinkhorn" if self.arch == "mhc" else "diagonal")
+
+    @property
+    def act_steps(self) -> int:
+        """ACT max steps: the field, else 2 x the nominal step count (UT §2.2)."""
+        return self.act_max_steps or 2 * self.n_steps
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

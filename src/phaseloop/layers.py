@@ -82,6 +82,10 @@ class Context:
     sin: torch.Tensor
     start_pos: int = 0
     cache: KVCache | None = None
+    causal: bool = True  # False: bidirectional self-attention (seq2seq encoder)
+    key_mask: torch.Tensor | None = None  # bidirectional only: bool [B, 1, 1, S], True = attend
+    aux_losses: dict = field(default_factory=dict)  # scalar losses added to the loss (ACT ponder)
+    stats: dict = field(default_factory=dict)  # tensors for analysis (ACT ponder times)
 
 
 # ---------------------------------------------------------------------------- modules
@@ -96,22 +100,26 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.o_proj.residual = True  # scaled init
         self.dropout = cfg.dropout
+        self.use_rope = cfg.use_rope
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context, slot=None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BHTE = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k_BTKE, v_BTKE = self.kv_proj(x_BTD).view(B, T, 2, self.n_kv_heads, self.head_dim).unbind(2)
         k_BKTE, v_BKTE = k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
-        q_BHTE = apply_rope(q_BHTE, ctx.cos, ctx.sin)
-        k_BKTE = apply_rope(k_BKTE, ctx.cos, ctx.sin)
+        if self.use_rope:
+            q_BHTE = apply_rope(q_BHTE, ctx.cos, ctx.sin)
+            k_BKTE = apply_rope(k_BKTE, ctx.cos, ctx.sin)
         past = 0
         if ctx.cache is not None:
             k_BKSE, v_BKSE = ctx.cache.update(slot, k_BKTE, v_BKTE)
             past = k_BKSE.shape[2] - T
         else:
             k_BKSE, v_BKSE = k_BKTE, v_BKTE
-        mask, causal = None, past == 0 and T > 1
-        if past and T > 1:  # chunked prefill after a cached prefix: offset causal mask
+        mask, causal = None, ctx.causal and past == 0 and T > 1
+        if not ctx.causal:
+            mask = ctx.key_mask
+        elif past and T > 1:  # chunked prefill after a cached prefix: offset causal mask
             S = past + T
             mask = torch.ones(T, S, dtype=torch.bool, device=x_BTD.device).tril(diagonal=past)
         y_BHTE = F.scaled_dot_product_attention(
@@ -155,8 +163,12 @@ class Block(nn.Module):
 
             self.mid = PhaseRotation(cfg, layer_idx, n_layers or cfg.n_layers)
 
-    def forward(self, x_BTD: torch.Tensor, ctx: Context, slot=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, ctx: Context, slot=None, cross=None) -> torch.Tensor:
+        """``cross``: optional sub-layer after self-attention, h = h + cross(h) (the
+        encoder-decoder's cross-attention, seq2seq.py)."""
         x_BTD = x_BTD + self.drop(self.attn(self.attn_norm(x_BTD), ctx, slot))
+        if cross is not None:
+            x_BTD = x_BTD + self.drop(cross(x_BTD))
         x_BTD = self.mid(x_BTD)
         return x_BTD + self.drop(self.ffn(self.ffn_norm(x_BTD)))
 

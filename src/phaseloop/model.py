@@ -37,6 +37,10 @@ class Stack(nn.Module):
 TRUNKS: dict[str, str] = {
     "rope": "phaseloop.model:Stack",
     "three_phase": "phaseloop.model:Stack",
+    "looped": "phaseloop.hyperloop:Looped",
+    "hyperloop": "phaseloop.hyperloop:Hyperloop",
+    "universal": "phaseloop.universal:UniversalTrunk",
+    "mhc": "phaseloop.hyperloop:MHC",
 }
 
 

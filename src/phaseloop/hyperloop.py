@@ -1,0 +1,334 @@
+"""Looped, Hyperloop and mHC trunks: what is new about them.
+
+* ``Looped`` — begin block -> middle block applied L times with shared weights -> end
+  block (Zeitoun, Torroba-Hennigen, Kim, "Hyperloop Transformers", arXiv 2604.21254, §2).
+* ``Hyperloop`` — looped + n residual streams mixed by hyper-connections once after each
+  loop (ibid. §3); options: H_res diagonal / Sinkhorn / identity, connections after every
+  middle layer, and the review's pooled-MLP transition (``PooledMLPTransition``).
+* ``MHC`` — a plain stack with manifold-constrained hyper-connections on every sub-layer
+  (Xie et al., "mHC", arXiv 2512.24880; Zhu et al., "Hyper-Connections", ICLR 2025).
+
+Every trunk is built from ``layers.Block``; the stream maths lives in ``HyperConnection``
+and is vectorised over streams ([B, T, n, D] tensors).
+
+Initialisation (ours; the paper gives none), set so that each model starts next to its
+stream-free twin: alpha = ``hc_alpha_init`` (0.01), W ~ N(0, init_std) (breaks the
+symmetry between streams), e_l = 0, H_pre = 1/n (b_pre = -ln(n-1): the read is the mean
+of the streams), H_post = 1 (b_post = 0). Diagonal H_res = 0.01 in a hyperloop (its F is
+the whole middle block *with* its residuals, so keeping the old stream would double it)
+and 0.99 in mHC (F is a residual branch); Sinkhorn H_res starts from b_res = I.
+With the dynamic part off (alpha = 0) the streams stay identical and
+  hyperloop, diagonal:          y <- 0.01 y + F(y)        (b_res = -inf gives looped exactly)
+  hyperloop, sinkhorn/identity: y <- y + F(y)             (rows of H_res sum to 1)
+  mHC, sinkhorn/identity:       y <- y + F(y)             (exactly the pre-norm Transformer)
+(tests/test_hyperloop.py checks each relation).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, register_presets
+from .layers import Block, Context
+
+HYPERLOOP_RES_INIT = 0.01  # diagonal H_res at init when F keeps its own residual
+MHC_RES_INIT = 0.99  # diagonal H_res at init when F is a residual branch
+SINKHORN_DIAG_INIT = 1.0  # b_res = I before Sinkhorn: 0.48 on the diagonal; a sharper
+# start (4 I: 0.95) leaves 20 iterations short of convergence (row sums off by 1e-4)
+
+
+# ---------------------------------------------------------------------------- Sinkhorn
+def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
+    """Project [..., n, n] onto (nearly) doubly stochastic matrices: exp(.) then alternate
+    row and column normalisation (Sinkhorn-Knopp; mHC §3 uses 20 iterations). The last
+    step normalises columns, so columns sum to 1 exactly and rows to within the residual.
+    Differentiated through the unrolled iterations (``_Sinkhorn`` writes the backward)."""
+    return _Sinkhorn.apply(logits.float(), iters).to(logits.dtype)
+
+
+class _Sinkhorn(torch.autograd.Function):
+    """Sinkhorn with a hand-written backward of the unrolled iterations: for each step
+    P' = P / s, s = sum(P) along a dim, dL/dP = (g - sum(g * P')) / s. Fewer ops than
+    autograd's graph of 2 x iters divisions; same gradient (gradcheck in the tests)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iters: int) -> torch.Tensor:
+        P = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+        saved = [P]  # P_0, then (sum, P) per half step
+        for _ in range(iters):
+            for dim in (-1, -2):  # rows, then columns
+                s = P.sum(dim=dim, keepdim=True)
+                P = P / s
+                saved += [s, P]
+        ctx.save_for_backward(*saved)
+        return P
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        saved = ctx.saved_tensors
+        for k in range(len(saved) - 2, 0, -2):
+            s, out = saved[k], saved[k + 1]
+            dim = -1 if s.shape[-1] == 1 else -2
+            g = (g - (g * out).sum(dim=dim, keepdim=True)) / s
+        return g * saved[0], None  # d exp(x - max)/dx; the max shift has zero net effect
+
+
+# ---------------------------------------------------------------------------- streams
+def copy_streams(x_BTD: torch.Tensor, n: int) -> torch.Tensor:
+    """X in R^{T x C} -> Y^(0) in R^{T x n x C}: n copies (Hyperloop §3)."""
+    return x_BTD.unsqueeze(2).expand(-1, -1, n, -1)
+
+
+def _copies(streams_BTnD: torch.Tensor) -> bool:
+    """True for the stride-0 view ``copy_streams`` returns: n copies of one tensor."""
+    return streams_BTnD.stride(2) == 0
+
+
+def merge_streams(streams_BTnD: torch.Tensor) -> torch.Tensor:
+    """Average of the streams, fed to the end block (Hyperloop §3)."""
+    return streams_BTnD.mean(dim=2)
+
+
+class HyperConnection(nn.Module):
+    """One dynamic hyper-connection (Zhu et al. 2025 §2.2; mHC §3; Hyperloop §3), per token:
+
+        z      = RMSNorm(flatten(y))                         (n*D, no gain)
+        H_pre  = sigmoid(a_pre * W_pre z + b_pre)            [n]
+        H_post = 2 sigmoid(a_post * W_post z + b_post)       [n]
+        H_res  = diag(sigmoid(a_res * W_res z + b_res))      [n x n]  (hc_res=diagonal)
+               | Sinkhorn(a_res * W_res z + b_res)                    (hc_res=sinkhorn)
+               | I                                                    (hc_res=identity)
+        y     <- H_res y + H_post (x) (F(H_pre . y) + e)
+
+    W_pre, W_post, W_res are rows of one matrix ``W`` (one matmul); ``e`` is the loop
+    embedding e_l (hyperloop only). ``residual_f``: F keeps its own residual (hyperloop),
+    which sets the diagonal H_res init (see the module docstring).
+    """
+
+    def __init__(self, cfg: ModelConfig, loop_embedding: bool, residual_f: bool):
+        super().__init__()
+        n, D = cfg.n_streams, cfg.d_model
+        self.n, self.form, self.iters = n, cfg.hc_res_form, cfg.sinkhorn_iters
+        self.eps = cfg.norm_eps
+        n_res = {"diagonal": n, "sinkhorn": n * n, "identity": 0}[self.form]
+        # rows of W and entries of b: [pre (n) | post (n) | res (n, n*n or 0)]
+        self.W = nn.Parameter(torch.randn(2 * n + n_res, n * D) * cfg.init_std)
+        self.alpha = nn.Parameter(torch.full((3,), float(cfg.hc_alpha_init)))  # pre, post, res
+        b_pre = torch.full((n,), -math.log(n - 1))  # sigmoid -> 1/n: the read is the mean
+        b_post = torch.zeros(n)  # 2 sigmoid -> 1
+        if self.form == "diagonal":
+            keep = HYPERLOOP_RES_INIT if residual_f else MHC_RES_INIT
+            b_res = torch.full((n,), math.log(keep / (1 - keep)))
+        else:  # sinkhorn: b_res = I (leans to the diagonal); identity: nothing
+            b_res = (SINKHORN_DIAG_INIT * torch.eye(n)).flatten()[:n_res]
+        self.b = nn.Parameter(torch.cat([b_pre, b_post, b_res]))
+        self.register_buffer("alpha_idx", torch.tensor([0] * n + [1] * n + [2] * n_res),
+                             persistent=False)
+        self.e = nn.Parameter(torch.zeros(D)) if loop_embedding else None
+
+    def coefficients(self, streams_BTnD: torch.Tensor):
+        """-> H_pre [B,T,n], H_post [B,T,n], H_res ([B,T,n] diagonal, [B,T,n,n] or None).
+        alpha * W RMSNorm(y) + b is computed as b + (W y) * alpha / rms(y): one matmul,
+        one norm reduction and one fused multiply-add over all coefficients."""
+        n, D = self.n, streams_BTnD.shape[-1]
+        if _copies(streams_BTnD):  # y = (x, ..., x): rms(y) = rms(x), W y = (sum_k W_k) x
+            x_BTD = streams_BTnD[:, :, 0]
+            ms_BT1 = torch.linalg.vector_norm(x_BTD, dim=-1, keepdim=True).square() / D
+            proj_BTk = x_BTD @ self.W.unflatten(-1, (n, D)).sum(1).t()
+        else:
+            y_BTm = streams_BTnD.flatten(-2)
+            ms_BT1 = torch.linalg.vector_norm(y_BTm, dim=-1, keepdim=True).square() / (n * D)
+            proj_BTk = y_BTm @ self.W.t()
+        scale_BTk = self.alpha[self.alpha_idx] * torch.rsqrt(ms_BT1 + self.eps)
+        logits_BTk = torch.addcmul(self.b, proj_BTk, scale_BTk)
+        if self.form == "sinkhorn":
+            gates_BTk = torch.sigmoid(logits_BTk[..., :2 * n])
+            res = sinkhorn(logits_BTk[..., 2 * n:].unflatten(-1, (n, n)), self.iters)
+        else:
+            gates_BTk = torch.sigmoid(logits_BTk)
+            res = gates_BTk[..., 2 * n:] if self.form == "diagonal" else None
+        if self.form == "diagonal":
+            res = res.contiguous()  # dense coefficients for the broadcast products below
+        return gates_BTk[..., :n].contiguous(), 2 * gates_BTk[..., n:2 * n].contiguous(), res
+
+    def forward(self, streams_BTnD: torch.Tensor, fn, ctx: Context | None = None,
+                slot=None) -> torch.Tensor:
+        pre_BTn, post_BTn, res = self.coefficients(streams_BTnD)
+        dt = streams_BTnD.dtype
+        copies = _copies(streams_BTnD)
+        if copies:  # every stream is x: work on one copy (same values, n x less traffic)
+            x0_BT1D = streams_BTnD[:, :, :1]
+            x_BTD = pre_BTn.to(dt).sum(-1, keepdim=True) * x0_BT1D[:, :, 0]
+        else:
+            x_BTD = (pre_BTn.to(dt).unsqueeze(-2) @ streams_BTnD).squeeze(-2)  # H_pre . y
+        f_BTD = fn(x_BTD)
+        if self.e is not None:
+            f_BTD = f_BTD + self.e
+        out_BTnD = post_BTn.to(dt).unsqueeze(-1) * f_BTD.unsqueeze(2)  # H_post (x) f
+        if res is None:
+            return out_BTnD + (x0_BT1D if copies else streams_BTnD)
+        res = res.to(dt)
+        if copies:  # H_res (x, ..., x) = (row sums of H_res) (x) x
+            keep_BTn = res if res.dim() == 3 else res.sum(-1)
+            return torch.addcmul(out_BTnD, keep_BTn.unsqueeze(-1), x0_BT1D)
+        if res.dim() == 3:
+            return torch.addcmul(out_BTnD, res.unsqueeze(-1), streams_BTnD)
+        # H_res y = sum_j H_res[:, j] y_j as n broadcast multiply-adds
+        for j, y_BTD in enumerate(streams_BTnD.unbind(dim=2)):
+            out_BTnD = torch.addcmul(out_BTnD, res[..., :, j, None], y_BTD.unsqueeze(2))
+        return out_BTnD
+
+
+class PooledMLPTransition(nn.Module):
+    """The review's description of Hyperloop (not the paper's method), kept as a variant:
+
+        X <- T(X) * X + F(mean_n X),   T = MLP(RMSNorm(pool(X))) reshaped to n x D,
+
+    where pool is a *causal* running mean over positions <= t (a global average pool
+    would let every token see the future). The review leaves open how F reads n streams;
+    we read their mean, as the hyperloop does at init. Under a KV cache the running sum
+    and count are kept in ``cache.entries[slot]``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n, D = cfg.n_streams, cfg.d_model
+        self.n, self.eps = n, cfg.norm_eps
+        hidden = max(16, D // 16)
+        self.mlp = nn.Sequential(nn.Linear(n * D, hidden), nn.GELU(), nn.Linear(hidden, n * D))
+
+    def forward(self, streams_BTnD: torch.Tensor, fn, ctx: Context | None = None,
+                slot=None) -> torch.Tensor:
+        B, T, n, D = streams_BTnD.shape
+        sum_BTm = streams_BTnD.flatten(-2).float().cumsum(dim=1)
+        past = 0
+        cache = ctx.cache if ctx is not None else None
+        if cache is not None:
+            if slot in cache.entries:
+                prev_B1m, past = cache.entries[slot]
+                sum_BTm = sum_BTm + prev_B1m
+            cache.entries[slot] = (sum_BTm[:, -1:].detach(), past + T)
+        count_T1 = torch.arange(past + 1, past + T + 1, device=sum_BTm.device,
+                                dtype=sum_BTm.dtype)[:, None]
+        pooled_BTm = (sum_BTm / count_T1).to(streams_BTnD.dtype)
+        gate_BTnD = self.mlp(F.rms_norm(pooled_BTm, (n * D,), eps=self.eps)).unflatten(-1, (n, D))
+        f_BTD = fn(merge_streams(streams_BTnD))
+        return gate_BTnD * streams_BTnD + f_BTD.unsqueeze(2)
+
+
+# ---------------------------------------------------------------------------- trunks
+class Looped(nn.Module):
+    """begin (b layers) -> middle (m layers, applied L times, one set of weights) -> end
+    (e layers) (Hyperloop §2). ``cfg.n_layers`` = b + m + e unique layers; the depth is
+    b + m L + e. Pass l of middle layer i uses KV-cache slot ("mid", i, l)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        b, m, e = cfg.loop_split
+        n = cfg.n_layers
+        self.begin = nn.ModuleList(Block(cfg, i, n) for i in range(b))
+        self.middle = nn.ModuleList(Block(cfg, b + i, n) for i in range(m))
+        self.end = nn.ModuleList(Block(cfg, b + m + i, n) for i in range(e))
+        self.n_loops = cfg.n_loops
+        self.unique_layers = n
+        self.depth = b + m * cfg.n_loops + e
+
+    @staticmethod
+    def run(layers: nn.ModuleList, x_BTD: torch.Tensor, ctx: Context, name: str,
+            loop: int | None = None) -> torch.Tensor:
+        for i, layer in enumerate(layers):
+            x_BTD = layer(x_BTD, ctx, slot=(name, i) if loop is None else (name, i, loop))
+        return x_BTD
+
+    def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
+        x_BTD = self.run(self.begin, x_BTD, ctx, "begin")
+        for loop in range(self.n_loops):
+            x_BTD = self.run(self.middle, x_BTD, ctx, "mid", loop)
+        return self.run(self.end, x_BTD, ctx, "end")
+
+
+class Hyperloop(Looped):
+    """Looped + n streams: copy after the begin block, one hyper-connection per loop
+    (``hc[l]``, its own W, b, alpha, e_l) around the whole middle block, average before
+    the end block (Hyperloop §3). ``hc_per_layer``: one per (loop, middle layer) instead,
+    index l * m + i. ``hc_transition='pooled_mlp'``: the review's variant per loop."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.n_streams, self.per_layer = cfg.n_streams, cfg.hc_per_layer
+        if cfg.hc_transition == "pooled_mlp":
+            self.hc = nn.ModuleList(PooledMLPTransition(cfg) for _ in range(self.n_loops))
+        else:
+            n_hc = self.n_loops * (len(self.middle) if self.per_layer else 1)
+            self.hc = nn.ModuleList(HyperConnection(cfg, loop_embedding=True, residual_f=True)
+                                    for _ in range(n_hc))
+
+    def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
+        x_BTD = self.run(self.begin, x_BTD, ctx, "begin")
+        streams_BTnD = copy_streams(x_BTD, self.n_streams)
+        m = len(self.middle)
+        for loop in range(self.n_loops):
+            if self.per_layer:
+                for i, layer in enumerate(self.middle):
+                    streams_BTnD = self.hc[loop * m + i](
+                        streams_BTnD, lambda h: layer(h, ctx, slot=("mid", i, loop)))
+            else:
+                streams_BTnD = self.hc[loop](
+                    streams_BTnD, lambda h: self.run(self.middle, h, ctx, "mid", loop),
+                    ctx, ("pool", loop))
+        return self.run(self.end, merge_streams(streams_BTnD), ctx, "end")
+
+
+class MHC(nn.Module):
+    """Plain stack with a manifold-constrained hyper-connection on every sub-layer (mHC
+    §3): x <- H_res x + H_post^T F(H_pre x) with F = attention or FFN *branch* (the
+    block's own residual replaced by H_res). ``hc[2i]`` wraps attention of layer i,
+    ``hc[2i+1]`` its FFN; a 3PT rotation between them acts on every stream."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(cfg, i, cfg.n_layers) for i in range(cfg.n_layers))
+        self.hc = nn.ModuleList(HyperConnection(cfg, loop_embedding=False, residual_f=False)
+                                for _ in range(2 * cfg.n_layers))
+        self.n_streams = cfg.n_streams
+        self.depth = self.unique_layers = cfg.n_layers
+
+    def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
+        streams_BTnD = copy_streams(x_BTD, self.n_streams)
+        for i, blk in enumerate(self.layers):
+            streams_BTnD = self.hc[2 * i](
+                streams_BTnD, lambda h: blk.drop(blk.attn(blk.attn_norm(h), ctx, i)))
+            streams_BTnD = blk.mid(streams_BTnD)
+            streams_BTnD = self.hc[2 * i + 1](
+                streams_BTnD, lambda h: blk.drop(blk.ffn(blk.ffn_norm(h))))
+        return merge_streams(streams_BTnD)
+
+
+# ---------------------------------------------------------------------------- presets
+# The paper's first scale (Hyperloop §4): d 1024, depth 16, SwiGLU d_ff = 2.75 d, 16-head
+# MHA, RoPE base 10000, vocab 32000, untied output, no sqrt(d) embedding scale, std 0.02.
+_PAPER = dict(d_model=1024, n_heads=16, n_kv_heads=16, d_ff=2816, vocab_size=32000,
+              max_seq_len=2048, rope_base=10000.0, tie_embeddings=False, embed_scale=False,
+              embed_init_std=0.02, init_std=0.02)
+# Byte-level CPU twins at matched depth 8 (looped: 1 -> 2 x 3 -> 1) and tiny test models.
+_SMALL = dict(d_model=128, n_heads=4, n_kv_heads=4, d_ff=352, vocab_size=256, max_seq_len=128,
+              embed_scale=False, tie_embeddings=False)
+_TINY = dict(_SMALL, d_model=64, d_ff=176, max_seq_len=64)
+register_presets({
+    "transformer-240m": dict(_PAPER, arch="rope", n_layers=16),
+    "mhc-240m": dict(_PAPER, arch="mhc", n_layers=16),
+    "looped-240m": dict(_PAPER, arch="looped", n_layers=8, n_begin=2, n_end=2, n_loops=3),
+    "hyperloop-240m": dict(_PAPER, arch="hyperloop", n_layers=8, n_begin=2, n_end=2, n_loops=3),
+    "transformer-small": dict(_SMALL, arch="rope", n_layers=8),
+    "mhc-small": dict(_SMALL, arch="mhc", n_layers=8),
+    "looped-small": dict(_SMALL, arch="looped", n_layers=4, n_begin=1, n_end=1, n_loops=3),
+    "hyperloop-small": dict(_SMALL, arch="hyperloop", n_layers=4, n_begin=1, n_end=1, n_loops=3),
+    "transformer-tiny": dict(_TINY, arch="rope", n_layers=4),
+    "mhc-tiny": dict(_TINY, arch="mhc", n_layers=2),
+    "looped-tiny": dict(_TINY, arch="looped", n_layers=4, n_begin=1, n_end=1, n_loops=2),
+    "hyperloop-tiny": dict(_TINY, arch="hyperloop", n_layers=4, n_begin=1, n_end=1, n_loops=2),
+})

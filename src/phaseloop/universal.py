@@ -1,0 +1,182 @@
+"""Universal Transformer (Dehghani et al. 2019, arXiv 1807.03819): what is new about it.
+
+One ``layers.Block`` (self-attention + transition) with one set of weights is applied
+T times in depth ("parameters are tied across positions and time steps", §2.1). Before
+every step the coordinate signal P^t(i) = position signal(i) + step signal(t) is added.
+With ``act=True`` each position decides how many steps it takes (ACT, §2.2), through
+the one implementation of the halting arithmetic in ``phaseloop.act``.
+
+Conventions (tensor2tensor ``universal_transformer_util``):
+
+* Sinusoids are ``get_timing_signal_1d``: the sin half and the cos half *concatenated*
+  (not interleaved as the paper writes them), timescales 1 .. 1e4. Positions are
+  absolute token positions (0-based), steps are 0-based step indices t-1.
+* ``step_signal="learned"``: one vector per trained step (``n_steps``, or the ACT max
+  steps). Past the trained steps (depth extrapolation) the **last learned vector is
+  reused** (clamped), so a model trained with T steps runs any number of steps.
+* Depth at inference: ``trunk.set_steps(n)`` (or ``forward(..., steps=n)``) changes the
+  number of applications (the ACT loop bound under ACT) without touching the weights.
+
+ACT semantics (t2t "basic" / Graves "accumulated"): the halting unit reads the step
+input (state + coordinate signal); every position's state keeps being transformed at
+every loop iteration, also after it halted — a halted position only gets update weight
+0 in the output, and it stays visible to attention at later steps. Position j's output
+therefore depends only on positions <= j (those at steps <= its own n_updates), never
+on how long other positions run. The uncached forward stops the loop once no position
+runs (``act_early_exit``, as tensor2tensor); with a KV cache every call runs all max
+steps so later tokens find every earlier position's keys/values at every step (slot
+``("ut", step)``). Both give the same outputs (extra iterations add weight 0 and never
+pass the max steps), which the tests check.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .act import ACTState, combine, ponder_cost, ponder_loss
+from .config import ModelConfig, register_presets
+from .errors import ConfigError
+from .layers import Block, Context
+
+
+def timing_signal(positions: torch.Tensor, d: int, min_timescale: float = 1.0,
+                  max_timescale: float = 1.0e4) -> torch.Tensor:
+    """[len(positions), d] sinusoid: [sin(p w_k)]_k ++ [cos(p w_k)]_k, w_k = (1/min) *
+    (max/min)^(-k/(d/2-1)) (tensor2tensor get_timing_signal_1d; Vaswani et al. §3.5)."""
+    n = d // 2
+    log_inc = math.log(max_timescale / min_timescale) / max(n - 1, 1)
+    inv_K = torch.exp(torch.arange(n, dtype=torch.float32, device=positions.device) * -log_inc)
+    angles_TK = positions.float()[:, None] * (inv_K / min_timescale)[None, :]
+    sig_TD = torch.cat([angles_TK.sin(), angles_TK.cos()], dim=-1)
+    return nn.functional.pad(sig_TD, (0, d % 2))
+
+
+class CoordinateSignal(nn.Module):
+    """P^t(i) = position sinusoid(i) + step signal(t) (UT §2.1), added before every step."""
+
+    def __init__(self, cfg: ModelConfig, trained_steps: int):
+        super().__init__()
+        self.d_model = cfg.d_model
+        self.step_table: nn.Parameter | None = None
+        if cfg.step_signal == "learned":
+            # tensor2tensor: N(0, d^-1/2) scaled by sqrt(d), i.e. N(0, 1)
+            self.step_table = nn.Parameter(torch.randn(trained_steps, cfg.d_model))
+        else:  # precomputed for the trained steps (decoding calls step() once per step)
+            self.register_buffer("step_sinusoid", timing_signal(torch.arange(trained_steps), cfg.d_model),
+                                 persistent=False)
+
+    def position(self, start: int, T: int, device) -> torch.Tensor:
+        return timing_signal(torch.arange(start, start + T, device=device), self.d_model)
+
+    def step(self, t: int, device) -> torch.Tensor:
+        """[D] signal of 0-based step t; a learned table is clamped to its last row."""
+        if self.step_table is not None:
+            return self.step_table[min(t, self.step_table.shape[0] - 1)]
+        if t < self.step_sinusoid.shape[0]:
+            return self.step_sinusoid[t]
+        return timing_signal(torch.tensor([t], device=device), self.d_model)[0]
+
+    def forward(self, x_BTD: torch.Tensor, pos_TD: torch.Tensor, t: int) -> torch.Tensor:
+        return x_BTD + (pos_TD + self.step(t, x_BTD.device)).to(x_BTD.dtype)
+
+
+class HaltingUnit(nn.Module):
+    """p = sigmoid(w . h + b) per position (UT §2.2), b initialised to act_halting_bias_init.
+
+    Not an ``nn.Linear``, so the shared init leaves the bias alone; computed in fp32
+    (also under autocast) because the ACT accumulators compare sums to 1 - eps."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(cfg.d_model) * cfg.init_std)
+        self.bias = nn.Parameter(torch.full((), float(cfg.act_halting_bias_init)))
+
+    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid((h_BTD.float() * self.weight.float()).sum(-1) + self.bias.float())
+
+
+class UniversalTrunk(nn.Module):
+    """One shared block applied ``steps`` times, with the coordinate signal and optional ACT.
+
+    ``forward(x, ctx, steps=None, cross=None)``: ``steps`` overrides ``self.steps`` (the
+    number of applications, or the ACT loop bound); ``cross`` is the encoder-decoder's
+    cross-attention sub-layer (seq2seq.py), shared across steps like the block.
+    Under ACT: ``ctx.aux_losses["ponder_loss"]`` = act_loss_weight * mean(n_updates +
+    remainders); ``ctx.stats["ponder_time"]`` [B, T] = n_updates + remainders and
+    ``ctx.stats["halting_probs"]`` [steps run, B, T].
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.arch != "universal":
+            raise ConfigError(f"invalid config: arch={cfg.arch!r}: UniversalTrunk needs arch='universal'")
+        self.cfg = cfg
+        self.block = Block(cfg, 0, 1)
+        self.trained_steps = cfg.act_steps if cfg.act else cfg.n_steps
+        self.steps = self.trained_steps
+        self.signal = CoordinateSignal(cfg, self.trained_steps)
+        self.halting = HaltingUnit(cfg) if cfg.act else None
+        self.depth = cfg.n_steps  # nominal residual layer applications (init scaling)
+        self.unique_layers = 1
+
+    def set_steps(self, steps: int) -> None:
+        """Depth extrapolation: run ``steps`` applications (ACT: max steps) from now on."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ConfigError(f"invalid steps={steps!r}: must be a positive integer")
+        self.steps = steps
+
+    def forward(self, x_BTD: torch.Tensor, ctx: Context, steps: int | None = None,
+                cross=None) -> torch.Tensor:
+        steps = self.steps if steps is None else steps
+        pos_TD = self.signal.position(ctx.start_pos, x_BTD.shape[1], x_BTD.device)
+        if self.halting is None:
+            for t in range(steps):
+                x_BTD = self.block(self.signal(x_BTD, pos_TD, t), ctx, ("ut", t), cross)
+            return x_BTD
+        return self._act(x_BTD, ctx, steps, cross, pos_TD)
+
+    def _act(self, x_BTD, ctx: Context, steps: int, cross, pos_TD) -> torch.Tensor:
+        cfg = self.cfg
+        threshold = 1.0 - cfg.act_epsilon
+        # meta tensors (``phaseloop params``) cannot be read: count all max steps
+        early_exit = cfg.act_early_exit and ctx.cache is None and x_BTD.device.type != "meta"
+        state: ACTState | None = None
+        out_BTD = torch.zeros_like(x_BTD)  # previous_state
+        probs = []
+        for t in range(steps):
+            h_BTD = self.signal(x_BTD, pos_TD, t)
+            p_BT = self.halting(h_BTD)
+            if state is None:
+                state = ACTState.like(p_BT)
+            w_BT = state.step(p_BT, threshold)  # the one implementation (act.py)
+            x_BTD = self.block(h_BTD, ctx, ("ut", t), cross)  # transformed = next step input
+            out_BTD = combine(out_BTD, x_BTD, w_BT.to(x_BTD.dtype), cfg.act_type)
+            probs.append(p_BT.detach())
+            if early_exit and not bool(state.running(threshold, steps).any()):
+                break
+        ctx.aux_losses["ponder_loss"] = ponder_loss(state, cfg.act_loss_weight)
+        ctx.stats["ponder_time"] = ponder_cost(state).detach()
+        ctx.stats["halting_probs"] = torch.stack(probs)
+        return out_BTD
+
+
+# Token embeddings at std d^-1/2 times sqrt(d) (tensor2tensor), so they are not drowned
+# by the unit-scale coordinate signal.
+def _ut(d: int, **kw) -> dict:
+    return dict(arch="universal", n_layers=1, d_model=d, embed_scale=True,
+                embed_init_std=d ** -0.5, **kw)
+
+
+register_presets({
+    "universal-tiny": _ut(96, n_heads=6, n_kv_heads=3, d_ff=256, n_steps=4, vocab_size=256,
+                          max_seq_len=64),
+    "universal-act-tiny": _ut(96, n_heads=6, n_kv_heads=3, d_ff=256, n_steps=3, act=True,
+                              vocab_size=256, max_seq_len=64),
+    "universal-small": _ut(192, n_heads=6, n_kv_heads=3, d_ff=768, n_steps=6, vocab_size=256,
+                           max_seq_len=128),
+    "universal-act-small": _ut(192, n_heads=6, n_kv_heads=3, d_ff=768, n_steps=6, act=True,
+                               vocab_size=256, max_seq_len=128),
+})

@@ -1,0 +1,112 @@
+"""UT §3 accounting (accounting.py): closed forms checked against torch.nn.Transformer,
+the known totals, FLOPs scaling with steps, the width solver and the CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from phaseloop import accounting as acc
+from phaseloop.cli import main
+
+
+def torch_params(spec: acc.EncDecSpec) -> int:
+    """The same model built from torch.nn modules (biases everywhere, LayerNorm with gain
+    and bias, 2/3 norms per encoder/decoder layer, a final norm per stack)."""
+    d, f = spec.d_model, spec.d_ff
+    with torch.device("meta"):
+        if spec.shared:
+            parts = [nn.TransformerEncoderLayer(d, spec.n_heads, f),
+                     nn.TransformerDecoderLayer(d, spec.n_heads, f), nn.LayerNorm(d), nn.LayerNorm(d)]
+        else:
+            parts = [nn.Transformer(d, spec.n_heads, spec.enc_layers, spec.dec_layers, f,
+                                    batch_first=True)]
+        parts.append(nn.Embedding(spec.vocab_size, d))  # shared by src, tgt and softmax
+    return sum(p.numel() for m in parts for p in m.parameters())
+
+
+@pytest.mark.parametrize("name", list(acc.PRESETS))
+def test_params_match_torch_modules(name):
+    spec = acc.PRESETS[name]
+    r = acc.count(spec)
+    assert r["total"] == torch_params(spec)
+    assert r["embedding"] == 37000 * spec.d_model and r["unembedding"] == 0
+    assert r["non_embedding"] == r["total"] - r["embedding"]
+    assert r["steps"] == 6
+
+
+def test_known_totals():
+    got = {n: acc.count(s)["total"] for n, s in acc.PRESETS.items()}
+    assert got == {"transformer-base": 63_084_544, "transformer-big": 214_249_472,
+                   "ut-small": 26_302_464, "ut-base": 67_284_992}
+
+
+def test_flops_match_flop_counter_on_torch_transformer():
+    """Forward matmul FLOPs of torch's nn.Transformer (n source + n target tokens) + the
+    output projection, divided by n, equal the closed form (which ignores biases/norms).
+    The counter does not see nn.MultiheadAttention's fused CPU attention kernel, so the
+    attention products (4 n d per attention: 2 encoder, 3 + 3 decoder) are added here."""
+    d, h, V, n = 32, 4, 100, 16
+    spec = acc.EncDecSpec("t", d, h, 2, 3, steps=2, vocab_size=V)
+    model = nn.Transformer(d, h, 2, 3, 4 * d, dropout=0.0, batch_first=True)
+    out_proj = nn.Linear(d, V, bias=False)
+    src, tgt = torch.randn(1, n, d), torch.randn(1, n, d)
+    mask = nn.Transformer.generate_square_subsequent_mask(n)
+    with FlopCounterMode(display=False) as fc:
+        out_proj(model(src, tgt, tgt_mask=mask))
+    attention = (2 + 2 * 3) * 4 * n * d
+    assert fc.get_total_flops() / n + attention == acc.count(spec, seq_len=n)["flops_per_token"]
+
+
+def test_flops_scale_with_steps_and_width():
+    small = acc.PRESETS["ut-small"]
+    f6 = acc.count(small)["flops_per_token"]
+    f12 = acc.count(acc.EncDecSpec("x", 512, 8, shared=True, steps=12))["flops_per_token"]
+    head = 2 * 37000 * 512
+    assert f12 - head == 2 * (f6 - head)
+    # the paper's point: UT small costs Transformer base's compute with 0.42x the parameters,
+    # UT base costs Transformer big's compute with about Transformer base's parameters
+    rows = {n: acc.count(s) for n, s in acc.PRESETS.items()}
+    assert rows["ut-small"]["flops_per_token"] == rows["transformer-base"]["flops_per_token"]
+    assert rows["ut-base"]["flops_per_token"] == rows["transformer-big"]["flops_per_token"]
+    assert rows["ut-small"]["total"] == acc.count(acc.EncDecSpec("y", 512, 8, shared=True, steps=2))["total"]
+
+
+def test_width_solver():
+    target = acc.count(acc.PRESETS["transformer-base"])["total"]
+    d = acc.solve_width(target, shared=True)
+    # closed form: 28 d^2 + (V + 36) d = P
+    assert math.isclose(28 * d * d + (37000 + 36) * d, target, rel_tol=1e-12)
+    assert 978 < d < 980
+    res = acc.match("transformer-base", shared=True)
+    assert res["d"] == 979 and res["model"]["shared"]
+    assert abs(res["model"]["total"] - target) / target < 2e-4
+    # the solver reproduces an untied preset's own width
+    assert math.isclose(acc.solve_width(target, shared=False), 512, rel_tol=1e-9)
+    assert acc.match("transformer-big", shared=False)["d"] == 1024
+
+
+def test_cli_presets_json_and_table(capsys):
+    assert main(["params", "--preset", "ut-base", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for k in ("total", "embedding", "unembedding", "non_embedding", "flops_per_token", "steps"):
+        assert isinstance(r[k], int)
+    assert r["total"] == 67_284_992 and r["steps"] == 6
+    assert main(["params", "--preset", "transformer-base"]) == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in acc.PRESETS) and "params/ref" in out
+
+
+def test_cli_match(capsys):
+    assert main(["params", "--match", "transformer-base", "--shared", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["d"] == 979 and r["target_total"] == 63_084_544
+    assert main(["params", "--match", "transformer-base", "--shared"]) == 0
+    out = capsys.readouterr().out
+    assert "d = 979" in out and "shared-d979" in out
+    assert main(["params", "--shared"]) == 2
+    assert main(["params", "--match", "nope", "--shared"]) == 2
+    assert "unknown accounting preset" in capsys.readouterr().err

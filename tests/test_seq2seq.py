@@ -1,0 +1,150 @@
+"""Encoder-decoder models (seq2seq.py): vanilla Transformer and UT encoder-decoder,
+cached decoding, source padding, ACT on either side, and a toy copy task trained to
+(near) zero loss."""
+
+import random
+
+import pytest
+import torch
+
+from phaseloop import ConfigError, ModelConfig
+from phaseloop.layers import KVCache
+from phaseloop.models import TransformerSeq2Seq, UniversalSeq2Seq, build_seq2seq
+from phaseloop.seq2seq import BOS, EOS, PAD, collate, greedy_decode, train_seq2seq
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add contention
+    yield
+    torch.set_num_threads(n)
+
+
+BASE = dict(vocab_size=12, d_model=32, n_heads=2, d_ff=64, max_seq_len=16, embed_scale=True,
+            embed_init_std=32 ** -0.5)
+
+
+def vanilla(**kw):
+    return ModelConfig(**{**BASE, "arch": "rope", "n_layers": 2, **kw})
+
+
+def universal(**kw):
+    return ModelConfig(**{**BASE, "arch": "universal", "n_layers": 1, "n_steps": 2, **kw})
+
+
+def spread(trunk):
+    """Halting unit reading a few high-frequency channels: positions halt at different steps."""
+    with torch.no_grad():
+        trunk.halting.weight.zero_()
+        trunk.halting.weight[:4] = torch.tensor([1.0, -0.8, 0.6, 1.2])
+        trunk.halting.bias.fill_(-0.5)
+
+
+def copy_pairs(n, rng, max_len=5):
+    out = []
+    for _ in range(n):
+        s = [rng.randint(3, 10) for _ in range(rng.randint(1, max_len))]
+        out.append((s, s))
+    return out
+
+
+def test_build_and_errors():
+    assert isinstance(build_seq2seq(vanilla()), TransformerSeq2Seq)
+    assert isinstance(build_seq2seq(universal()), UniversalSeq2Seq)
+    with pytest.raises(ConfigError, match="arch"):
+        UniversalSeq2Seq(vanilla())
+    with pytest.raises(ConfigError, match="arch"):
+        TransformerSeq2Seq(universal())
+    ut = UniversalSeq2Seq(universal())
+    names = {n.split(".")[0] for n, _ in ut.named_parameters()}
+    assert names == {"embed", "enc_norm", "dec_norm", "head", "encoder", "decoder", "cross"}
+    # weight tying: parameters do not grow with the number of steps
+    n2 = sum(p.numel() for p in ut.parameters())
+    assert n2 == sum(p.numel() for p in UniversalSeq2Seq(universal(n_steps=5)).parameters())
+
+
+def test_collate():
+    src, tgt_in, targets = collate([([3, 4, 5], [6]), ([7], [8, 9])])
+    assert src.tolist() == [[3, 4, 5], [7, PAD, PAD]]
+    assert tgt_in.tolist() == [[BOS, 6, PAD], [BOS, 8, 9]]
+    assert targets.tolist() == [[6, EOS, -100], [8, 9, EOS]]
+
+
+def _models():
+    torch.manual_seed(0)
+    act = UniversalSeq2Seq(universal(act=True))
+    spread(act.encoder)
+    spread(act.decoder)
+    return [TransformerSeq2Seq(vanilla()), UniversalSeq2Seq(universal()), act,
+            UniversalSeq2Seq(universal(act=True), encoder_act=False)]
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_cached_decoding_equals_teacher_forcing(i):
+    m = _models()[i].double().eval()
+    src, tgt_in, _ = collate(copy_pairs(3, random.Random(i), max_len=7))
+    full = m(src, tgt_in)
+    memory = m.encode(src)
+    cache = KVCache()
+    pieces = [m(src, tgt_in[:, :2], cache=cache, memory=memory).logits]
+    pieces += [m(src, tgt_in[:, t: t + 1], cache=cache, memory=memory).logits
+               for t in range(2, tgt_in.shape[1])]
+    assert torch.allclose(torch.cat(pieces, 1), full.logits, atol=1e-10)
+    # decoder is causal: changing a later target token leaves earlier logits alone
+    t2 = tgt_in.clone()
+    t2[:, -1] = (t2[:, -1] + 1) % 12
+    assert torch.allclose(m(src, t2).logits[:, :-1], full.logits[:, :-1], atol=1e-10)
+
+
+def test_source_padding_is_masked():
+    m = UniversalSeq2Seq(universal(act=True)).double().eval()
+    spread(m.encoder)
+    src, tgt_in, _ = collate([([3, 4, 5], [3, 4, 5]), ([6, 7], [6, 7])])
+    a = m(src, tgt_in)
+    padded = torch.cat([src, torch.full((2, 3), PAD)], 1)
+    b = m(padded, tgt_in)
+    assert torch.allclose(a.logits, b.logits, atol=1e-10)
+    mem_a, _, _ = m.encode(src)
+    mem_b, _, _ = m.encode(padded)
+    assert torch.allclose(mem_a[0], mem_b[0, :3], atol=1e-10)  # real positions unchanged
+    assert torch.allclose(mem_a[1, :2], mem_b[1, :2], atol=1e-10)
+
+
+def test_act_on_either_side():
+    src, tgt_in, targets = collate(copy_pairs(4, random.Random(0)))
+    both = UniversalSeq2Seq(universal(act=True))(src, tgt_in, targets)
+    assert set(both.aux_losses) == {"encoder_ponder_loss", "decoder_ponder_loss"}
+    assert both.stats["encoder_ponder_time"].shape == src.shape
+    assert both.stats["decoder_ponder_time"].shape == tgt_in.shape
+    assert torch.allclose(both.loss, both.ce_loss + sum(both.aux_losses.values()))
+    enc_only = UniversalSeq2Seq(universal(), encoder_act=True)(src, tgt_in, targets)
+    assert set(enc_only.aux_losses) == {"encoder_ponder_loss"}
+    dec_only = UniversalSeq2Seq(universal(act=True, act_type="accumulated"), encoder_act=False)
+    assert dec_only.encoder.halting is None and dec_only.decoder.cfg.act_type == "accumulated"
+
+
+def test_depth_extrapolation_and_greedy_cache():
+    m = UniversalSeq2Seq(universal())
+    src, _, _ = collate(copy_pairs(3, random.Random(1)))
+    a = greedy_decode(m, src, 6, use_cache=True)
+    assert a == greedy_decode(m, src, 6, use_cache=False)
+    m.set_steps(5)
+    assert m.encoder.steps == m.decoder.steps == 5
+    assert greedy_decode(m, src, 6) == greedy_decode(m, src, 6, use_cache=False)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: TransformerSeq2Seq(vanilla()),
+    lambda: UniversalSeq2Seq(universal(act=True)),
+], ids=["transformer", "ut-act"])
+def test_copy_task_trains_to_zero_loss(make):
+    torch.manual_seed(0)
+    m = make()
+    hist = train_seq2seq(m, copy_pairs, steps=400, batch_size=32, lr=1e-2, stop_loss=0.005)
+    assert len(hist) < 400, "did not reach the loss target in 400 steps"
+    assert sum(r["ce_loss"] for r in hist[-10:]) / 10 < 0.005
+    test = copy_pairs(64, random.Random(123))
+    src, _, _ = collate(test)
+    decoded = greedy_decode(m, src, 8)
+    assert sum(d == list(t) for d, (_, t) in zip(decoded, test)) / len(test) >= 0.95

@@ -1,0 +1,316 @@
+"""Universal Transformer trunk (universal.py): weight tying, coordinate signal, depth
+extrapolation, ACT through act.py (ponder loss/time), KV-cache equivalence."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from phaseloop import ConfigError, ModelConfig, build_model
+from phaseloop.act import halting_schedule, ponder_cost
+from phaseloop.layers import Context, KVCache, rope_tables
+from phaseloop.universal import CoordinateSignal, UniversalTrunk, timing_signal
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add contention
+    yield
+    torch.set_num_threads(n)
+
+
+def ut(**kw):
+    base = dict(arch="universal", n_layers=1, vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2,
+                d_ff=64, max_seq_len=32, n_steps=3, embed_scale=True, embed_init_std=32 ** -0.5)
+    return ModelConfig(**{**base, **kw})
+
+
+def spread_halting(model, seed=0):
+    """Halting unit that makes positions halt at different steps (init halts all at 2):
+    it reads only the first channels (high-frequency position sines), as the low
+    frequency channels accumulate the step signal and move all positions alike."""
+    g = torch.Generator().manual_seed(seed)
+    h = model.trunk.halting
+    with torch.no_grad():
+        h.weight.zero_()
+        h.weight[:4] = torch.randn(4, generator=g, dtype=h.weight.dtype)
+        h.bias.fill_(-0.5)
+
+
+# ---------------------------------------------------------------------------- config
+@pytest.mark.parametrize("kw, field", [
+    (dict(n_layers=2), "n_layers"),
+    (dict(n_steps=0), "n_steps"),
+    (dict(step_signal="random"), "step_signal"),
+    (dict(act=True, act_type="global"), "act_type"),
+    (dict(act=True, act_epsilon=1.0), "act_epsilon"),
+    (dict(act=True, act_max_steps=0), "act_max_steps"),
+    (dict(act_type="accumulated"), "act_type"),  # ACT option without act=True
+])
+def test_invalid_config_names_the_field(kw, field):
+    with pytest.raises(ConfigError, match=rf"\b{field}="):
+        ut(**kw)
+
+
+def test_universal_options_refused_on_other_archs():
+    with pytest.raises(ConfigError, match=r"\bact=True"):
+        ModelConfig(arch="rope", act=True)
+    with pytest.raises(ConfigError, match=r"\bn_steps="):
+        ModelConfig(arch="rope", n_steps=3)
+    assert ModelConfig(arch="rope", use_rope=False).use_rope is False
+
+
+def test_act_max_steps_default_is_twice_nominal():
+    assert ut(act=True).act_steps == 6
+    assert ut(act=True, act_max_steps=4).act_steps == 4
+    assert build_model(ut(act=True)).trunk.steps == 6
+    assert build_model(ut()).trunk.steps == 3
+
+
+# ---------------------------------------------------------------------------- weight tying
+def test_one_set_of_block_parameters():
+    counts = [sum(p.numel() for p in build_model(ut(n_steps=T)).trunk.parameters()) for T in (1, 2, 7)]
+    assert counts[0] == counts[1] == counts[2]
+    m = build_model(ut(n_steps=4))
+    assert m.trunk.unique_layers == 1 and m.trunk.depth == 4
+    names = {n.split(".")[1] for n, _ in m.named_parameters() if n.startswith("trunk.")}
+    assert names == {"block"}
+
+
+def test_gradients_accumulate_across_steps():
+    """Grad of the shared block = sum of the grads of T untied copies of it."""
+    torch.manual_seed(0)
+    m = build_model(ut(n_steps=3)).double()
+    copies = [copy.deepcopy(m.trunk.block) for _ in range(3)]  # unrolled: one per step
+    idx = torch.randint(0, 64, (2, 10))
+    m(idx, idx).loss.backward()
+    tied = {n: p.grad.clone() for n, p in m.trunk.block.named_parameters()}
+    m.zero_grad()
+    cos, sin = rope_tables(torch.arange(10), m.cfg.head_dim, m.cfg.rope_base)
+    ctx = Context(cos=cos.double(), sin=sin.double())
+    x = m.embed(idx)
+    pos = m.trunk.signal.position(0, 10, x.device).double()
+    for t, blk in enumerate(copies):
+        x = blk(m.trunk.signal(x, pos, t), ctx)
+    loss = torch.nn.functional.cross_entropy(m.head(m.norm(x)).flatten(0, 1), idx.flatten())
+    assert torch.allclose(loss.float(), m(idx, idx).loss)
+    loss.backward()
+    for n, g in tied.items():
+        per_step = [dict(c.named_parameters())[n].grad for c in copies]
+        assert all(s.abs().sum() > 0 for s in per_step), n
+        assert torch.allclose(g, sum(per_step), atol=1e-10), n
+
+
+# ---------------------------------------------------------------------------- coordinate signal
+def test_timing_signal_values():
+    # d=4: two timescales, w = [1, 1e-4]; [sin p, sin 1e-4 p, cos p, cos 1e-4 p]
+    s = timing_signal(torch.tensor([0, 1, 5]), 4)
+    want = torch.tensor([[0.0, 0.0, 1.0, 1.0],
+                         [math.sin(1), math.sin(1e-4), math.cos(1), math.cos(1e-4)],
+                         [math.sin(5), math.sin(5e-4), math.cos(5), math.cos(5e-4)]])
+    assert torch.allclose(s, want, atol=1e-6)
+    # d=6: w_k = 1e4^(-k/2), k = 0, 1, 2; odd width pads one zero channel
+    s6 = timing_signal(torch.tensor([3]), 6)[0]
+    w = [1.0, 1e-2, 1e-4]
+    assert torch.allclose(s6, torch.tensor([math.sin(3 * x) for x in w] + [math.cos(3 * x) for x in w]),
+                          atol=1e-6)
+    assert timing_signal(torch.tensor([2]), 5)[0, -1] == 0
+
+
+def test_coordinate_signal_added_before_every_step():
+    """P^t(i) = pos(i) + step(t): step input of step t = state + P^t at absolute positions."""
+    m = build_model(ut(n_steps=3)).eval()
+    seen = []
+    m.trunk.block.register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
+    idx = torch.randint(0, 64, (1, 5))
+    cache = KVCache()
+    m(idx[:, :2], cache=cache)
+    snapshot = KVCache(entries=dict(cache.entries), pos=cache.pos)  # update() never mutates
+    seen.clear()
+    m(idx[:, 2:], cache=cache)  # positions 2..4 after a cached prefix
+    assert len(seen) == 3
+    x = m.embed(idx[:, 2:], 2)
+    ctx = Context(*rope_tables(torch.arange(2, 5), 8, m.cfg.rope_base), start_pos=2, cache=snapshot)
+    for t in range(3):
+        want = x + timing_signal(torch.arange(2, 5), 32) + timing_signal(torch.tensor([t]), 32)[0]
+        assert torch.allclose(seen[t], want, atol=1e-5)
+        x = m.trunk.block(want, ctx, ("ut", t))
+    for t in (1, 7):  # inside and past the trained steps
+        assert torch.allclose(CoordinateSignal(m.cfg, 3).step(t, "cpu"),
+                              timing_signal(torch.tensor([t]), 32)[0])
+
+
+def test_learned_step_signal_clamps_past_trained_steps():
+    m = build_model(ut(n_steps=2, step_signal="learned")).eval()
+    table = m.trunk.signal.step_table
+    assert table.shape == (2, 32)
+    sig = m.trunk.signal
+    assert torch.equal(sig.step(0, "cpu"), table[0]) and torch.equal(sig.step(1, "cpu"), table[1])
+    assert torch.equal(sig.step(5, "cpu"), table[1])  # past the trained steps: last vector
+    assert build_model(ut(n_steps=2, act=True, step_signal="learned")).trunk.signal.step_table.shape[0] == 4
+
+
+# ---------------------------------------------------------------------------- depth extrapolation
+@pytest.mark.parametrize("kw", [dict(), dict(step_signal="learned"), dict(act=True)])
+def test_depth_extrapolation_runs(kw):
+    m = build_model(ut(n_steps=2, **kw)).eval()
+    idx = torch.randint(0, 64, (2, 12))
+    base = m(idx).logits
+    m.trunk.set_steps(6)
+    deeper = m(idx).logits
+    assert deeper.shape == base.shape and torch.isfinite(deeper).all()
+    if not m.cfg.act:  # ACT at init halts by step 2, so more allowed steps change nothing
+        assert not torch.allclose(base, deeper)
+    out = m.generate(idx[:, :3], 5, temperature=0.0)
+    assert out.shape == (2, 8)
+    with pytest.raises(ConfigError):
+        m.trunk.set_steps(0)
+
+
+def _ctx(T, start=0):
+    cos, sin = rope_tables(torch.arange(start, start + T), 8, 10000.0)
+    return Context(cos=cos, sin=sin, start_pos=start)
+
+
+def test_steps_kwarg_equals_set_steps():
+    m = build_model(ut(n_steps=2)).eval()
+    x = torch.randn(1, 6, 32)
+    a = m.trunk(x, _ctx(6), steps=5)
+    m.trunk.set_steps(5)
+    assert torch.allclose(a, m.trunk(x, _ctx(6)))
+
+
+# ---------------------------------------------------------------------------- ACT
+@pytest.mark.parametrize("mode", ["basic", "accumulated"])
+def test_act_output_matches_halting_schedule(mode):
+    """The trunk's ACT output equals sum_k effective_weight_k * transformed_k, with the
+    weights from act.halting_schedule on the model's own halting probabilities."""
+    m = build_model(ut(act=True, act_type=mode)).double().eval()
+    spread_halting(m)
+    transformed = []
+    m.trunk.block.register_forward_hook(lambda mod, args, out: transformed.append(out))
+    ctx = _ctx(9)
+    ctx.cos, ctx.sin = ctx.cos.double(), ctx.sin.double()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    y = m.trunk(x, ctx)
+    p = ctx.stats["halting_probs"]  # [steps run, B, T]
+    S = p.shape[0]
+    assert S == len(transformed) and S > 2
+    sched = halting_schedule(p.flatten(1), threshold=0.99, max_steps=6, mode=mode)
+    assert sched.steps_run == S
+    eff = sched.effective_weights.view(S, 2, 9, 1)
+    assert torch.allclose(y, (eff * torch.stack(transformed)).sum(0), atol=1e-10)
+    n = ctx.stats["ponder_time"]
+    assert torch.allclose(n.flatten(), ponder_cost(sched))
+    assert len(set(sched.n_updates.tolist())) > 1  # positions halt at different steps
+    assert torch.allclose(ctx.aux_losses["ponder_loss"], 0.01 * ponder_cost(sched).mean())
+
+
+def test_ponder_loss_has_gradient_and_is_logged_separately():
+    m = build_model(ut(act=True))
+    idx = torch.randint(0, 64, (2, 12))
+    out = m(idx, idx)
+    assert set(out.aux_losses) == {"ponder_loss"}
+    assert torch.allclose(out.loss, out.ce_loss + out.aux_losses["ponder_loss"])
+    pt = out.stats["ponder_time"]
+    assert pt.shape == (2, 12) and (pt >= 1).all() and (pt <= 7).all()
+    halting = m.trunk.halting
+    g_w, g_b = torch.autograd.grad(out.aux_losses["ponder_loss"], [halting.weight, halting.bias])
+    assert g_w.abs().sum() > 0 and g_b.abs() > 0
+    # the halting bias starts at 1.0
+    assert build_model(ut(act=True)).trunk.halting.bias.item() == 1.0
+
+
+def test_train_logs_ponder_loss(tmp_path, text_file):
+    from phaseloop.train import TrainConfig, train
+
+    records = []
+    train(ut(act=True, vocab_size=256), TrainConfig(steps=2, batch_size=2, seq_len=16, eval_every=2,
+                                                    eval_windows=2, log_every=1, ckpt_every=2),
+          str(text_file), tmp_path / "run", progress=False, on_step=lambda s, r: records.append(r))
+    assert "ponder_loss" in records[0] and records[0]["ponder_loss"] > 0
+
+
+# ---------------------------------------------------------------------------- KV cache
+def _pieces(m, idx):
+    cache = KVCache()
+    out = [m(idx[:, :7], cache=cache).logits]  # prefill
+    out += [m(idx[:, t: t + 1], cache=cache).logits for t in range(7, 15)]  # token by token
+    out.append(m(idx[:, 15:], cache=cache).logits)  # chunk after a cached prefix
+    return torch.cat(out, 1), cache
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(step_signal="learned"),
+    dict(act=True),
+    dict(act=True, act_type="accumulated", act_max_steps=5),
+    dict(use_rope=False),
+    dict(n_phases=2, phase_rotation=True, phase_norm=True, horn=True),  # 3PT composition
+])
+def test_kv_cache_equals_full_forward(kw):
+    """Halted positions stay visible at later steps: the cached decode (all max steps,
+    slot per step) equals the early-exit full pass exactly."""
+    torch.manual_seed(0)
+    m = build_model(ut(**kw)).double().eval()
+    if m.cfg.act:
+        spread_halting(m)
+    idx = torch.randint(0, 64, (3, 24))
+    full = m(idx)
+    got, cache = _pieces(m, idx)
+    assert cache.pos == 24
+    assert {k for k in cache.entries} == {("ut", t) for t in range(m.trunk.steps)}
+    assert torch.allclose(got, full.logits, atol=1e-10)
+    if m.cfg.act:
+        pt = full.stats["ponder_time"]
+        assert len(set(pt.flatten().floor().tolist())) > 1
+        assert full.stats["halting_probs"].shape[0] < m.trunk.steps or (pt >= m.trunk.steps).any()
+
+
+class FloorHalting(torch.nn.Module):
+    """Test halting unit with p in [0.25, 0.75]: every position halts within 4 steps, at
+    a step that depends on its state."""
+
+    def forward(self, h_BTD):
+        return 0.25 + 0.5 * torch.sigmoid(3 * h_BTD[..., :4].sum(-1))
+
+
+def test_kv_cache_equals_early_exit_forward():
+    """The full pass stops early (all halted); the cached decode runs all max steps."""
+    m = build_model(ut(act=True, act_max_steps=8)).double().eval()
+    m.trunk.halting = FloorHalting()
+    idx = torch.randint(0, 64, (3, 24))
+    full = m(idx)
+    assert full.stats["halting_probs"].shape[0] < 8  # early exit
+    assert len(set(full.stats["ponder_time"].floor().flatten().tolist())) > 1
+    got, cache = _pieces(m, idx)
+    assert len(cache.entries) == 8
+    assert torch.allclose(got, full.logits, atol=1e-10)
+
+
+def test_act_cached_generation_equals_uncached():
+    m = build_model(ModelConfig.from_preset("universal-act-tiny"))
+    spread_halting(m)
+    idx = torch.randint(0, 256, (2, 5))
+    a = m.generate(idx, 10, temperature=0.0, use_cache=True)
+    b = m.generate(idx, 10, temperature=0.0, use_cache=False)
+    assert torch.equal(a, b)
+
+
+def test_output_of_a_position_does_not_depend_on_the_batch():
+    """The loop count is global, yet each position's output depends on its prefix only."""
+    m = build_model(ut(act=True)).double().eval()
+    spread_halting(m)
+    idx = torch.randint(0, 64, (4, 16))
+    together = m(idx).logits
+    alone = torch.cat([m(idx[i: i + 1]).logits for i in range(4)])
+    assert torch.allclose(together, alone, atol=1e-10)
+
+
+def test_presets_build_and_are_small():
+    for name in ("universal-tiny", "universal-act-tiny"):
+        m = build_model(ModelConfig.from_preset(name))
+        assert isinstance(m.trunk, UniversalTrunk)
+        assert sum(p.numel() for p in m.parameters()) < 500_000
