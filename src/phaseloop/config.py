@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import ConfigError
+from .validation import check_ints, strict_from_dict
 
 ARCHS = ("rope", "three_phase", "looped", "hyperloop", "mhc", "universal")
 
@@ -95,11 +96,8 @@ class ModelConfig:
     def validate(self) -> None:
         if self.arch not in ARCHS:
             _fail("arch", self.arch, f"unknown architecture; choose one of {', '.join(ARCHS)}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                     "max_seq_len", "n_phases"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                _fail(name, v, "must be a positive integer")
+        check_ints(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                          "max_seq_len", "n_phases"), "config")
         if self.d_model % self.n_heads:
             _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model}")
         if self.head_dim % 2:
@@ -134,14 +132,8 @@ class ModelConfig:
 
     def _validate_loops(self) -> None:
         looped, hc = self.arch in ("looped", "hyperloop"), self.arch in ("hyperloop", "mhc")
-        for name in ("n_begin", "n_end"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                _fail(name, v, "must be a non-negative integer or null (default split)")
-        for name in ("n_loops", "n_streams", "sinkhorn_iters"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                _fail(name, v, "must be a positive integer")
+        check_ints(self, ("n_begin", "n_end"), "config", minimum=0, optional=True)
+        check_ints(self, ("n_loops", "n_streams", "sinkhorn_iters"), "config")
         if looped and self.loop_split[1] < 1:
             b, _, e = self.loop_split
             _fail("n_layers", self.n_layers, f"leaves no middle layer after n_begin={b} and "
@@ -152,16 +144,14 @@ class ModelConfig:
             _fail("hc_transition", self.hc_transition, "choose hc or pooled_mlp")
         if not self.hc_alpha_init >= 0:
             _fail("hc_alpha_init", self.hc_alpha_init, "must be >= 0")
-        # options of one trunk set on another would be silently ignored: refuse them
-        unused = {"n_begin": not looped, "n_end": not looped, "n_loops": not looped,
-                  "n_streams": not hc, "hc_res": not hc, "hc_alpha_init": not hc,
-                  "sinkhorn_iters": not hc, "hc_per_layer": self.arch != "hyperloop",
-                  "hc_transition": self.arch != "hyperloop"}
-        defaults = {f.name: f.default for f in fields(self)}
-        for name, off in unused.items():
-            if off and getattr(self, name) != defaults[name]:
-                _fail(name, getattr(self, name), f"has no effect with arch={self.arch!r}; "
-                      "drop it or pick an arch that uses it (looped, hyperloop, mhc)")
+        why = f"has no effect with arch={self.arch!r}; drop it or pick an arch that uses it"
+        if not looped:
+            self._refuse_set(("n_begin", "n_end", "n_loops"), why + " (looped, hyperloop)")
+        if not hc:
+            self._refuse_set(("n_streams", "hc_res", "hc_alpha_init", "sinkhorn_iters"),
+                             why + " (hyperloop, mhc)")
+        if self.arch != "hyperloop":
+            self._refuse_set(("hc_per_layer", "hc_transition"), why + " (hyperloop)")
         if hc and self.n_streams < 2:
             _fail("n_streams", self.n_streams, "hyper-connections need >= 2 streams; "
                   "use arch='looped' (or 'rope') for a single residual stream")
@@ -175,12 +165,8 @@ class ModelConfig:
         if ut and self.n_layers != 1:
             _fail("n_layers", self.n_layers, "arch='universal' applies ONE shared block; set "
                   "n_layers=1 and the number of applications with n_steps")
-        if not isinstance(self.n_steps, int) or isinstance(self.n_steps, bool) or self.n_steps < 1:
-            _fail("n_steps", self.n_steps, "must be a positive integer")
-        if self.act_max_steps is not None and (not isinstance(self.act_max_steps, int)
-                                               or isinstance(self.act_max_steps, bool)
-                                               or self.act_max_steps < 1):
-            _fail("act_max_steps", self.act_max_steps, "must be a positive integer or null (2*n_steps)")
+        check_ints(self, ("n_steps",), "config")
+        check_ints(self, ("act_max_steps",), "config", optional=True)
         if self.step_signal not in ("sinusoid", "learned"):
             _fail("step_signal", self.step_signal, "choose sinusoid or learned")
         if self.act_type not in ("basic", "accumulated"):
@@ -189,16 +175,20 @@ class ModelConfig:
             _fail("act_epsilon", self.act_epsilon, "must be in (0, 1); the threshold is 1 - eps")
         if not self.act_loss_weight >= 0:
             _fail("act_loss_weight", self.act_loss_weight, "must be >= 0")
-        defaults = {f.name: f.default for f in fields(self)}
         act_fields = ("act_type", "act_epsilon", "act_max_steps", "act_loss_weight",
                       "act_halting_bias_init", "act_early_exit")
-        for name in ("n_steps", "step_signal", "act") + act_fields:
-            if not ut and getattr(self, name) != defaults[name]:
-                _fail(name, getattr(self, name), f"has no effect with arch={self.arch!r}; "
-                      "drop it or use arch='universal'")
-        for name in act_fields:
-            if ut and not self.act and getattr(self, name) != defaults[name]:
-                _fail(name, getattr(self, name), "is an ACT option; set act=true or drop it")
+        if not ut:
+            self._refuse_set(("n_steps", "step_signal", "act") + act_fields,
+                             f"has no effect with arch={self.arch!r}; drop it or use arch='universal'")
+        elif not self.act:
+            self._refuse_set(act_fields, "is an ACT option; set act=true or drop it")
+
+    def _refuse_set(self, names, why: str) -> None:
+        """Options of one trunk set on another would be silently ignored: refuse them."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in names:
+            if getattr(self, name) != defaults[name]:
+                _fail(name, getattr(self, name), why)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -231,12 +221,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"invalid config: unknown field(s) {', '.join(unknown)}; "
-                              f"known fields: {', '.join(sorted(known))}")
-        return cls(**d)
+        return strict_from_dict(cls, d, "config")
 
     def replace(self, **overrides) -> "ModelConfig":
         d = self.to_dict()

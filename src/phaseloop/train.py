@@ -10,7 +10,7 @@ import platform
 import resource
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +22,7 @@ from .checkpoint import (checkpoint_dir, load_model_state, load_trainer_state, o
 from .config import ModelConfig
 from .data import Corpus, TrainBatches, atomic_write_bytes, eval_windows, load_corpus
 from .errors import CheckpointError, ConfigError
+from .validation import check_ints, strict_from_dict
 from .model import DecoderLM, build_model
 
 
@@ -48,16 +49,11 @@ class TrainConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        ints = ("steps", "batch_size", "grad_accum", "eval_every", "eval_windows", "ckpt_every",
-                "log_every")
-        for name in ints:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"invalid train config: {name}={v!r}: must be a positive integer")
-        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
-            raise ConfigError(f"invalid train config: seq_len={self.seq_len!r}: must be a positive integer")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ConfigError(f"invalid train config: warmup_steps={self.warmup_steps!r}: must be >= 0")
+        what = "train config"
+        check_ints(self, ("steps", "batch_size", "grad_accum", "eval_every", "eval_windows",
+                          "ckpt_every", "log_every"), what)
+        check_ints(self, ("seq_len",), what, optional=True)
+        check_ints(self, ("warmup_steps", "seed"), what, minimum=0)
         if not self.lr > 0:
             raise ConfigError(f"invalid train config: lr={self.lr!r}: must be > 0")
         for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2"):
@@ -75,12 +71,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"invalid train config: unknown field(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
-        return cls(**d)
+        return strict_from_dict(cls, d, "train config")
 
 
 def resolve_device(name: str) -> torch.device:

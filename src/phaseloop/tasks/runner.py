@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
+from ..validation import check_ints
 from .algorithmic import CharVocab, Example, TaskSpec, parse_lengths, position_offsets
 from .babi import BabiExample, failed_tasks, format_example, load_babi, ponder_by_supporting, task_error
 from .metrics import mean_std, per_length_metrics
@@ -71,14 +72,8 @@ class TaskRunConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_batch_size", "log_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"invalid task config: {name}={v!r}: must be a positive integer")
-        for name in ("warmup_steps", "max_offset", "seed"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"invalid task config: {name}={v!r}: must be an integer >= 0")
+        check_ints(self, ("steps", "batch_size", "eval_batch_size", "log_every"), "task config")
+        check_ints(self, ("warmup_steps", "max_offset", "seed"), "task config", minimum=0)
         if not self.lr > 0:
             raise ConfigError(f"invalid task config: lr={self.lr!r}: must be > 0")
 
