@@ -13,9 +13,15 @@ Memory: bytes of every parameter at fp32, and after weight-only quantisation of 
 Linear except the embedding and the head (``quant.default_skip``), counted packed
 (bits/8 per weight + fp16 scale and zero per group) by ``quant.packed_bytes``.
 
-    python benchmarks/bench_hyperloop.py                 # *-small presets, ~2 min on 2 cores
-    python benchmarks/bench_hyperloop.py --size tiny --rounds 3
-    python benchmarks/bench_hyperloop.py --set d_model=256 --set d_ff=704   # wider
+Two shapes are timed by default. The *-small presets (d 128) exaggerate the elementwise
+stream work (O(n d) per token per connection) relative to the matmuls (O(d^2)); the paper's
+ratios are at d 1024. The second shape (``WIDE``: d 512, 8 heads, d_ff 1408, depth 8,
+batch 16 x seq 64) is closer to that balance; both are reported, labelled.
+
+    python benchmarks/bench_hyperloop.py                 # small + wide, ~2 min on 2 cores
+    python benchmarks/bench_hyperloop.py --no-wide       # small presets only
+    python benchmarks/bench_hyperloop.py --size tiny --rounds 3 --no-wide
+    python benchmarks/bench_hyperloop.py --set d_model=256 --set d_ff=704   # wider small
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ from phaseloop.quant import default_skip, packed_bytes
 from phaseloop.train import TrainConfig, make_optimizer
 
 ARCHS = ("transformer", "mhc", "looped", "hyperloop")
+# second timed shape: *-small presets widened to d 512 (same depth 8 and split), short seq
+WIDE = dict(over=dict(d_model=512, n_heads=8, n_kv_heads=8, d_ff=1408), batch=16, seq=64,
+            rounds=3, steps=1)
 
 
 def param_bytes(cfg: ModelConfig, bits: int | None = None, group_size: int = 128) -> int:
@@ -89,18 +98,29 @@ def main() -> None:
                     help="override a field of all four timed configs, e.g. d_model=256")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-wide", action="store_true",
+                    help="skip the second, wider shape (d 512; see WIDE)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     over = {k: json.loads(v) for k, _, v in (kv.partition("=") for kv in args.set or [])}
-    cfgs = {a: ModelConfig.from_preset(f"{a}-{args.size}", **over) for a in ARCHS}
-    seq = args.seq or cfgs["transformer"].max_seq_len
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    t = step_times(cfgs, args.batch, seq, args.rounds, args.steps, clock)
-    ratios = {"hyperloop/looped": t["hyperloop"] / t["looped"],
-              "mhc/transformer": t["mhc"] / t["transformer"],
-              "looped/transformer": t["looped"] / t["transformer"]}
+    shapes = {f"{args.size} presets{' ' + str(over) if over else ''}":
+              dict(over=over, batch=args.batch, seq=args.seq, rounds=args.rounds,
+                   steps=args.steps)}
+    if not args.no_wide:
+        shapes[f"wide: {args.size} presets with {WIDE['over']}"] = WIDE
+    results = {}
+    for label, sh in shapes.items():
+        cfgs = {a: ModelConfig.from_preset(f"{a}-{args.size}", **sh["over"]) for a in ARCHS}
+        seq = sh["seq"] or cfgs["transformer"].max_seq_len
+        t = step_times(cfgs, sh["batch"], seq, sh["rounds"], sh["steps"], clock)
+        ratios = {"hyperloop/looped": t["hyperloop"] / t["looped"],
+                  "mhc/transformer": t["mhc"] / t["transformer"],
+                  "looped/transformer": t["looped"] / t["transformer"]}
+        results[label] = dict(step_s=t, ratios=ratios, batch=sh["batch"], seq=seq,
+                              rounds=sh["rounds"], steps=sh["steps"])
     targets = {"hyperloop/looped": "<= 1.05 (paper 1.05)",
                "mhc/transformer": "<= 1.20 (paper 1.53 unfused / 1.07 fused)",
                "looped/transformer": "~= 1.0"}
@@ -112,16 +132,18 @@ def main() -> None:
                                   "fp32": param_bytes(cfg), "int8": param_bytes(cfg, 8),
                                   "int4": param_bytes(cfg, 4)}
     if args.json:
-        print(json.dumps({"step_s": t, "ratios": ratios, "memory_bytes": mem,
-                          "batch": args.batch, "seq": seq, "threads": torch.get_num_threads()}, indent=2))
+        print(json.dumps({"shapes": results, "memory_bytes": mem,
+                          "threads": torch.get_num_threads()}, indent=2))
         return
-    print(f"training step ({args.clock} time), {args.size} presets {over or ''}, batch "
-          f"{args.batch} x seq {seq}, fp32, {torch.get_num_threads()} threads, median of "
-          f"{args.rounds} interleaved rounds")
-    for a in ARCHS:
-        print(f"  {a:<12} {t[a] * 1e3:8.1f} ms/step  {args.batch * seq / t[a]:9.0f} tok/s")
-    for k, v in ratios.items():
-        print(f"  {k:<20} {v:6.3f}   target {targets[k]}")
+    for label, r in results.items():
+        print(f"training step ({args.clock} time), {label}: batch {r['batch']} x seq "
+              f"{r['seq']}, fp32, {torch.get_num_threads()} threads, median of "
+              f"{r['rounds']} interleaved rounds of {r['steps']} steps")
+        for a in ARCHS:
+            ms = r["step_s"][a]
+            print(f"  {a:<12} {ms * 1e3:8.1f} ms/step  {r['batch'] * r['seq'] / ms:9.0f} tok/s")
+        for k, v in r["ratios"].items():
+            print(f"  {k:<20} {v:6.3f}   target {targets[k]}")
     print("parameter memory (MB; int8/int4: Linears other than embedding/head packed, group 128)")
     print(f"  {'preset':<20}{'params':>12}{'fp32':>10}{'int8':>10}{'int4':>10}")
     for name, r in mem.items():

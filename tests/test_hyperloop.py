@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from phaseloop import ConfigError, ModelConfig, build_model
-from phaseloop.hyperloop import (HyperConnection, PooledMLPTransition, _Sinkhorn, copy_streams,
-                                 merge_streams, sinkhorn)
+from phaseloop.hyperloop import (HyperConnection, PooledMLPTransition, _Mix, _ProjSq, _Sinkhorn,
+                                 copy_streams, merge_streams, sinkhorn)
 from phaseloop.layers import Context, KVCache
 
 torch.set_num_threads(1)
@@ -68,6 +68,40 @@ def test_sinkhorn_gradient_matches_unrolled_autograd():
     a, = torch.autograd.grad((sinkhorn(L) * g).sum(), L)
     b, = torch.autograd.grad((unrolled(L) * g).sum(), L)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_stream_products_values_and_gradients():
+    """_Mix (out = [H_res | H_post] @ [y; f]) and _ProjSq ((y W^T, sum y^2)) against their
+    plain formulas, and their hand-written backwards by gradcheck."""
+    d = dict(dtype=torch.double, requires_grad=True)
+    A, y, f = torch.randn(2, 3, 4, 5, **d), torch.randn(2, 3, 4, 6, **d), torch.randn(2, 3, 6, **d)
+    want = torch.einsum("btij,btjd->btid", A[..., :4], y) + A[..., 4:] * f[:, :, None]
+    torch.testing.assert_close(_Mix.apply(A, y, f), want)
+    assert torch.autograd.gradcheck(_Mix.apply, (A, y, f))
+    y2, W = torch.randn(2, 3, 8, **d), torch.randn(5, 8, **d)
+    p, ss = _ProjSq.apply(y2, W)
+    torch.testing.assert_close(p, y2 @ W.t())
+    torch.testing.assert_close(ss, y2.square().sum(-1, keepdim=True))
+    assert torch.autograd.gradcheck(_ProjSq.apply, (y2, W))
+    # Sinkhorn moves [..., n, n] to a token-last layout and back: 2 leading dims, n = 3
+    L = torch.randn(2, 3, 3, 3, **d)
+    assert torch.autograd.gradcheck(lambda t: _Sinkhorn.apply(t, 4), (L,))
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype")  # layers.RMSNorm on a bf16 read
+@pytest.mark.parametrize("preset", ["mhc-tiny", "hyperloop-tiny"])
+def test_bf16_autocast_keeps_fp32_streams_and_backpropagates(preset):
+    """The hand-written products run under autocast (bf16 on CUDA in training): the
+    streams stay fp32 like the residual they replace, and the backward accepts bf16
+    gradients (CPU autocast stands in for CUDA here)."""
+    m = _model(preset).train()
+    dtypes = []
+    m.trunk.hc[-1].register_forward_hook(lambda mod, i, o: dtypes.append(o.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(_idx(), _idx(seed=2)).loss
+    loss.backward()
+    assert dtypes == [torch.float32]
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
 
 
 def test_model_h_res_is_doubly_stochastic():

@@ -9,7 +9,9 @@
   (Xie et al., "mHC", arXiv 2512.24880; Zhu et al., "Hyper-Connections", ICLR 2025).
 
 Every trunk is built from ``layers.Block``; the stream maths lives in ``HyperConnection``
-and is vectorised over streams ([B, T, n, D] tensors).
+and is vectorised over streams ([B, T, n, D] tensors). Its stream-sized products have
+hand-written backwards (``_ProjSq``, ``_Mix``, ``_OneCopy``, ``_Sinkhorn``; gradchecked in
+the tests) that make fewer passes over [B, T, n, D] than autograd's graph of broadcasts.
 
 Initialisation (ours; the paper gives none), set so that each model starts next to its
 stream-free twin: alpha = ``hc_alpha_init`` (0.01), W ~ N(0, init_std) (breaks the
@@ -53,28 +55,35 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
 class _Sinkhorn(torch.autograd.Function):
     """Sinkhorn with a hand-written backward of the unrolled iterations: for each step
     P' = P / s, s = sum(P) along a dim, dL/dP = (g - sum(g * P')) / s. Fewer ops than
-    autograd's graph of 2 x iters divisions; same gradient (gradcheck in the tests)."""
+    autograd's graph of 2 x iters divisions; same gradient (gradcheck in the tests).
+    Works on the token-last layout [n, n, N]: the row and column sums then reduce over
+    outer dims (vectorised over tokens) instead of over an inner dim of size n."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, iters: int) -> torch.Tensor:
-        P = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+        lead, (n, m) = logits.shape[:-2], logits.shape[-2:]
+        L_nmN = logits.reshape(-1, n, m).permute(1, 2, 0).contiguous()
+        P = torch.exp(L_nmN - L_nmN.amax(dim=(0, 1), keepdim=True))
         saved = [P]  # P_0, then (sum, P) per half step
         for _ in range(iters):
-            for dim in (-1, -2):  # rows, then columns
+            for dim in (1, 0):  # rows, then columns
                 s = P.sum(dim=dim, keepdim=True)
                 P = P / s
                 saved += [s, P]
         ctx.save_for_backward(*saved)
-        return P
+        return P.permute(2, 0, 1).reshape(*lead, n, m)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         saved = ctx.saved_tensors
+        lead, (n, m) = g.shape[:-2], g.shape[-2:]
+        g = g.reshape(-1, n, m).permute(1, 2, 0).contiguous()
         for k in range(len(saved) - 2, 0, -2):
             s, out = saved[k], saved[k + 1]
-            dim = -1 if s.shape[-1] == 1 else -2
+            dim = 1 if s.shape[1] == 1 else 0
             g = (g - (g * out).sum(dim=dim, keepdim=True)) / s
-        return g * saved[0], None  # d exp(x - max)/dx; the max shift has zero net effect
+        g = g * saved[0]  # d exp(x - max)/dx; the max shift has zero net effect
+        return g.permute(2, 0, 1).reshape(*lead, n, m), None
 
 
 # ---------------------------------------------------------------------------- streams
@@ -91,6 +100,71 @@ def _copies(streams_BTnD: torch.Tensor) -> bool:
 def merge_streams(streams_BTnD: torch.Tensor) -> torch.Tensor:
     """Average of the streams, fed to the end block (Hyperloop §3)."""
     return streams_BTnD.mean(dim=2)
+
+
+class _ProjSq(torch.autograd.Function):
+    """(y W^T, sum(y^2)) over the last dim of y [..., m], W [k, m], with one fused input
+    gradient dy = g_p W + 2 g_s y (a scaled copy and one in-place matmul, instead of the
+    norm's backward, the matmul's and their sum)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, W: torch.Tensor):
+        ctx.save_for_backward(y, W)
+        ss = torch.linalg.vector_norm(y, dim=-1, keepdim=True).square()
+        return y @ W.t(), ss
+
+    @staticmethod
+    def backward(ctx, g_p: torch.Tensor, g_s: torch.Tensor):
+        y, W = ctx.saved_tensors
+        dt = torch.promote_types(y.dtype, W.dtype)  # under autocast g_p may be bf16
+        y, W, g_p, g_s = y.to(dt), W.to(dt), g_p.to(dt), g_s.to(dt)
+        y_Nm, g_Nk = y.reshape(-1, y.shape[-1]), g_p.reshape(-1, W.shape[0])
+        dy = (y_Nm * (2 * g_s).reshape(-1, 1)).addmm_(g_Nk, W)
+        return dy.view(y.shape), g_Nk.t() @ y_Nm
+
+
+class _OneCopy(torch.autograd.Function):
+    """x from the stride-0 view ``copy_streams(x, n)`` ([..., n, D] -> [..., D]). Its
+    backward hands each copy 1/n of the gradient, a stride-0 view again, which the
+    expand's backward sums back to exactly the gradient of x; ``streams[..., 0, :]``
+    would give the same sum through an n-times larger zero-filled gradient."""
+
+    @staticmethod
+    def forward(ctx, streams: torch.Tensor) -> torch.Tensor:
+        ctx.n = streams.shape[-2]
+        return streams.select(-2, 0).clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return (g / ctx.n).unsqueeze(-2).expand(*g.shape[:-1], ctx.n, g.shape[-1])
+
+
+class _Mix(torch.autograd.Function):
+    """out = A @ [y; f] per token, A = [H_res | H_post] ([..., n, m+1]), y [..., m, D]
+    (m = n, or m = 1 for one copy), f [..., D]: one batched product forward and two
+    backward (dA = g [y; f]^T, d[y; f] = A^T g, with A^T made contiguous: the
+    transposed operand is ~2x slower)."""
+
+    @staticmethod
+    def forward(ctx, A: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        Z = torch.cat([y, f.unsqueeze(-2)], dim=-2)
+        ctx.save_for_backward(A, Z)
+        dt = torch.promote_types(A.dtype, Z.dtype)
+        dev = A.device.type
+        if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+            with torch.autocast(dev, enabled=False):  # the streams stay in dt
+                return A.to(dt) @ Z.to(dt)
+        return A.to(dt) @ Z.to(dt)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        A, Z = ctx.saved_tensors
+        dt = torch.promote_types(A.dtype, Z.dtype)  # under autocast g may be bf16
+        A, Z, g = A.to(dt), Z.to(dt), g.to(dt)
+        m = Z.shape[-2] - 1
+        dA = g @ Z.transpose(-2, -1)
+        dZ = A.transpose(-2, -1).contiguous() @ g
+        return dA, dZ[..., :m, :], dZ[..., m, :]
 
 
 class HyperConnection(nn.Module):
@@ -130,19 +204,19 @@ class HyperConnection(nn.Module):
                              persistent=False)
         self.e = nn.Parameter(torch.zeros(D)) if loop_embedding else None
 
-    def coefficients(self, streams_BTnD: torch.Tensor):
+    def coefficients(self, streams_BTnD: torch.Tensor, x_BTD: torch.Tensor | None = None):
         """-> H_pre [B,T,n], H_post [B,T,n], H_res ([B,T,n] diagonal, [B,T,n,n] or None).
         alpha * W RMSNorm(y) + b is computed as b + (W y) * alpha / rms(y): one matmul,
-        one norm reduction and one fused multiply-add over all coefficients."""
+        one norm reduction and one fused multiply-add over all coefficients.
+        ``x_BTD``: the one copy when ``streams_BTnD`` is n copies of it (see forward)."""
         n, D = self.n, streams_BTnD.shape[-1]
         if _copies(streams_BTnD):  # y = (x, ..., x): rms(y) = rms(x), W y = (sum_k W_k) x
-            x_BTD = streams_BTnD[:, :, 0]
-            ms_BT1 = torch.linalg.vector_norm(x_BTD, dim=-1, keepdim=True).square() / D
-            proj_BTk = x_BTD @ self.W.unflatten(-1, (n, D)).sum(1).t()
+            x_BTD = _OneCopy.apply(streams_BTnD) if x_BTD is None else x_BTD
+            proj_BTk, ss_BT1 = _ProjSq.apply(x_BTD, self.W.unflatten(-1, (n, D)).sum(1))
+            ms_BT1 = ss_BT1 / D
         else:
-            y_BTm = streams_BTnD.flatten(-2)
-            ms_BT1 = torch.linalg.vector_norm(y_BTm, dim=-1, keepdim=True).square() / (n * D)
-            proj_BTk = y_BTm @ self.W.t()
+            proj_BTk, ss_BT1 = _ProjSq.apply(streams_BTnD.flatten(-2), self.W)
+            ms_BT1 = ss_BT1 / (n * D)
         scale_BTk = self.alpha[self.alpha_idx] * torch.rsqrt(ms_BT1 + self.eps)
         logits_BTk = torch.addcmul(self.b, proj_BTk, scale_BTk)
         if self.form == "sinkhorn":
@@ -151,36 +225,36 @@ class HyperConnection(nn.Module):
         else:
             gates_BTk = torch.sigmoid(logits_BTk)
             res = gates_BTk[..., 2 * n:] if self.form == "diagonal" else None
-        if self.form == "diagonal":
-            res = res.contiguous()  # dense coefficients for the broadcast products below
-        return gates_BTk[..., :n].contiguous(), 2 * gates_BTk[..., n:2 * n].contiguous(), res
+        return gates_BTk[..., :n], 2 * gates_BTk[..., n:2 * n], res
 
     def forward(self, streams_BTnD: torch.Tensor, fn, ctx: Context | None = None,
                 slot=None) -> torch.Tensor:
-        pre_BTn, post_BTn, res = self.coefficients(streams_BTnD)
         dt = streams_BTnD.dtype
         copies = _copies(streams_BTnD)
+        x0_BTD = _OneCopy.apply(streams_BTnD) if copies else None
+        pre_BTn, post_BTn, res = self.coefficients(streams_BTnD, x0_BTD)
+        pre_BTn, post_BTn = pre_BTn.to(dt), post_BTn.to(dt)
         if copies:  # every stream is x: work on one copy (same values, n x less traffic)
-            x0_BT1D = streams_BTnD[:, :, :1]
-            x_BTD = pre_BTn.to(dt).sum(-1, keepdim=True) * x0_BT1D[:, :, 0]
+            x_BTD = pre_BTn.sum(-1, keepdim=True) * x0_BTD
         else:
-            x_BTD = (pre_BTn.to(dt).unsqueeze(-2) @ streams_BTnD).squeeze(-2)  # H_pre . y
+            x_BTD = (pre_BTn.unsqueeze(-2) @ streams_BTnD).squeeze(-2)  # H_pre . y
         f_BTD = fn(x_BTD)
         if self.e is not None:
             f_BTD = f_BTD + self.e
-        out_BTnD = post_BTn.to(dt).unsqueeze(-1) * f_BTD.unsqueeze(2)  # H_post (x) f
+        # y <- [H_res | H_post] @ [y; f]: one batched [n, n+1] x [n+1, D] product per
+        # token (and two in the backward) instead of n + 1 broadcast passes over [B,T,n,D]
+        if copies:  # H_res (x, ..., x) = (row sums of H_res) (x) x: [keep | H_post] @ [x; f]
+            keep_BTn = (torch.ones_like(post_BTn) if res is None
+                        else res.to(dt) if res.dim() == 3 else res.to(dt).sum(-1))
+            A_BTnm = torch.stack([keep_BTn, post_BTn], dim=-1)
+            return _Mix.apply(A_BTnm, x0_BTD.unsqueeze(-2), f_BTD)
         if res is None:
-            return out_BTnD + (x0_BT1D if copies else streams_BTnD)
-        res = res.to(dt)
-        if copies:  # H_res (x, ..., x) = (row sums of H_res) (x) x
-            keep_BTn = res if res.dim() == 3 else res.sum(-1)
-            return torch.addcmul(out_BTnD, keep_BTn.unsqueeze(-1), x0_BT1D)
-        if res.dim() == 3:
-            return torch.addcmul(out_BTnD, res.unsqueeze(-1), streams_BTnD)
-        # H_res y = sum_j H_res[:, j] y_j as n broadcast multiply-adds
-        for j, y_BTD in enumerate(streams_BTnD.unbind(dim=2)):
-            out_BTnD = torch.addcmul(out_BTnD, res[..., :, j, None], y_BTD.unsqueeze(2))
-        return out_BTnD
+            res = torch.eye(self.n, dtype=dt, device=post_BTn.device).expand(
+                *post_BTn.shape, self.n)
+        elif res.dim() == 3:
+            res = torch.diag_embed(res.to(dt))
+        A_BTnm = torch.cat([res.to(dt), post_BTn.unsqueeze(-1)], dim=-1)
+        return _Mix.apply(A_BTnm, streams_BTnD, f_BTD)
 
 
 class PooledMLPTransition(nn.Module):
