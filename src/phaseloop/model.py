@@ -102,7 +102,6 @@ class DecoderLM(nn.Module):
         positions = torch.arange(start, start + T, device=idx_BT.device)
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
         ctx = Context(cos=cos, sin=sin, start_pos=start, cache=cache)
-        ctx.aux_losses, ctx.stats = {}, {}
         x_BTD = self.trunk(self.embed(idx_BT, start), ctx)
         logits_BTV = self.head(self.norm(x_BTD))
         if cache is not None:
