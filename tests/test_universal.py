@@ -234,12 +234,24 @@ def test_train_logs_ponder_loss(tmp_path, text_file):
 
 
 # ---------------------------------------------------------------------------- KV cache
-def _pieces(m, idx):
+def _pieces(m, idx, cuts=(7, 8, 9, 10, 11, 12, 13, 14, 15)):
+    """Prefill, token by token, then a chunk after a cached prefix (by default)."""
     cache = KVCache()
-    out = [m(idx[:, :7], cache=cache).logits]  # prefill
-    out += [m(idx[:, t: t + 1], cache=cache).logits for t in range(7, 15)]  # token by token
-    out.append(m(idx[:, 15:], cache=cache).logits)  # chunk after a cached prefix
+    bounds = [0, *cuts, idx.shape[1]]
+    out = [m(idx[:, a:b], cache=cache).logits for a, b in zip(bounds, bounds[1:])]
     return torch.cat(out, 1), cache
+
+
+def _lazy_lengths(cache, steps):
+    """c_t (positions with step-t keys) per step; checks the lazy-cache invariants:
+    c_0 = all, c_t non-increasing, and ("ut_in", t) holds exactly [c_t, c_{t-1})."""
+    c = [cache.entries[("ut", t)][0].shape[2] if ("ut", t) in cache.entries else 0
+         for t in range(steps + 1)]
+    assert c[0] == cache.pos
+    for t in range(1, steps + 1):
+        pend = cache.entries.get(("ut_in", t))
+        assert c[t] <= c[t - 1] and sum(x.shape[1] for x in pend or []) == c[t - 1] - c[t]
+    return c[:steps]
 
 
 @pytest.mark.parametrize("kw", [
@@ -251,8 +263,8 @@ def _pieces(m, idx):
     dict(n_phases=2, phase_rotation=True, phase_norm=True, horn=True),  # 3PT composition
 ])
 def test_kv_cache_equals_full_forward(kw):
-    """Halted positions stay visible at later steps: the cached decode (all max steps,
-    slot per step) equals the early-exit full pass exactly."""
+    """Halted positions stay visible at later steps: the cached decode (slot per step,
+    ACT: lazy step extension) equals the early-exit full pass exactly."""
     torch.manual_seed(0)
     m = build_model(ut(**kw)).double().eval()
     if m.cfg.act:
@@ -261,7 +273,10 @@ def test_kv_cache_equals_full_forward(kw):
     full = m(idx)
     got, cache = _pieces(m, idx)
     assert cache.pos == 24
-    assert {k for k in cache.entries} == {("ut", t) for t in range(m.trunk.steps)}
+    if m.cfg.act:
+        _lazy_lengths(cache, m.trunk.steps)
+    else:
+        assert {k for k in cache.entries} == {("ut", t) for t in range(m.trunk.steps)}
     assert torch.allclose(got, full.logits, atol=1e-10)
     if m.cfg.act:
         pt = full.stats["ponder_time"]
@@ -277,17 +292,50 @@ class FloorHalting(torch.nn.Module):
         return 0.25 + 0.5 * torch.sigmoid(3 * h_BTD[..., :4].sum(-1))
 
 
-def test_kv_cache_equals_early_exit_forward():
-    """The full pass stops early (all halted); the cached decode runs all max steps."""
-    m = build_model(ut(act=True, act_max_steps=8)).double().eval()
+def _counting_block(m):
+    """Records the number of positions each block application processes."""
+    sizes = []
+    m.trunk.block.register_forward_pre_hook(lambda mod, args: sizes.append(args[0].shape[1]))
+    return sizes
+
+
+@pytest.mark.parametrize("mode", ["basic", "accumulated"])
+@pytest.mark.parametrize("B, cuts", [
+    (1, range(1, 24)),  # token by token from one token
+    (3, (7, 8, 9, 10, 11, 12, 13, 14, 15)),  # prefill, tokens, chunk
+    (2, (5, 6, 13, 14, 15, 20)),  # chunks and tokens interleaved
+])
+def test_lazy_act_cache_equals_early_exit_forward(mode, B, cuts):
+    """Positions halt at different steps; the full pass stops early (all halted); each
+    cached call runs only the steps its tokens need and catches up earlier positions."""
+    m = build_model(ut(act=True, act_type=mode, act_max_steps=8)).double().eval()
     m.trunk.halting = FloorHalting()
-    idx = torch.randint(0, 64, (3, 24))
+    idx = torch.randint(0, 64, (B, 24))
     full = m(idx)
     assert full.stats["halting_probs"].shape[0] < 8  # early exit
     assert len(set(full.stats["ponder_time"].floor().flatten().tolist())) > 1
-    got, cache = _pieces(m, idx)
-    assert len(cache.entries) == 8
+    sizes = _counting_block(m)
+    got, cache = _pieces(m, idx, cuts)
     assert torch.allclose(got, full.logits, atol=1e-10)
+    c = _lazy_lengths(cache, 8)
+    # each (position, step) runs once, never past the full pass's steps (not all 8 max steps)
+    assert c[full.stats["halting_probs"].shape[0]] == 0 and sum(sizes) == sum(c)
+    calls = [b - a for a, b in zip([0, *cuts], [*cuts, 24])]
+    assert max(sizes) > max(calls[1:])  # some call caught up earlier positions
+
+
+def test_lazy_act_cache_runs_only_needed_steps():
+    """Token by token (batch 1): step t has run for exactly the positions up to the last
+    one that needed it, c_t = 1 + max{j : L_j > t} (L_j = steps run for token j)."""
+    m = build_model(ut(act=True, act_max_steps=8)).double().eval()
+    m.trunk.halting = FloorHalting()
+    idx = torch.randint(0, 64, (1, 20))
+    cache, L = KVCache(), []
+    for j in range(20):
+        L.append(m(idx[:, j: j + 1], cache=cache).stats["halting_probs"].shape[0])
+    assert len(set(L)) > 1
+    want = [1 + max((j for j in range(20) if L[j] > t), default=-1) for t in range(8)]
+    assert _lazy_lengths(cache, 8) == want
 
 
 def test_act_cached_generation_equals_uncached():

@@ -22,15 +22,25 @@ input (state + coordinate signal); every position's state keeps being transforme
 every loop iteration, also after it halted — a halted position only gets update weight
 0 in the output, and it stays visible to attention at later steps. Position j's output
 therefore depends only on positions <= j (those at steps <= its own n_updates), never
-on how long other positions run. The uncached forward stops the loop once no position
-runs (``act_early_exit``, as tensor2tensor); with a KV cache every call runs all max
-steps so later tokens find every earlier position's keys/values at every step (slot
-``("ut", step)``). Both give the same outputs (extra iterations add weight 0 and never
-pass the max steps), which the tests check.
+on how long other positions run. The forward stops the loop once no (new) position
+runs (``act_early_exit``, as tensor2tensor), also with a KV cache.
+
+KV cache under ACT (lazy step extension): slot ``("ut", t)`` holds the keys/values of
+the positions computed at step t, a prefix [0, c_t) of the sequence with c_0 >= c_1 >=
+...; entry ``("ut_in", t)`` holds, as a list of chunks, the step-t inputs (transformed
+states of step t-1) of the positions [c_t, c_{t-1}) that stopped before step t. A call
+runs only the steps its new tokens need (early exit); when step t runs, the earlier
+positions that stopped before it are first caught up (their pending step-t inputs are
+prepended to the new tokens), so every attention at step t sees all earlier positions
+at step t, exactly as in the full pass. Each (position, step) is computed once, and
+never past the last step any later token needed. Outputs equal the full forward pass
+(a caught-up step gets weight 0 and changes nothing a position attends to), which the
+tests check in float64.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -39,7 +49,7 @@ from torch import nn
 from .act import ACTState, combine, ponder_cost, ponder_loss
 from .config import ModelConfig, register_presets
 from .errors import ConfigError
-from .layers import Block, Context
+from .layers import Block, Context, rope_tables
 
 
 def timing_signal(positions: torch.Tensor, d: int, min_timescale: float = 1.0,
@@ -142,25 +152,43 @@ class UniversalTrunk(nn.Module):
         cfg = self.cfg
         threshold = 1.0 - cfg.act_epsilon
         # meta tensors (``phaseloop params``) cannot be read: count all max steps
-        early_exit = cfg.act_early_exit and ctx.cache is None and x_BTD.device.type != "meta"
+        early_exit = cfg.act_early_exit and x_BTD.device.type != "meta"
+        cache, end = ctx.cache, ctx.start_pos + x_BTD.shape[1]
         state: ACTState | None = None
         out_BTD = torch.zeros_like(x_BTD)  # previous_state
         probs = []
+        y_BND, lo, ctx_t = x_BTD, ctx.start_pos, ctx  # step input of positions [lo, end)
         for t in range(steps):
-            h_BTD = self.signal(x_BTD, pos_TD, t)
-            p_BT = self.halting(h_BTD)
+            pending = cache.entries.pop(("ut_in", t), None) if cache is not None else None
+            if pending:  # catch up earlier positions that stopped before step t
+                y_BND = torch.cat([*pending, y_BND], 1)
+                lo = end - y_BND.shape[1]
+                ctx_t, pos_TD = self._widen(ctx, lo, end)
+            new = slice(ctx.start_pos - lo, None)  # own tokens; [:, 0:] is a free alias
+            h_BND = self.signal(y_BND, pos_TD, t)
+            p_BT = self.halting(h_BND[:, new])
             if state is None:
                 state = ACTState.like(p_BT)
             w_BT = state.step(p_BT, threshold)  # the one implementation (act.py)
-            x_BTD = self.block(h_BTD, ctx, ("ut", t), cross)  # transformed = next step input
-            out_BTD = combine(out_BTD, x_BTD, w_BT.to(x_BTD.dtype), cfg.act_type)
+            y_BND = self.block(h_BND, ctx_t, ("ut", t), cross)  # transformed = next step input
+            out_BTD = combine(out_BTD, y_BND[:, new], w_BT.to(x_BTD.dtype), cfg.act_type)
             probs.append(p_BT.detach())
             if early_exit and not bool(state.running(threshold, steps).any()):
                 break
+        if cache is not None:  # step t+1 inputs of [lo, end) wait for a token that needs it
+            cache.entries.setdefault(("ut_in", t + 1), []).append(y_BND)
         ctx.aux_losses["ponder_loss"] = ponder_loss(state, cfg.act_loss_weight)
         ctx.stats["ponder_time"] = ponder_cost(state).detach()
         ctx.stats["halting_probs"] = torch.stack(probs)
         return out_BTD
+
+    def _widen(self, ctx: Context, lo: int, end: int):
+        """Context and position signal for positions [lo, end) (catch-up with a cache)."""
+        positions = torch.arange(lo, end, device=ctx.cos.device)
+        cos, sin = (r.to(ctx.cos.dtype) for r in rope_tables(positions, self.cfg.head_dim,
+                                                              self.cfg.rope_base))
+        return (dataclasses.replace(ctx, cos=cos, sin=sin, start_pos=lo),
+                self.signal.position(lo, end - lo, ctx.cos.device))
 
 
 # Token embeddings at std d^-1/2 times sqrt(d) (tensor2tensor), so they are not drowned
