@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--phases", default="1,3,6,12")
     a = ap.parse_args()
     base = dict(vocab_size=256, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads,
