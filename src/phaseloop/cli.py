@@ -151,12 +151,13 @@ def cmd_params(args) -> int:
     if args.json:
         print(json.dumps(rows if args.all else rows[0], indent=2))
         return 0
-    print(f"{'preset':<16}{'arch':<13}{'total':>10}{'embedding':>11}{'unembed':>10}"
-          f"{'non-emb':>10}{'GFLOP/tok':>11}")
+    w = max(len(r["preset"]) for r in rows) + 2
+    print(f"{'preset':<{w}}{'arch':<13}{'total':>10}{'embedding':>11}{'unembed':>10}"
+          f"{'non-emb':>10}{'MFLOP/tok':>11}")
     for r in rows:
-        print(f"{r['preset']:<16}{r['arch']:<13}{format_count(r['total']):>10}"
+        print(f"{r['preset']:<{w}}{r['arch']:<13}{format_count(r['total']):>10}"
               f"{format_count(r['embedding']):>11}{format_count(r['unembedding']):>10}"
-              f"{format_count(r['non_embedding']):>10}{r['flops_per_token'] / 1e9:>11.3f}")
+              f"{format_count(r['non_embedding']):>10}{r['flops_per_token'] / 1e6:>11.2f}")
     return 0
 
 
