@@ -37,3 +37,12 @@ def text_file(tmp_path):
     p = tmp_path / "corpus.txt"
     p.write_text(("the quick brown fox jumps over the lazy dog. " * 40 + "\n") * 30)
     return p
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: extra threads only add contention (used by modules via pytestmark)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -13,12 +13,7 @@ from phaseloop.models import TransformerSeq2Seq, UniversalSeq2Seq, build_seq2seq
 from phaseloop.seq2seq import BOS, EOS, PAD, collate, greedy_decode, train_seq2seq
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 BASE = dict(vocab_size=12, d_model=32, n_heads=2, d_ff=64, max_seq_len=16, embed_scale=True,

@@ -13,12 +13,7 @@ from phaseloop.layers import Context, KVCache, rope_tables
 from phaseloop.universal import CoordinateSignal, UniversalTrunk, timing_signal
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ut(**kw):

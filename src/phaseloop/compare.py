@@ -44,6 +44,15 @@ class RecipeError(PhaseloopError):
     """A bad comparison recipe, variant, budget or comparison folder (one line)."""
 
 
+def _check_keys(cls, table: dict, where: str, what: str) -> None:
+    """Refuse keys that are not fields of ``cls`` (typos), suggesting the closest one."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    for k in table:
+        if k not in known:
+            raise RecipeError(f"{where}: unknown {what} {k!r}{_suggest(k, known)}; "
+                              f"known: {', '.join(known)}")
+
+
 def _suggest(word: str, options) -> str:
     close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -121,11 +130,7 @@ class Variant:
             return cls(name=item, spec=item)
         if not isinstance(item, dict):
             raise RecipeError(f"{where}: a variant is a spec string or a table, got {item!r}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        for k in item:
-            if k not in known:
-                raise RecipeError(f"{where}: unknown variant key {k!r}{_suggest(k, known)}; "
-                                  f"known: {', '.join(known)}")
+        _check_keys(cls, item, where, "variant key")
         if "spec" not in item:
             raise RecipeError(f"{where}: variant table needs spec = 'ARCH ...' (e.g. 'rope')")
         if not isinstance(item.get("set", {}), dict):
@@ -264,11 +269,7 @@ class Recipe:
     def from_dict(cls, d: dict, source: str = "recipe") -> "Recipe":
         if not isinstance(d, dict):
             raise RecipeError(f"{source}: a recipe is a table of keys")
-        known = [f.name for f in dataclasses.fields(cls)]
-        for k in d:
-            if k not in known:
-                raise RecipeError(f"{source}: unknown key {k!r}{_suggest(k, known)}; "
-                                  f"known: {', '.join(known)}")
+        _check_keys(cls, d, source, "key")
         if "variants" not in d:
             raise RecipeError(f"{source}: no variants; add e.g. variants = ['rope', 'three_phase']")
         items = d["variants"]
