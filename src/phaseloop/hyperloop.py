@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig, register_presets
 from .layers import Block, Context
 
@@ -48,8 +49,13 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     """Project [..., n, n] onto (nearly) doubly stochastic matrices: exp(.) then alternate
     row and column normalisation (Sinkhorn-Knopp; mHC §3 uses 20 iterations). The last
     step normalises columns, so columns sum to 1 exactly and rows to within the residual.
-    Differentiated through the unrolled iterations (``_Sinkhorn`` writes the backward)."""
-    return _Sinkhorn.apply(logits.float(), iters).to(logits.dtype)
+    Differentiated through the unrolled iterations (``_Sinkhorn`` writes the backward;
+    the fused kernel, ``kernels.Sinkhorn``, recomputes them per token)."""
+    L = logits.float()
+    if kernels.enabled(L):
+        n, m = L.shape[-2:]
+        return kernels.Sinkhorn.apply(L.reshape(-1, n, m), iters).view(L.shape).to(logits.dtype)
+    return _Sinkhorn.apply(L, iters).to(logits.dtype)
 
 
 class _Sinkhorn(torch.autograd.Function):
@@ -167,6 +173,20 @@ class _Mix(torch.autograd.Function):
         return dA, dZ[..., :m, :], dZ[..., m, :]
 
 
+def mix(A: torch.Tensor, y: torch.Tensor, f: torch.Tensor | None = None) -> torch.Tensor:
+    """A @ [y; f] per token: A [..., r, c], y [..., m, D], f [..., D] (c = m + 1) or None
+    (c = m) -> [..., r, D]. The fused kernel (``kernels.Rows``) where it runs, else torch
+    ops (``_Mix``, or a batched product for the read H_pre . y)."""
+    if kernels.enabled(A, y) and (f is None or kernels.enabled(A, f)):
+        (r, c), (m, D) = A.shape[-2:], y.shape[-2:]
+        out = kernels.Rows.apply(A.reshape(-1, r, c), y.reshape(-1, m, D),
+                                 None if f is None else f.reshape(-1, D))
+        return out.view(*A.shape[:-2], r, D)
+    if f is None:
+        return A @ y
+    return _Mix.apply(A, y, f)
+
+
 class HyperConnection(nn.Module):
     """One dynamic hyper-connection (Zhu et al. 2025 §2.2; mHC §3; Hyperloop §3), per token:
 
@@ -237,7 +257,7 @@ class HyperConnection(nn.Module):
         if copies:  # every stream is x: work on one copy (same values, n x less traffic)
             x_BTD = pre_BTn.sum(-1, keepdim=True) * x0_BTD
         else:
-            x_BTD = (pre_BTn.unsqueeze(-2) @ streams_BTnD).squeeze(-2)  # H_pre . y
+            x_BTD = mix(pre_BTn.unsqueeze(-2), streams_BTnD).squeeze(-2)  # H_pre . y
         f_BTD = fn(x_BTD)
         if self.e is not None:
             f_BTD = f_BTD + self.e
@@ -247,14 +267,14 @@ class HyperConnection(nn.Module):
             keep_BTn = (torch.ones_like(post_BTn) if res is None
                         else res.to(dt) if res.dim() == 3 else res.to(dt).sum(-1))
             A_BTnm = torch.stack([keep_BTn, post_BTn], dim=-1)
-            return _Mix.apply(A_BTnm, x0_BTD.unsqueeze(-2), f_BTD)
+            return mix(A_BTnm, x0_BTD.unsqueeze(-2), f_BTD)
         if res is None:
             res = torch.eye(self.n, dtype=dt, device=post_BTn.device).expand(
                 *post_BTn.shape, self.n)
         elif res.dim() == 3:
             res = torch.diag_embed(res.to(dt))
         A_BTnm = torch.cat([res.to(dt), post_BTn.unsqueeze(-1)], dim=-1)
-        return _Mix.apply(A_BTnm, streams_BTnD, f_BTD)
+        return mix(A_BTnm, streams_BTnD, f_BTD)
 
 
 class PooledMLPTransition(nn.Module):
