@@ -51,7 +51,7 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     step normalises columns, so columns sum to 1 exactly and rows to within the residual.
     Differentiated through the unrolled iterations (``_Sinkhorn`` writes the backward;
     the fused kernel, ``kernels.Sinkhorn``, recomputes them per token)."""
-    L = logits.float()
+    L = logits if logits.dtype == torch.float64 else logits.float()  # bf16 -> fp32
     if kernels.enabled(L):
         n, m = L.shape[-2:]
         return kernels.Sinkhorn.apply(L.reshape(-1, n, m), iters).view(L.shape).to(logits.dtype)
@@ -224,18 +224,24 @@ class HyperConnection(nn.Module):
                              persistent=False)
         self.e = nn.Parameter(torch.zeros(D)) if loop_embedding else None
 
-    def coefficients(self, streams_BTnD: torch.Tensor, x_BTD: torch.Tensor | None = None):
+    def coefficients(self, streams_BTnD: torch.Tensor, x_BTD: torch.Tensor | None = None,
+                     buf: "kernels.StreamGrad | None" = None):
         """-> H_pre [B,T,n], H_post [B,T,n], H_res ([B,T,n] diagonal, [B,T,n,n] or None).
         alpha * W RMSNorm(y) + b is computed as b + (W y) * alpha / rms(y): one matmul,
         one norm reduction and one fused multiply-add over all coefficients.
-        ``x_BTD``: the one copy when ``streams_BTnD`` is n copies of it (see forward)."""
+        ``x_BTD``: the one copy when ``streams_BTnD`` is n copies of it (see forward);
+        ``buf``: the fused path's shared gradient buffer for y (``kernels.StreamGrad``)."""
         n, D = self.n, streams_BTnD.shape[-1]
         if _copies(streams_BTnD):  # y = (x, ..., x): rms(y) = rms(x), W y = (sum_k W_k) x
             x_BTD = _OneCopy.apply(streams_BTnD) if x_BTD is None else x_BTD
             proj_BTk, ss_BT1 = _ProjSq.apply(x_BTD, self.W.unflatten(-1, (n, D)).sum(1))
             ms_BT1 = ss_BT1 / D
         else:
-            proj_BTk, ss_BT1 = _ProjSq.apply(streams_BTnD.flatten(-2), self.W)
+            y_Nm = streams_BTnD.reshape(-1, n * D)
+            proj, ss = (_ProjSq.apply(y_Nm, self.W) if buf is None
+                        else kernels.ProjSqInto.apply(y_Nm, self.W, buf))
+            lead = streams_BTnD.shape[:-2]
+            proj_BTk, ss_BT1 = proj.view(*lead, -1), ss.view(*lead, 1)
             ms_BT1 = ss_BT1 / (n * D)
         scale_BTk = self.alpha[self.alpha_idx] * torch.rsqrt(ms_BT1 + self.eps)
         logits_BTk = torch.addcmul(self.b, proj_BTk, scale_BTk)
@@ -252,10 +258,16 @@ class HyperConnection(nn.Module):
         dt = streams_BTnD.dtype
         copies = _copies(streams_BTnD)
         x0_BTD = _OneCopy.apply(streams_BTnD) if copies else None
-        pre_BTn, post_BTn, res = self.coefficients(streams_BTnD, x0_BTD)
+        # fused path: kernels for the read and the mix, one gradient buffer for y
+        buf = kernels.StreamGrad() if not copies and kernels.enabled(streams_BTnD) else None
+        pre_BTn, post_BTn, res = self.coefficients(streams_BTnD, x0_BTD, buf)
         pre_BTn, post_BTn = pre_BTn.to(dt), post_BTn.to(dt)
+        B_T, (n, D) = streams_BTnD.shape[:-2], streams_BTnD.shape[-2:]
         if copies:  # every stream is x: work on one copy (same values, n x less traffic)
             x_BTD = pre_BTn.sum(-1, keepdim=True) * x0_BTD
+        elif buf is not None:
+            x_BTD = kernels.ReadInto.apply(pre_BTn.reshape(-1, 1, n).contiguous(),
+                                           streams_BTnD.reshape(-1, n, D), buf).view(*B_T, D)
         else:
             x_BTD = mix(pre_BTn.unsqueeze(-2), streams_BTnD).squeeze(-2)  # H_pre . y
         f_BTD = fn(x_BTD)
@@ -274,6 +286,9 @@ class HyperConnection(nn.Module):
         elif res.dim() == 3:
             res = torch.diag_embed(res.to(dt))
         A_BTnm = torch.cat([res.to(dt), post_BTn.unsqueeze(-1)], dim=-1)
+        if buf is not None and f_BTD.dtype == dt:
+            return kernels.MixInto.apply(A_BTnm.reshape(-1, n, n + 1), streams_BTnD.reshape(-1, n, D),
+                                         f_BTD.reshape(-1, D).contiguous(), buf).view(*B_T, n, D)
         return mix(A_BTnm, streams_BTnD, f_BTD)
 
 

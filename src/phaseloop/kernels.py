@@ -154,8 +154,78 @@ class Rows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, G):
         A, Y, F = ctx.saved_tensors
-        dA, dY, dF = extension().rows_backward(A, Y, F, G.contiguous())
+        dA, dY, dF = extension().rows_backward(A, Y, F, G.contiguous(), None)
         return dA, dY, (dF if F is not None else None)
+
+
+# ---------------------------------------------------------------- one connection, one dY
+# A hyper-connection reads its input streams y three times: the coefficient projection
+# (W y, |y|^2), the read x = H_pre . y, and the mix H_res y + H_post f. Left to autograd,
+# each backward writes its own [tokens, n, D] gradient and two more passes add them up.
+# Here the three share one buffer, filled in the order autograd must run them (the mix's
+# output is last in the forward, the projection feeds everything else): the mix's
+# backward writes it, the read's kernel adds into it, the projection's backward adds its
+# part and returns it as y's whole gradient (the other two return None for y).
+class StreamGrad:
+    """The shared gradient buffer of one connection's input streams."""
+    __slots__ = ("dy",)
+
+    def __init__(self):
+        self.dy = None
+
+
+class MixInto(torch.autograd.Function):
+    """``Rows`` for the mix A @ [Y; F], leaving Y's gradient in ``buf``."""
+
+    @staticmethod
+    def forward(ctx, A, Y, F, buf: StreamGrad):
+        ctx.save_for_backward(A, Y, F)
+        ctx.buf = buf
+        return extension().rows_forward(A, Y, F)
+
+    @staticmethod
+    def backward(ctx, G):
+        A, Y, F = ctx.saved_tensors
+        dA, ctx.buf.dy, dF = extension().rows_backward(A, Y, F, G.contiguous(), None)
+        return dA, None, dF, None
+
+
+class ReadInto(torch.autograd.Function):
+    """``Rows`` for the read p @ Y (p [N, 1, m]), adding Y's gradient into ``buf``."""
+
+    @staticmethod
+    def forward(ctx, p, Y, buf: StreamGrad):
+        ctx.save_for_backward(p, Y)
+        ctx.buf = buf
+        return extension().rows_forward(p, Y, None)
+
+    @staticmethod
+    def backward(ctx, G):
+        p, Y = ctx.saved_tensors
+        dp, ctx.buf.dy, _ = extension().rows_backward(p, Y, None, G.contiguous(), ctx.buf.dy)
+        return dp, None, None
+
+
+class ProjSqInto(torch.autograd.Function):
+    """(y W^T, sum(y^2)) for y [N, m]; the backward adds 2 g_s y + g_p W into ``buf``
+    (viewed as [N, m]) and returns it: the connection's whole gradient for y."""
+
+    @staticmethod
+    def forward(ctx, y, W, buf: StreamGrad):
+        ctx.save_for_backward(y, W)
+        ctx.buf = buf
+        ss = torch.linalg.vector_norm(y, dim=-1, keepdim=True).square()
+        return y @ W.t(), ss
+
+    @staticmethod
+    def backward(ctx, g_p, g_s):
+        y, W = ctx.saved_tensors
+        dy, ctx.buf.dy = ctx.buf.dy, None
+        if dy is None:
+            dy = y * (2 * g_s)
+        else:
+            dy = dy.view(y.shape).addcmul_(y, 2 * g_s)
+        return dy.addmm_(g_p, W), g_p.t() @ y, None
 
 
 class Sinkhorn(torch.autograd.Function):

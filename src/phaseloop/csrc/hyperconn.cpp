@@ -51,14 +51,16 @@ void rows_fwd(const T* A, const T* Y, const T* F, T* O, int64_t N, int64_t r, in
 // Backward of rows_fwd: dA[t, i, j] = <G[t, i], Z[t, j]>, dZ[t, j] = sum_i A[t, i, j] G[t, i].
 // Per (token, j) one pass over D in chunks of V lanes: R dot-product accumulators and the
 // dZ row stay in registers. R is a template constant (1..8); larger R takes the loop form.
+// The first `acc_rows` rows of dZ (the Y rows when accumulating) are added to, not overwritten.
 constexpr int64_t V = 8;
 
 template <typename T, int64_t R>
 void rows_bwd_token(const T* a, const T* g, const T* const* z, T* const* dz, T* da, int64_t c,
-                    int64_t D) {
+                    int64_t D, int64_t acc_rows) {
   for (int64_t j = 0; j < c; ++j) {
     const T* __restrict__ zj = z[j];
     T* __restrict__ dzj = dz[j];
+    const bool add = j < acc_rows;  // (never 0 * an uninitialised value)
     T aj[R];
     for (int64_t i = 0; i < R; ++i) aj[i] = a[i * c + j];
     T acc[R][V] = {};
@@ -74,7 +76,7 @@ void rows_bwd_token(const T* a, const T* g, const T* const* z, T* const* dz, T* 
         }
       }
 #pragma omp simd
-      for (int64_t v = 0; v < V; ++v) dzj[d0 + v] = out[v];
+      for (int64_t v = 0; v < V; ++v) dzj[d0 + v] = (add ? dzj[d0 + v] : T(0)) + out[v];
     }
     for (; d0 < D; ++d0) {
       T o = 0;
@@ -82,7 +84,7 @@ void rows_bwd_token(const T* a, const T* g, const T* const* z, T* const* dz, T* 
         o += aj[i] * g[i * D + d0];
         acc[i][0] += g[i * D + d0] * zj[d0];
       }
-      dzj[d0] = o;
+      dzj[d0] = (add ? dzj[d0] : T(0)) + o;
     }
     for (int64_t i = 0; i < R; ++i) {
       T sum = 0;
@@ -94,9 +96,10 @@ void rows_bwd_token(const T* a, const T* g, const T* const* z, T* const* dz, T* 
 
 template <typename T>
 void rows_bwd_token_any(const T* a, const T* g, const T* const* z, T* const* dz, T* da,
-                        int64_t r, int64_t c, int64_t D) {
+                        int64_t r, int64_t c, int64_t D, int64_t acc_rows) {
   for (int64_t j = 0; j < c; ++j) {
-    for (int64_t d = 0; d < D; ++d) dz[j][d] = 0;
+    if (j >= acc_rows)
+      for (int64_t d = 0; d < D; ++d) dz[j][d] = 0;
     for (int64_t i = 0; i < r; ++i) {
       const T aij = a[i * c + j];
       T acc = 0;
@@ -111,7 +114,8 @@ void rows_bwd_token_any(const T* a, const T* g, const T* const* z, T* const* dz,
 
 template <typename T>
 void rows_bwd(const T* A, const T* Y, const T* F, const T* G, T* dA, T* dY, T* dF, int64_t N,
-              int64_t r, int64_t m, int64_t D) {
+              int64_t r, int64_t m, int64_t D, bool accumulate) {
+  const int64_t acc_rows = accumulate ? m : 0;
   const int64_t c = m + (F ? 1 : 0);
   at::parallel_for(0, N, grain(2 * r * c * D), [&](int64_t s, int64_t e) {
     std::vector<const T*> z(c);
@@ -127,12 +131,12 @@ void rows_bwd(const T* A, const T* Y, const T* F, const T* G, T* dA, T* dY, T* d
       switch (r) {
 #define PL_CASE(R) \
   case R:          \
-    rows_bwd_token<T, R>(a, g, z.data(), dz.data(), da, c, D); \
+    rows_bwd_token<T, R>(a, g, z.data(), dz.data(), da, c, D, acc_rows); \
     break;
         PL_CASE(1) PL_CASE(2) PL_CASE(3) PL_CASE(4) PL_CASE(5) PL_CASE(6) PL_CASE(7) PL_CASE(8)
 #undef PL_CASE
         default:
-          rows_bwd_token_any<T>(a, g, z.data(), dz.data(), da, r, c, D);
+          rows_bwd_token_any<T>(a, g, z.data(), dz.data(), da, r, c, D, acc_rows);
       }
     }
   });
@@ -276,20 +280,27 @@ torch::Tensor rows_forward(torch::Tensor A, torch::Tensor Y, c10::optional<torch
   return O;
 }
 
+// dY_acc: when given, Y's gradient is added into it (in place) and it is returned as dY.
 std::vector<torch::Tensor> rows_backward(torch::Tensor A, torch::Tensor Y,
-                                         c10::optional<torch::Tensor> F, torch::Tensor G) {
+                                         c10::optional<torch::Tensor> F, torch::Tensor G,
+                                         c10::optional<torch::Tensor> dY_acc) {
   check(A, "A");
   check(Y, "Y");
   check(G, "G");
   const int64_t N = Y.size(0), m = Y.size(1), D = Y.size(2), r = A.size(1);
   auto dA = torch::empty_like(A);
-  auto dY = torch::empty_like(Y);
+  if (dY_acc) {
+    check(*dY_acc, "dY_acc");
+    TORCH_CHECK(dY_acc->sizes() == Y.sizes() && dY_acc->scalar_type() == Y.scalar_type(),
+                "rows_backward: dY_acc must match Y");
+  }
+  auto dY = dY_acc ? *dY_acc : torch::empty_like(Y);
   torch::Tensor dF = F ? torch::empty_like(*F) : torch::Tensor();
   AT_DISPATCH_FLOATING_TYPES(Y.scalar_type(), "rows_backward", [&] {
     rows_bwd<scalar_t>(A.data_ptr<scalar_t>(), Y.data_ptr<scalar_t>(),
                        F ? F->data_ptr<scalar_t>() : nullptr, G.data_ptr<scalar_t>(),
                        dA.data_ptr<scalar_t>(), dY.data_ptr<scalar_t>(),
-                       F ? dF.data_ptr<scalar_t>() : nullptr, N, r, m, D);
+                       F ? dF.data_ptr<scalar_t>() : nullptr, N, r, m, D, dY_acc.has_value());
   });
   return {dA, dY, dF};
 }
