@@ -242,7 +242,7 @@ def test_resume_after_interruption_between_steps_and_runs(tmp_path, text_file, m
     calls.clear()
     monkeypatch.setattr(train_mod, "train", lambda *a, **kw: (calls.append(Path(a[3]).name),
                                                                real_train(*a, **kw))[1])
-    summary = run_comparison(recipe, out, progress=False, log=None)
+    run_comparison(recipe, out, progress=False, log=None)
     assert calls == ["rope-s1", "three_phase-N3-s1"]
     assert (runs / "rope-s0" / "summary.json").read_bytes() == first_summary
     # the run interrupted between steps ends exactly as an uninterrupted one

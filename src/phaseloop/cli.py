@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import kernels
 from .errors import PhaseloopError
 
 # train options: (flag, TrainConfig field, type, help)
@@ -554,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        kernels.mode()  # a bad $PHASELOOP_KERNELS is refused before anything is written
         return args.func(args)
     except PhaseloopError as e:
         print(f"phaseloop: error: {e}", file=sys.stderr)
