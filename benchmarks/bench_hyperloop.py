@@ -24,7 +24,7 @@ stream work (O(n d) per token per connection) relative to the matmuls (O(d^2)); 
 ratios are at d 1024. The second shape (``WIDE``: d 512, 8 heads, d_ff 1408, depth 8,
 batch 16 x seq 64) is closer to that balance; both are reported, labelled.
 
-    python benchmarks/bench_hyperloop.py                 # small + wide, ~2 min on 2 cores
+    python benchmarks/bench_hyperloop.py                 # small + wide, ~4 min on 2 cores
     python benchmarks/bench_hyperloop.py --no-wide       # small presets only
     python benchmarks/bench_hyperloop.py --size tiny --rounds 3 --no-wide
     python benchmarks/bench_hyperloop.py --set d_model=256 --set d_ff=704   # wider small
@@ -50,7 +50,7 @@ TIMED = (("transformer", "transformer", "auto"), ("mhc", "mhc", "auto"),
          ("mhc:torch-ops", "mhc", "eager"), ("hyperloop:torch-ops", "hyperloop", "eager"))
 # second timed shape: *-small presets widened to d 512 (same depth 8 and split), short seq
 WIDE = dict(over=dict(d_model=512, n_heads=8, n_kv_heads=8, d_ff=1408), batch=16, seq=64,
-            rounds=5, steps=1)
+            rounds=8, steps=1)
 
 
 def param_bytes(cfg: ModelConfig, bits: int | None = None, group_size: int = 128) -> int:

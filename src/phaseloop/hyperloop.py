@@ -12,6 +12,9 @@ Every trunk is built from ``layers.Block``; the stream maths lives in ``HyperCon
 and is vectorised over streams ([B, T, n, D] tensors). Its stream-sized products have
 hand-written backwards (``_ProjSq``, ``_Mix``, ``_OneCopy``, ``_Sinkhorn``; gradchecked in
 the tests) that make fewer passes over [B, T, n, D] than autograd's graph of broadcasts.
+On CPU the read, the mix and Sinkhorn run in fused kernels instead (``kernels``: one pass
+per token, the three readers of y sharing one gradient buffer); both paths are tested
+equal.
 
 Initialisation (ours; the paper gives none), set so that each model starts next to its
 stream-free twin: alpha = ``hc_alpha_init`` (0.01), W ~ N(0, init_std) (breaks the

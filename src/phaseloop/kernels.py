@@ -86,6 +86,9 @@ def _build():
 
     from torch.utils import cpp_extension
 
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:  # say so plainly instead of a failed build's log
+        raise RuntimeError(f"no C++ compiler ({cxx}) on PATH")
     venv_bin = str(Path(sys.executable).parent)  # pip's ninja lands next to the interpreter
     if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
