@@ -26,6 +26,7 @@ batch 16 x seq 64) is closer to that balance; both are reported, labelled.
 
     python benchmarks/bench_hyperloop.py                 # small + wide, ~4 min on 2 cores
     python benchmarks/bench_hyperloop.py --no-wide       # small presets only
+    python benchmarks/bench_hyperloop.py --no-wide --paper-width   # small + d 1024
     python benchmarks/bench_hyperloop.py --size tiny --rounds 3 --no-wide
     python benchmarks/bench_hyperloop.py --set d_model=256 --set d_ff=704   # wider small
 """
@@ -51,6 +52,10 @@ TIMED = (("transformer", "transformer", "auto"), ("mhc", "mhc", "auto"),
 # second timed shape: *-small presets widened to d 512 (same depth 8 and split), short seq
 WIDE = dict(over=dict(d_model=512, n_heads=8, n_kv_heads=8, d_ff=1408), batch=16, seq=64,
             rounds=8, steps=1)
+# opt-in third shape at the paper's width (d 1024, 16 heads, d_ff 2816; depth 8, bytes)
+# (1024 tokens per step: fewer and AdamW over the unique parameters dominates the step)
+PAPER_WIDTH = dict(over=dict(d_model=1024, n_heads=16, n_kv_heads=16, d_ff=2816), batch=16,
+                   seq=64, rounds=4, steps=1)
 
 
 def param_bytes(cfg: ModelConfig, bits: int | None = None, group_size: int = 128) -> int:
@@ -115,6 +120,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-wide", action="store_true",
                     help="skip the second, wider shape (d 512; see WIDE)")
+    ap.add_argument("--paper-width", action="store_true",
+                    help="also time the paper's width (d 1024; see PAPER_WIDTH, ~6 min more)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -126,6 +133,8 @@ def main() -> None:
                    steps=args.steps)}
     if not args.no_wide:
         shapes[f"wide: {args.size} presets with {WIDE['over']}"] = WIDE
+    if args.paper_width:
+        shapes[f"paper width: {args.size} presets with {PAPER_WIDTH['over']}"] = PAPER_WIDTH
     fused = kernels.mode() != "eager" and kernels.extension() is not None
     if not fused:
         print(f"fused kernels not used ({kernels.error() or 'PHASELOOP_KERNELS=eager'}): "

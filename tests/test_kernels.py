@@ -162,3 +162,24 @@ def test_connection_gradcheck_with_shared_gradient_buffer(form):
         nodes = _graph_nodes(f(y))
         assert {"MixIntoBackward", "ReadIntoBackward", "ProjSqIntoBackward"} <= nodes
         assert torch.autograd.gradcheck(f, (y, *params))
+
+
+@needs_ext
+def test_kernels_split_over_threads_give_identical_results():
+    """Tokens are independent: splitting them over intra-op threads changes nothing."""
+    g = torch.Generator().manual_seed(3)
+    A, Y, F = torch.randn(300, 4, 5, generator=g), torch.randn(300, 4, 64, generator=g), \
+        torch.randn(300, 64, generator=g)
+    G, L = torch.randn(300, 4, 64, generator=g), torch.randn(300, 4, 4, generator=g)
+    ext = kernels.extension()
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append([ext.rows_forward(A, Y, F), *ext.rows_backward(A, Y, F, G, None),
+                         ext.sinkhorn_forward(L, 20), ext.sinkhorn_backward(L, L, 20)])
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
