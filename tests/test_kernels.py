@@ -78,7 +78,7 @@ def test_model_fused_equals_torch_ops(preset, over):
             loss = model(x, x).loss
             nodes = _graph_nodes(loss)
             loss.backward()
-        fused_nodes = {"RowsBackward", "MixIntoBackward", "ReadIntoBackward", "ProjSqIntoBackward"}
+        fused_nodes = {"RowsBackward"}
         if model.cfg.hc_res_form == "sinkhorn":
             fused_nodes.add("SinkhornBackward")
         if m == "fused":  # the path really taken
@@ -138,7 +138,7 @@ def test_unbuildable_extension_falls_back_or_fails_by_mode(monkeypatch):
 
 @needs_ext
 @pytest.mark.parametrize("form", ["diagonal", "sinkhorn", "identity"])
-def test_connection_gradcheck_with_shared_gradient_buffer(form):
+def test_connection_gradcheck_with_shared_gradient_buffer(form, monkeypatch):
     """The fused connection returns y's whole gradient from the projection's backward
     (the mix and the read leave theirs in one buffer): gradcheck of the connection as a
     function of its streams and of every parameter, in float64."""
@@ -158,9 +158,19 @@ def test_connection_gradcheck_with_shared_gradient_buffer(form):
     def f(y, *ps):
         return hc(y, lambda h: torch.tanh(h) * w)
 
+    bufs = []
+
+    class Recorded(kernels.StreamGrad):
+        def __init__(self):
+            super().__init__()
+            bufs.append(self)
+
+    monkeypatch.setattr(kernels, "StreamGrad", Recorded)
     with kernels.use("fused"):
-        nodes = _graph_nodes(f(y))
-        assert {"MixIntoBackward", "ReadIntoBackward", "ProjSqIntoBackward"} <= nodes
+        out = f(y)
+        assert len(bufs) == 1 and "RowsBackward" in _graph_nodes(out)  # the buffer path
+        out.sum().backward()
+        assert bufs[0].dy is None  # filled by mix and read, drained by the projection
         assert torch.autograd.gradcheck(f, (y, *params))
 
 

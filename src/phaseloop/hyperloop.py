@@ -114,11 +114,13 @@ def merge_streams(streams_BTnD: torch.Tensor) -> torch.Tensor:
 class _ProjSq(torch.autograd.Function):
     """(y W^T, sum(y^2)) over the last dim of y [..., m], W [k, m], with one fused input
     gradient dy = g_p W + 2 g_s y (a scaled copy and one in-place matmul, instead of the
-    norm's backward, the matmul's and their sum)."""
+    norm's backward, the matmul's and their sum). With ``buf`` (``kernels.StreamGrad``)
+    the other readers' gradient of y already in ``buf.dy`` is added to in place."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, W: torch.Tensor):
+    def forward(ctx, y: torch.Tensor, W: torch.Tensor, buf=None):
         ctx.save_for_backward(y, W)
+        ctx.buf = buf
         ss = torch.linalg.vector_norm(y, dim=-1, keepdim=True).square()
         return y @ W.t(), ss
 
@@ -128,8 +130,15 @@ class _ProjSq(torch.autograd.Function):
         dt = torch.promote_types(y.dtype, W.dtype)  # under autocast g_p may be bf16
         y, W, g_p, g_s = y.to(dt), W.to(dt), g_p.to(dt), g_s.to(dt)
         y_Nm, g_Nk = y.reshape(-1, y.shape[-1]), g_p.reshape(-1, W.shape[0])
-        dy = (y_Nm * (2 * g_s).reshape(-1, 1)).addmm_(g_Nk, W)
-        return dy.view(y.shape), g_Nk.t() @ y_Nm
+        two_gs = (2 * g_s).reshape(-1, 1)
+        acc = None if ctx.buf is None else ctx.buf.dy
+        if acc is None:
+            dy = y_Nm * two_gs
+        else:
+            ctx.buf.dy = None
+            dy = acc.view(y_Nm.shape).addcmul_(y_Nm, two_gs)
+        dy.addmm_(g_Nk, W)
+        return dy.view(y.shape), g_Nk.t() @ y_Nm, None
 
 
 class _OneCopy(torch.autograd.Function):
@@ -180,7 +189,7 @@ def mix(A: torch.Tensor, y: torch.Tensor, f: torch.Tensor | None = None) -> torc
     """A @ [y; f] per token: A [..., r, c], y [..., m, D], f [..., D] (c = m + 1) or None
     (c = m) -> [..., r, D]. The fused kernel (``kernels.Rows``) where it runs, else torch
     ops (``_Mix``, or a batched product for the read H_pre . y)."""
-    if kernels.enabled(A, y) and (f is None or kernels.enabled(A, f)):
+    if kernels.enabled(*(t for t in (A, y, f) if t is not None)):
         (r, c), (m, D) = A.shape[-2:], y.shape[-2:]
         out = kernels.Rows.apply(A.reshape(-1, r, c), y.reshape(-1, m, D),
                                  None if f is None else f.reshape(-1, D))
@@ -241,8 +250,7 @@ class HyperConnection(nn.Module):
             ms_BT1 = ss_BT1 / D
         else:
             y_Nm = streams_BTnD.reshape(-1, n * D)
-            proj, ss = (_ProjSq.apply(y_Nm, self.W) if buf is None
-                        else kernels.ProjSqInto.apply(y_Nm, self.W, buf))
+            proj, ss = _ProjSq.apply(y_Nm, self.W, buf)
             lead = streams_BTnD.shape[:-2]
             proj_BTk, ss_BT1 = proj.view(*lead, -1), ss.view(*lead, 1)
             ms_BT1 = ss_BT1 / (n * D)
@@ -269,8 +277,8 @@ class HyperConnection(nn.Module):
         if copies:  # every stream is x: work on one copy (same values, n x less traffic)
             x_BTD = pre_BTn.sum(-1, keepdim=True) * x0_BTD
         elif buf is not None:
-            x_BTD = kernels.ReadInto.apply(pre_BTn.reshape(-1, 1, n).contiguous(),
-                                           streams_BTnD.reshape(-1, n, D), buf).view(*B_T, D)
+            x_BTD = kernels.Rows.apply(pre_BTn.reshape(-1, 1, n), streams_BTnD.reshape(-1, n, D),
+                                       None, buf).view(*B_T, D)
         else:
             x_BTD = mix(pre_BTn.unsqueeze(-2), streams_BTnD).squeeze(-2)  # H_pre . y
         f_BTD = fn(x_BTD)
@@ -290,8 +298,8 @@ class HyperConnection(nn.Module):
             res = torch.diag_embed(res.to(dt))
         A_BTnm = torch.cat([res.to(dt), post_BTn.unsqueeze(-1)], dim=-1)
         if buf is not None and f_BTD.dtype == dt:
-            return kernels.MixInto.apply(A_BTnm.reshape(-1, n, n + 1), streams_BTnD.reshape(-1, n, D),
-                                         f_BTD.reshape(-1, D).contiguous(), buf).view(*B_T, n, D)
+            return kernels.Rows.apply(A_BTnm.reshape(-1, n, n + 1), streams_BTnD.reshape(-1, n, D),
+                                      f_BTD.reshape(-1, D), buf).view(*B_T, n, D)
         return mix(A_BTnm, streams_BTnD, f_BTD)
 
 

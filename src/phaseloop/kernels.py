@@ -35,7 +35,7 @@ from .errors import ConfigError
 
 MODES = ("auto", "fused", "eager")
 _SOURCE = Path(__file__).parent / "csrc" / "hyperconn.cpp"
-_state = {"mode": None, "ext": None, "error": None}
+_state = {"mode": None, "ext": None, "error": None, "warned": False}
 
 
 def mode() -> str:
@@ -111,7 +111,8 @@ def extension():
         try:
             _state["ext"] = _build()
         except Exception as exc:  # no compiler / ninja / headers: fall back to torch ops
-            _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            last = (str(exc).strip().splitlines() or [""])[-1]  # a failed build's last line
+            _state["error"] = f"{type(exc).__name__}: {last}"
     return _state["ext"]
 
 
@@ -135,7 +136,7 @@ def enabled(*tensors: torch.Tensor) -> bool:
             raise ConfigError(f"PHASELOOP_KERNELS=fused but the fused kernels could not be built "
                               f"({error()}); install a C++ compiler and ninja, or set "
                               f"PHASELOOP_KERNELS=auto")
-        if not _state.get("warned"):
+        if not _state["warned"]:
             _state["warned"] = True
             warnings.warn(f"phaseloop: fused hyper-connection kernels unavailable ({error()}); "
                           f"using torch ops (slower on CPU)", stacklevel=2)
@@ -143,45 +144,31 @@ def enabled(*tensors: torch.Tensor) -> bool:
     return True
 
 
-class Rows(torch.autograd.Function):
-    """out[t] = A[t] @ [Y[t]; F[t]] for A [N, r, c], Y [N, m, D], F [N, D] or None
-    (c = m + 1 or m): one fused pass forward, one backward."""
-
-    @staticmethod
-    def forward(ctx, A, Y, F=None):
-        A, Y = A.contiguous(), Y.contiguous()
-        F = F.contiguous() if F is not None else None
-        ctx.save_for_backward(A, Y, F)
-        return extension().rows_forward(A, Y, F)
-
-    @staticmethod
-    def backward(ctx, G):
-        A, Y, F = ctx.saved_tensors
-        dA, dY, dF = extension().rows_backward(A, Y, F, G.contiguous(), None)
-        return dA, dY, (dF if F is not None else None)
-
-
-# ---------------------------------------------------------------- one connection, one dY
-# A hyper-connection reads its input streams y three times: the coefficient projection
-# (W y, |y|^2), the read x = H_pre . y, and the mix H_res y + H_post f. Left to autograd,
-# each backward writes its own [tokens, n, D] gradient and two more passes add them up.
-# Here the three share one buffer, filled in the order autograd must run them (the mix's
-# output is last in the forward, the projection feeds everything else): the mix's
-# backward writes it, the read's kernel adds into it, the projection's backward adds its
-# part and returns it as y's whole gradient (the other two return None for y).
 class StreamGrad:
-    """The shared gradient buffer of one connection's input streams."""
+    """A shared gradient buffer for one connection's input streams y.
+
+    A hyper-connection reads y three times: the coefficient projection (W y, |y|^2), the
+    read x = H_pre . y and the mix H_res y + H_post f. Left to autograd, each backward
+    writes its own [tokens, n, D] gradient and two more passes add them up. Given one
+    buffer, the readers fill it in the order autograd must run them (the mix's output is
+    last in the forward, the projection feeds everything else): the mix's ``Rows``
+    writes it, the read's adds into it, and the projection's backward
+    (``hyperloop._ProjSq``) adds its part and returns it as y's whole gradient."""
     __slots__ = ("dy",)
 
     def __init__(self):
         self.dy = None
 
 
-class MixInto(torch.autograd.Function):
-    """``Rows`` for the mix A @ [Y; F], leaving Y's gradient in ``buf``."""
+class Rows(torch.autograd.Function):
+    """out[t] = A[t] @ [Y[t]; F[t]] for A [N, r, c], Y [N, m, D], F [N, D] or None
+    (c = m + 1 or m): one fused pass forward, one backward. With ``buf`` (a
+    ``StreamGrad``) Y's gradient is added into ``buf.dy`` instead of returned."""
 
     @staticmethod
-    def forward(ctx, A, Y, F, buf: StreamGrad):
+    def forward(ctx, A, Y, F=None, buf: StreamGrad | None = None):
+        A, Y = A.contiguous(), Y.contiguous()
+        F = F.contiguous() if F is not None else None
         ctx.save_for_backward(A, Y, F)
         ctx.buf = buf
         return extension().rows_forward(A, Y, F)
@@ -189,46 +176,12 @@ class MixInto(torch.autograd.Function):
     @staticmethod
     def backward(ctx, G):
         A, Y, F = ctx.saved_tensors
-        dA, ctx.buf.dy, dF = extension().rows_backward(A, Y, F, G.contiguous(), None)
-        return dA, None, dF, None
-
-
-class ReadInto(torch.autograd.Function):
-    """``Rows`` for the read p @ Y (p [N, 1, m]), adding Y's gradient into ``buf``."""
-
-    @staticmethod
-    def forward(ctx, p, Y, buf: StreamGrad):
-        ctx.save_for_backward(p, Y)
-        ctx.buf = buf
-        return extension().rows_forward(p, Y, None)
-
-    @staticmethod
-    def backward(ctx, G):
-        p, Y = ctx.saved_tensors
-        dp, ctx.buf.dy, _ = extension().rows_backward(p, Y, None, G.contiguous(), ctx.buf.dy)
-        return dp, None, None
-
-
-class ProjSqInto(torch.autograd.Function):
-    """(y W^T, sum(y^2)) for y [N, m]; the backward adds 2 g_s y + g_p W into ``buf``
-    (viewed as [N, m]) and returns it: the connection's whole gradient for y."""
-
-    @staticmethod
-    def forward(ctx, y, W, buf: StreamGrad):
-        ctx.save_for_backward(y, W)
-        ctx.buf = buf
-        ss = torch.linalg.vector_norm(y, dim=-1, keepdim=True).square()
-        return y @ W.t(), ss
-
-    @staticmethod
-    def backward(ctx, g_p, g_s):
-        y, W = ctx.saved_tensors
-        dy, ctx.buf.dy = ctx.buf.dy, None
-        if dy is None:
-            dy = y * (2 * g_s)
-        else:
-            dy = dy.view(y.shape).addcmul_(y, 2 * g_s)
-        return dy.addmm_(g_p, W), g_p.t() @ y, None
+        buf = ctx.buf
+        dA, dY, dF = extension().rows_backward(A, Y, F, G.contiguous(),
+                                               None if buf is None else buf.dy)
+        if buf is not None:
+            buf.dy, dY = dY, None
+        return dA, dY, (dF if F is not None else None), None
 
 
 class Sinkhorn(torch.autograd.Function):

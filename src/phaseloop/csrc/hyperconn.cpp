@@ -166,33 +166,23 @@ void sinkhorn_block(const T* L, int64_t nt, int64_t n_rt, int64_t iters, T* st, 
       const T* __restrict__ P = st + (keep ? h : h % 2) * nn * TB;
       T* __restrict__ Q = st + (keep ? h + 1 : (h + 1) % 2) * nn * TB;
       T* __restrict__ w = inv + (keep ? h : 0) * n * TB;
-      if (half == 0) {
-        for (int64_t a = 0; a < n; ++a) {
-          T s[TB];
+      const int64_t sa = half == 0 ? n : 1, sk = half == 0 ? 1 : n;  // entry (a, k): a*sa + k*sk
+      for (int64_t a = 0; a < n; ++a) {
+        T s[TB];
 #pragma omp simd
-          for (int64_t b = 0; b < TB; ++b) s[b] = P[(a * n) * TB + b];
-          for (int64_t k = 1; k < n; ++k)
+        for (int64_t b = 0; b < TB; ++b) s[b] = P[(a * sa) * TB + b];
+        for (int64_t k = 1; k < n; ++k)
 #pragma omp simd
-            for (int64_t b = 0; b < TB; ++b) s[b] += P[(a * n + k) * TB + b];
+          for (int64_t b = 0; b < TB; ++b) s[b] += P[(a * sa + k * sk) * TB + b];
 #pragma omp simd
-          for (int64_t b = 0; b < TB; ++b) { s[b] = T(1) / s[b]; w[a * TB + b] = s[b]; }
-          for (int64_t k = 0; k < n; ++k)
-#pragma omp simd
-            for (int64_t b = 0; b < TB; ++b) Q[(a * n + k) * TB + b] = P[(a * n + k) * TB + b] * s[b];
+        for (int64_t b = 0; b < TB; ++b) {
+          s[b] = T(1) / s[b];
+          w[a * TB + b] = s[b];
         }
-      } else {
-        for (int64_t a = 0; a < n; ++a) {
-          T s[TB];
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t el = (a * sa + k * sk) * TB;
 #pragma omp simd
-          for (int64_t b = 0; b < TB; ++b) s[b] = P[a * TB + b];
-          for (int64_t k = 1; k < n; ++k)
-#pragma omp simd
-            for (int64_t b = 0; b < TB; ++b) s[b] += P[(k * n + a) * TB + b];
-#pragma omp simd
-          for (int64_t b = 0; b < TB; ++b) { s[b] = T(1) / s[b]; w[a * TB + b] = s[b]; }
-          for (int64_t k = 0; k < n; ++k)
-#pragma omp simd
-            for (int64_t b = 0; b < TB; ++b) Q[(k * n + a) * TB + b] = P[(k * n + a) * TB + b] * s[b];
+          for (int64_t b = 0; b < TB; ++b) Q[el + b] = P[el + b] * s[b];
         }
       }
     }
