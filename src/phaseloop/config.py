@@ -17,6 +17,9 @@ from .errors import ConfigError
 from .validation import check_ints, strict_from_dict
 
 ARCHS = ("rope", "three_phase", "looped", "hyperloop", "mhc", "universal")
+# Fields whose None default means "derived from the other fields" (see __post_init__).
+_DERIVED = ("n_kv_heads", "d_ff", "n_phases", "phase_rotation", "phase_norm", "phase_aligned_gqa",
+            "horn")
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -80,6 +83,10 @@ class ModelConfig:
     use_rope: bool = True  # any arch: False drops RoPE (paper-faithful UT: sinusoids only)
 
     def __post_init__(self) -> None:
+        # Fields left None are derived from others; remember which, so that replace()
+        # derives them again from the new values (a plain attribute: not a field).
+        derived = tuple(f.name for f in fields(self) if f.name in _DERIVED and getattr(self, f.name) is None)
+        object.__setattr__(self, "_derived", derived)
         tp = self.arch == "three_phase"
         if self.n_phases is None:
             self.n_phases = 3 if tp else 1
@@ -224,7 +231,10 @@ class ModelConfig:
         return strict_from_dict(cls, d, "config")
 
     def replace(self, **overrides) -> "ModelConfig":
+        """The config built from this one's explicit fields plus ``overrides``: values that
+        were derived (d_ff, n_kv_heads, the 3PT switches) are derived again."""
         d = self.to_dict()
+        d.update({name: None for name in self._derived})
         d.update(overrides)
         return ModelConfig.from_dict(d)
 
