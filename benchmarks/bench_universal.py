@@ -22,7 +22,7 @@ import time
 import torch
 
 from phaseloop import ModelConfig, build_model
-from phaseloop.train import TrainConfig, autocast, make_optimizer
+from phaseloop.engine import TrainConfig, autocast, make_optimizer
 
 
 def sync(device):

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from phaseloop import ModelConfig
-from phaseloop.cli import main as cli_main
+from phaseloop.quant import quantize_run
 from phaseloop.train import TrainConfig, train
 
 ARCHS = ("transformer", "mhc", "looped", "hyperloop")
@@ -36,10 +36,8 @@ def run_one(arch: str, seed: int, out: Path, steps: int, group: int) -> dict:
     res = {"arch": arch, "seed": seed, **json.loads((run / "summary.json").read_text())}
     for method in ("rtn", "gptq"):
         rep = run / f"quant-w4-g{group}-{method}.json"
-        if not rep.exists():
-            cli_main(["quantize", str(run), "--bits", "4", "--group-size", str(group),
-                      "--method", method, "--windows", "64", "--device", "cpu"])
-        r = json.loads(rep.read_text())
+        r = (json.loads(rep.read_text()) if rep.exists() else
+             quantize_run(run, 4, group, method, windows=64, device="cpu"))
         res[f"bpb_{method}4"] = r["after"]["val_bpb"]
         res["bpb_eval"] = r["before"]["val_bpb"]
         res["bytes_fp32"], res[f"bytes_{method}4"] = r["bytes_before"], r["bytes_after"]

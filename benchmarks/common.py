@@ -9,7 +9,7 @@ import time
 import torch
 
 from phaseloop import ModelConfig, build_model
-from phaseloop.train import TrainConfig, make_optimizer
+from phaseloop.engine import TrainConfig, make_optimizer
 
 
 def train_step_fn(cfg: ModelConfig, batch: int, seq: int, seed: int = 0):

@@ -319,7 +319,7 @@ def test_runs_spread_over_several_devices_match_sequential(tmp_path, text_file, 
     """The several-GPU path (one run per device, threads) on two CPU 'devices'."""
     recipe = tiny_recipe(text_file, train={**TINY_TRAIN, "steps": 4})
     seq = run_comparison(recipe, tmp_path / "seq", progress=False, log=None)
-    monkeypatch.setattr(compare, "devices_for", lambda name: ["cpu", "cpu"])
+    monkeypatch.setattr(compare.runner, "devices_for", lambda name: ["cpu", "cpu"])
     par = run_comparison(recipe, tmp_path / "par", progress=False, log=None)
     for a, b in zip(seq["variants"], par["variants"]):
         assert a["finished_seeds"] == b["finished_seeds"] == [0, 1]

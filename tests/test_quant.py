@@ -198,15 +198,23 @@ def _rel_err(model, ref, batches):
     return float((out - ref).norm() / ref.norm())
 
 
-def test_quantize_model_rtn_and_save_load(tmp_path):
+def _each_width(method: str):
+    """(bits, quantised toy model, report, error rel. to the fp32 toy, reference logits,
+    batches) for 8 and 4 bits."""
     batches = _batches()
     base = _toy()
     with torch.no_grad():
         ref = torch.cat([base(b).logits for b in batches])
-    errs = {}
     for bits in (8, 4):
         model = _toy()
-        rep = quantize_model(model, bits=bits, group_size=32, method="rtn")
+        rep = quantize_model(model, bits=bits, group_size=32, method=method)
+        yield bits, model, rep, _rel_err(model, ref, batches), ref, batches
+
+
+def test_quantize_model_rtn_and_save_load(tmp_path):
+    base = _toy()
+    errs = {}
+    for bits, model, rep, errs[bits], ref, batches in _each_width("rtn"):
         assert rep["n_quantized"] == 4 and set(rep["layers"]) == {"up", "down", "proj", "back"}
         assert rep["per_row_fallback"] == ["back"] and rep["layers"]["back"]["group_size"] == 48
         assert rep["bytes_after"] < rep["bytes_before"]
@@ -216,7 +224,6 @@ def test_quantize_model_rtn_and_save_load(tmp_path):
         assert all(v["mse"] > 0 for v in rep["layers"].values())
         assert torch.equal(model.head.weight, base.head.weight)      # skipped by default
         assert torch.equal(model.embed.weight, base.embed.weight)
-        errs[bits] = _rel_err(model, ref, batches)
 
         path = tmp_path / f"q{bits}.safetensors"
         save_quantized(model, path)
@@ -266,14 +273,7 @@ def test_head_tied_to_embedding_is_left_alone():
 
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 def test_torchao_cpu():
-    batches = _batches()
-    base = _toy()
-    with torch.no_grad():
-        ref = torch.cat([base(b).logits for b in batches])
     errs = {}
-    for bits in (8, 4):
-        model = _toy()
-        rep = quantize_model(model, bits=bits, group_size=32, method="torchao")
+    for bits, _, rep, errs[bits], _, _ in _each_width("torchao"):
         assert rep["n_quantized"] == 4 and rep["bytes_after"] < rep["bytes_before"]
-        errs[bits] = _rel_err(model, ref, batches)
     assert errs[8] < 0.01 and errs[8] < errs[4] < 0.3, errs

@@ -10,7 +10,10 @@ import torch
 from phaseloop import ConfigError, ModelConfig
 from phaseloop.layers import KVCache
 from phaseloop.models import TransformerSeq2Seq, UniversalSeq2Seq, build_seq2seq
-from phaseloop.seq2seq import BOS, EOS, PAD, collate, greedy_decode, train_seq2seq
+from phaseloop.decoding import until_eos
+from phaseloop.seq2seq import collate
+from phaseloop.tasks.models import task_train_config, train_pairs
+from phaseloop.tokenizer import BOS, EOS, PAD
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,7 +56,9 @@ def test_build_and_errors():
         TransformerSeq2Seq(universal())
     ut = UniversalSeq2Seq(universal())
     names = {n.split(".")[0] for n, _ in ut.named_parameters()}
-    assert names == {"embed", "enc_norm", "dec_norm", "head", "encoder", "decoder", "cross"}
+    assert names == {"embed", "enc_norm", "dec_norm", "head", "encoder", "decoder"}
+    # one shared decoder block holds the one cross-attention; the encoder's has none
+    assert ut.decoder.block.cross_attn is not None and ut.encoder.block.cross_attn is None
     # weight tying: parameters do not grow with the number of steps
     n2 = sum(p.numel() for p in ut.parameters())
     assert n2 == sum(p.numel() for p in UniversalSeq2Seq(universal(n_steps=5)).parameters())
@@ -100,10 +105,10 @@ def test_source_padding_is_masked():
     padded = torch.cat([src, torch.full((2, 3), PAD)], 1)
     b = m(padded, tgt_in)
     assert torch.allclose(a.logits, b.logits, atol=1e-10)
-    mem_a, _, _ = m.encode(src)
-    mem_b, _, _ = m.encode(padded)
-    assert torch.allclose(mem_a[0], mem_b[0, :3], atol=1e-10)  # real positions unchanged
-    assert torch.allclose(mem_a[1, :2], mem_b[1, :2], atol=1e-10)
+    mem_a, _ = m.encode(src)
+    mem_b, _ = m.encode(padded)
+    assert torch.allclose(mem_a.x_BSD[0], mem_b.x_BSD[0, :3], atol=1e-10)  # real positions unchanged
+    assert torch.allclose(mem_a.x_BSD[1, :2], mem_b.x_BSD[1, :2], atol=1e-10)
 
 
 def test_act_on_either_side():
@@ -119,6 +124,10 @@ def test_act_on_either_side():
     assert dec_only.encoder.halting is None and dec_only.decoder.cfg.act_type == "accumulated"
 
 
+def greedy_decode(m, src, max_len, use_cache=True):
+    return until_eos(m.generate(src, max_len, use_cache=use_cache).tolist(), EOS)
+
+
 def test_depth_extrapolation_and_greedy_cache():
     m = UniversalSeq2Seq(universal())
     src, _, _ = collate(copy_pairs(3, random.Random(1)))
@@ -129,17 +138,33 @@ def test_depth_extrapolation_and_greedy_cache():
     assert greedy_decode(m, src, 6) == greedy_decode(m, src, 6, use_cache=False)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: TransformerSeq2Seq(vanilla()),
-    lambda: UniversalSeq2Seq(universal(act=True)),
-], ids=["transformer", "ut-act"])
-def test_copy_task_trains_to_zero_loss(make):
-    torch.manual_seed(0)
-    m = make()
-    hist = train_seq2seq(m, copy_pairs, steps=400, batch_size=32, lr=1e-2, stop_loss=0.005)
-    assert len(hist) < 400, "did not reach the loss target in 400 steps"
-    assert sum(r["ce_loss"] for r in hist[-10:]) / 10 < 0.005
+def test_generate_equals_stepwise_argmax_of_teacher_forcing():
+    """The one decoding loop: greedy generation with the cache equals feeding the growing
+    target through the uncached model and taking the argmax, token for token."""
+    torch.manual_seed(3)
+    m = UniversalSeq2Seq(universal(act=True)).double().eval()
+    spread(m.decoder)
+    src, _, _ = collate(copy_pairs(2, random.Random(5)))
+    got = m.generate(src, 5)
+    tgt = torch.full((2, 1), BOS)
+    for _ in range(5):
+        tgt = torch.cat([tgt, m(src, tgt).logits[:, -1:].argmax(-1)], 1)
+    n = got.shape[1]
+    assert torch.equal(got, tgt[:, 1:n + 1])
+
+
+@pytest.mark.parametrize("cfg,arch", [(vanilla(), "transformer-seq2seq"),
+                                      (universal(act=True), "universal-seq2seq")],
+                         ids=["transformer", "ut-act"])
+def test_copy_task_trains_to_zero_loss(cfg, arch):
+    """Through the one training engine (tasks.models.train_pairs): targets end in EOS."""
+    pairs = [(s, t + [EOS]) for s, t in copy_pairs(400 * 32, random.Random(0))]
+    tc = task_train_config(steps=400, batch_size=32, lr=1e-2, warmup_steps=20, weight_decay=0.0,
+                           beta2=0.95, log_every=10)
+    trainer = train_pairs(cfg, pairs, tc, arch)
+    losses = [r["loss"] for r in trainer.records]
+    assert min(losses) < 0.005 and losses[-1] < 0.005, losses[-5:]
     test = copy_pairs(64, random.Random(123))
     src, _, _ = collate(test)
-    decoded = greedy_decode(m, src, 8)
+    decoded = greedy_decode(trainer.model, src, 8)
     assert sum(d == list(t) for d, (_, t) in zip(decoded, test)) / len(test) >= 0.95

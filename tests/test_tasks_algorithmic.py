@@ -139,9 +139,11 @@ def test_char_vocab_roundtrip_and_specials():
     assert v.decode(ids + [5, 6]) == "12+9"  # stops at EOS
     assert v.decode([v.PAD] + ids[:-1] + [v.PAD]) == "12+9"
     ex = make_examples("addition", 1, [3], seed=0)[0]
-    joined = v.encode_joined(ex)
-    assert joined.count(v.SEP) == 1 and joined[-1] == v.EOS
-    assert v.decode(joined[joined.index(v.SEP) + 1 :]) == ex.target
+    from phaseloop.tasks.models import decoder_batch, encode_pairs
+
+    idx, tgt = decoder_batch(encode_pairs([ex], v))  # input + SEP + target + EOS, shifted
+    assert idx[0].tolist().count(v.SEP) == 1 and tgt[0, -1] == v.EOS
+    assert v.decode(tgt[0][tgt[0] != -100]) == ex.target
     with pytest.raises(ValueError, match="'x'"):
         v.encode("1x")
     v2 = CharVocab.for_examples(make_examples("copy", 5, [4], 0, vocab="xyz"))

@@ -12,9 +12,11 @@ from phaseloop.config import ModelConfig
 from phaseloop.layers import KVCache
 from phaseloop.model import build_model
 from phaseloop.tasks import CharVocab, Example, TaskSpec
-from phaseloop.tasks.runner import (DecoderTaskModel, TaskRunConfig, WordVocab, algorithmic_data,
-                                    decode_pairs, decoder_batch, encode_pairs, length_metrics,
-                                    run_babi, run_examples, task_model_config)
+from phaseloop.tasks.babi import WordVocab
+from phaseloop.tasks.models import (DecoderTaskModel, build_task_model, decode_pairs, decoder_batch,
+                                    encode_pairs, task_model_class, task_train_config)
+from phaseloop.tasks.report import length_metrics
+from phaseloop.tasks.runner import algorithmic_data, run_babi, run_examples, task_model_config
 
 TINY = dict(arch="rope", d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=14, max_seq_len=32)
 TINY_SET = ["--set", "d_model=32", "--set", "n_heads=2", "--set", "n_kv_heads=2", "--set", "d_ff=64"]
@@ -57,9 +59,9 @@ def test_loss_counts_answer_tokens_only():
 
 def test_tiny_model_learns_copy():
     spec = TaskSpec("copy", (1, 5), [3, 5])
-    rc = TaskRunConfig(steps=300, lr=3e-3, warmup_steps=20)
-    train, test = algorithmic_data(spec, rc.steps * rc.batch_size, 40, seed=0)
-    res = run_examples(ModelConfig(**TINY), train, test, rc)
+    tc = task_train_config(steps=300, lr=3e-3, warmup_steps=20)
+    train, test = algorithmic_data(spec, tc.steps * tc.batch_size, 40, seed=0)
+    res = run_examples(ModelConfig(**TINY), train, test, tc)
     assert res["final_loss"] < 0.2
     assert res["char_acc"] > 0.95 and res["seq_acc"] > 0.85
     assert set(res["per_length"]) == {3, 5}
@@ -121,7 +123,7 @@ def test_word_vocab_roundtrip():
 
 def test_babi_runner_reports_errors_and_ponder(data_dir):
     cfg = ModelConfig.from_preset("universal-act-tiny", d_model=32, n_heads=2, n_kv_heads=2, d_ff=64)
-    res = run_babi(cfg, data_dir / "babi" / "en-1k", [1], TaskRunConfig(steps=3), max_test=20,
+    res = run_babi(cfg, data_dir / "babi" / "en-1k", [1], task_train_config(steps=3), max_test=20,
                    max_sentences=6)
     assert set(res["errors"]) == {1} and 0 <= res["errors"][1] <= 1
     assert res["failed"] in ([], [1])
@@ -156,6 +158,12 @@ def test_cli_task_writes_metrics_and_plot(tmp_path, capsys):
     # a second run never overwrites the first
     assert main(["task", "--task", "copy", "--out", str(out), "--quiet"]) == 2
     assert "not empty" in capsys.readouterr().err
+    # one run folder per seed, as `phaseloop train` writes them
+    for s in (0, 1):
+        seed_dir = out / f"seed-{s}"
+        assert (seed_dir / "checkpoint" / "model.safetensors").exists()
+        assert json.loads((seed_dir / "config.json").read_text())["task"]["task"] == "reverse"
+        assert (seed_dir / "summary.json").exists() and (seed_dir / "metrics.jsonl").exists()
 
 
 def test_cli_task_jsonl(tmp_path, capsys):
@@ -196,17 +204,17 @@ def test_cli_demo_parity(capsys):
 
 @pytest.mark.parametrize("arch,over", [("transformer-seq2seq", {}), ("universal-seq2seq", {"act": True})])
 def test_seq2seq_greedy_matches_library_decoder_and_offsets_pad_source(arch, over):
-    from phaseloop.seq2seq import greedy_decode
+    from phaseloop.decoding import until_eos
 
     v = CharVocab()
     cfg, arch = task_model_config(arch, None, {"vocab_size": len(v), **over})
-    from phaseloop.tasks.runner import build_task_model
-
-    tm = build_task_model(cfg, 0, arch)
+    torch.manual_seed(0)
+    tm = task_model_class(arch)(build_task_model(cfg, arch))
     tm.model.eval()
     pairs = encode_pairs(TaskSpec("copy", (3, 3)).train(4), v)
     dec = decode_pairs(tm, pairs, batch_size=4)
-    ref = greedy_decode(tm.model, torch.tensor([s for s, _ in pairs]), 5, bos_id=v.SEP, eos_id=v.EOS)
+    ref = until_eos(tm.model.generate(torch.tensor([s for s, _ in pairs]), 5, bos_id=v.SEP,
+                                      eos_id=v.EOS).tolist(), v.EOS)
     assert dec.ids == [r[:len(d)] for r, d in zip(ref, dec.ids)]
     if cfg.act:  # encoder positions then decoder positions
         assert dec.ponder[0].shape[0] >= 3 + 1 and dec.ponder[0].min() >= 1
@@ -219,7 +227,7 @@ def test_every_decoder_arch_trains_and_decodes(arch):
     cfg, _ = task_model_config(arch, None)
     spec = TaskSpec("parity", (2, 4), [6])
     train, test = algorithmic_data(spec, 8, 2, seed=0)
-    res = run_examples(cfg, train, test, TaskRunConfig(steps=2, batch_size=4, max_offset=3))
+    res = run_examples(cfg, train, test, task_train_config(steps=2, batch_size=4), max_offset=3)
     assert res["model"]["arch"] == arch and len(res["preds"]) == 2
     assert set(res["per_length"]) == {6}
 

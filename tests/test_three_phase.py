@@ -47,7 +47,7 @@ def test_offsets_and_depth_linear_init():
     cfg = cfg3(n_layers=4)
     m = build_model(cfg)
     for l, layer in enumerate(m.trunk.layers):
-        pr = layer.mid
+        pr = layer.between
         assert isinstance(pr, PhaseRotation)
         assert torch.allclose(pr.offsets, torch.tensor([0, 2 * math.pi / 3, 4 * math.pi / 3]))
         assert torch.allclose(pr.theta, torch.full((8,), (l + 1) * math.pi / (2 * 4)))
@@ -58,7 +58,7 @@ def test_rotation_sits_between_attention_and_ffn_not_residual():
     cfg = cfg3(n_layers=1)
     blk = build_model(cfg).trunk.layers[0]
     seen = {}
-    blk.mid.register_forward_hook(lambda mod, inp, out: seen.update(inp=inp[0], out=out))
+    blk.between.register_forward_hook(lambda mod, inp, out: seen.update(inp=inp[0], out=out))
     blk.ffn_norm.register_forward_pre_hook(lambda mod, inp: seen.update(ffn_in=inp[0]))
     from phaseloop.layers import Context, rope_tables
 
@@ -149,7 +149,7 @@ def test_invalid_phase_configs(kw, msg):
 
 def test_n1_is_valid_and_a_plain_rotation():
     cfg = cfg3(n_phases=1)
-    pr = build_model(cfg).trunk.layers[0].mid
+    pr = build_model(cfg).trunk.layers[0].between
     assert torch.allclose(pr.offsets, torch.zeros(1))
 
 
@@ -159,7 +159,7 @@ def _keys(cfg):
 
 
 @pytest.mark.parametrize("switch, added, removed", [
-    ("phase_rotation", set(), {f"trunk.layers.{i}.mid.theta" for i in range(3)}),
+    ("phase_rotation", set(), {f"trunk.layers.{i}.between.theta" for i in range(3)}),
     ("horn", set(), set()),
     ("phase_norm", set(), set()),
     ("phase_aligned_gqa", set(), set()),
@@ -171,13 +171,13 @@ def test_each_switch_changes_only_its_part(switch, added, removed):
     assert set(k_off) == set(k_on) - removed | added
     m_on, m_off = build_model(on), build_model(off)
     if switch == "phase_rotation":
-        assert all(isinstance(layer.mid, torch.nn.Identity) for layer in m_off.trunk.layers)
-        assert isinstance(m_off.norm, PhaseRMSNorm) and m_off.embed.horn is not None
+        assert all(isinstance(layer.between, torch.nn.Identity) for layer in m_off.trunk.layers)
+        assert isinstance(m_off.norm, PhaseRMSNorm) and "horn" in m_off.embed.options
     if switch == "horn":
-        assert m_off.embed.horn is None and isinstance(m_off.trunk.layers[0].mid, PhaseRotation)
+        assert "horn" not in m_off.embed.options and isinstance(m_off.trunk.layers[0].between, PhaseRotation)
     if switch == "phase_norm":
-        assert not isinstance(m_off.norm, PhaseRMSNorm) and m_off.embed.horn is not None
-        assert isinstance(m_off.trunk.layers[0].mid, PhaseRotation)
+        assert not isinstance(m_off.norm, PhaseRMSNorm) and "horn" in m_off.embed.options
+        assert isinstance(m_off.trunk.layers[0].between, PhaseRotation)
     if switch == "phase_aligned_gqa":  # only relaxes validation: N=2 with 3 kv heads allowed
         cfg3(phase_aligned_gqa=False, n_phases=2)
         assert k_on == k_off
@@ -194,10 +194,10 @@ def test_extra_ablation_switches():
     n_base = sum(p.numel() for p in build_model(base).parameters())
     lo = build_model(base.replace(learnable_offsets=True))
     assert sum(p.numel() for p in lo.parameters()) == n_base + 3 * base.n_phases
-    assert isinstance(lo.trunk.layers[0].mid.offsets, torch.nn.Parameter)
+    assert isinstance(lo.trunk.layers[0].between.offsets, torch.nn.Parameter)
     lh = build_model(base.replace(learnable_horn=True))
     assert sum(p.numel() for p in lh.parameters()) == n_base + 1
-    assert build_model(base.replace(residual_rotation=True)).trunk.layers[0].mid.residual
+    assert build_model(base.replace(residual_rotation=True)).trunk.layers[0].between.residual
     # the sqrt(d) embedding factor is its own switch
     assert build_model(base.replace(embed_scale=True)).embed.scale == pytest.approx(math.sqrt(48))
 
@@ -207,7 +207,7 @@ def test_phase_structure_composes_with_the_rope_arch():
     cfg = ModelConfig(arch="rope", vocab_size=64, d_model=48, n_layers=2, n_heads=6, n_kv_heads=3,
                       d_ff=96, n_phases=3, phase_rotation=True, phase_norm=True, horn=True)
     m = build_model(cfg)
-    assert isinstance(m.trunk.layers[1].mid, PhaseRotation) and isinstance(m.norm, PhaseRMSNorm)
+    assert isinstance(m.trunk.layers[1].between, PhaseRotation) and isinstance(m.norm, PhaseRMSNorm)
 
 
 # ---------------------------------------------------------------------------- analysis commands

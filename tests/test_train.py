@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from phaseloop import CheckpointError, ModelConfig
-from phaseloop.train import TrainConfig, lr_at, make_optimizer, train
+from phaseloop.engine import TrainConfig, lr_at, make_optimizer
+from phaseloop.train import train
 from phaseloop import build_model
 
 CFG = ModelConfig.from_preset("rope-tiny", max_seq_len=32)
@@ -129,3 +130,34 @@ def test_interrupted_checkpoint_swap_keeps_previous(tmp_path, text_file):
     assert checkpoint_dir(run) == run / ".checkpoint.old"
     model, _ = load_run(run)
     assert model.cfg == CFG
+
+
+def test_checkpoint_of_an_earlier_version_loads(tmp_path):
+    """Parameter names of earlier versions (the block's ``mid`` map, the embedding's
+    ``horn``) are renamed on load: the same weights come back."""
+    from safetensors.torch import save_file
+
+    from phaseloop.checkpoint import load_model_state
+
+    cfg = ModelConfig.from_preset("3pt-tiny", learnable_horn=True)
+    torch.manual_seed(0)
+    src = build_model(cfg)
+    old = {k.replace(".between.", ".mid.").replace("embed.options.horn.", "embed.horn."): v.clone()
+           for k, v in src.state_dict().items()}
+    assert any(".mid.theta" in k for k in old) and "embed.horn.gain" in old
+    (tmp_path / "ckpt").mkdir()
+    save_file(old, tmp_path / "ckpt" / "model.safetensors")
+    torch.manual_seed(1)
+    dst = build_model(cfg)
+    load_model_state(dst, tmp_path / "ckpt")
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path, text_file):
+    run = tmp_path / "run"
+    s = train(CFG, tc(steps=5), text_file, run, progress=False)
+    files = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    again = train(CFG, tc(steps=5), text_file, run, resume=True, progress=False)
+    assert again["val_loss"] == s["val_loss"] and again["step"] == 5
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == files

@@ -3,9 +3,9 @@
 from .config import PRESETS, ModelConfig
 from .errors import CheckpointError, ConfigError, DataError, PhaseloopError
 from .model import DecoderLM, ModelOutput, build_model
-from . import three_phase  # noqa: F401  (registers its presets)
-from . import hyperloop  # noqa: F401  (registers its presets)
-from . import universal  # noqa: F401  (registers its presets)
+
+# Each architecture module registers its trunk, block options and presets on import.
+from . import three_phase, universal, hyperloop  # noqa: E402,F401  isort: skip
 
 __version__ = "0.1.0"
 __all__ = ["ModelConfig", "PRESETS", "build_model", "DecoderLM", "ModelOutput",

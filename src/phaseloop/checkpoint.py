@@ -54,7 +54,9 @@ def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
 
 
 def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer=None, step: int = 0,
-                    data_state: torch.Tensor | None = None, extra: dict | None = None) -> Path:
+                    data_state: dict | None = None, extra: dict | None = None) -> Path:
+    """Weights, optimiser, RNG states, the data position (``data_state``: name -> tensor,
+    stored as ``data.<name>``) and ``extra`` JSON fields, swapped in atomically."""
     run_dir = Path(run_dir)
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint.tmp-"))
     tmp.chmod(0o755)
@@ -65,8 +67,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer=None, step:
         if torch.cuda.is_available():
             for i, s in enumerate(torch.cuda.get_rng_state_all()):
                 trainer_tensors[f"rng.cuda.{i}"] = s
-        if data_state is not None:
-            trainer_tensors["data.generator"] = data_state
+        trainer_tensors.update({f"data.{k}": v for k, v in (data_state or {}).items()})
         meta = {"step": step, **(extra or {})}
         if optimizer is not None:
             t, m = _flatten_optimizer(optimizer.state_dict())
@@ -113,11 +114,26 @@ def _load_safetensors(path: Path) -> dict:
                               "— restore it or retrain") from None
 
 
+# Parameter names of earlier versions -> today's (the block's between-sub-layer map was
+# called ``mid``, the embedding's horn sat directly on the embedding).
+_LEGACY_NAMES = ((".mid.", ".between."), ("embed.horn.", "embed.options.horn."))
+
+
+def _rename_legacy(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        for old, new in _LEGACY_NAMES:
+            k = k.replace(old, new)
+        out[k] = v
+    return out
+
+
 def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
-    state = _load_safetensors(Path(ckpt) / "model.safetensors")
-    if getattr(model.cfg, "tie_embeddings", False):
-        state.setdefault("head.weight", state.get("embed.tok.weight"))
+    state = _rename_legacy(_load_safetensors(Path(ckpt) / "model.safetensors"))
     own = model.state_dict()
+    if "head.weight" in own and "embed.tok.weight" in own and \
+            own["head.weight"].data_ptr() == own["embed.tok.weight"].data_ptr():
+        state.setdefault("head.weight", state.get("embed.tok.weight"))  # tied: stored once
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     bad_shape = [k for k in set(own) & set(state) if own[k].shape != state[k].shape]
     if missing or unexpected or bad_shape:
@@ -137,6 +153,11 @@ def load_trainer_state(ckpt: Path) -> tuple[dict, dict]:
 
 def optimizer_state(meta: dict, tensors: dict) -> dict:
     return _unflatten_optimizer(tensors, meta["optimizer"])
+
+
+def data_state(tensors: dict) -> dict:
+    """The ``data_state`` given to ``save_checkpoint``, back from the trainer tensors."""
+    return {k[len("data."):]: v for k, v in tensors.items() if k.startswith("data.")}
 
 
 def load_run(path: str | Path, device: str | torch.device = "cpu"):

@@ -192,11 +192,11 @@ class TrainBatches:
         xy = torch.from_numpy(rows)
         return xy[:, :-1], xy[:, 1:]
 
-    def state(self) -> torch.Tensor:
-        return self.gen.get_state()
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"generator": self.gen.get_state()}
 
-    def set_state(self, state: torch.Tensor) -> None:
-        self.gen.set_state(state)
+    def set_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.gen.set_state(state["generator"])
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, n_windows: int) -> torch.Tensor:

@@ -1,24 +1,26 @@
-"""Fused CPU kernels for the hyper-connections' stream maths (``csrc/hyperconn.cpp``).
+"""Fused CPU kernels for the Sinkhorn-form hyper-connection (mHC's; ``csrc/hyperconn.cpp``).
 
-A hyper-connection's per-token work is tiny matrix products ([r, c] x [c, D]) and a
-20-iteration Sinkhorn projection of an [n, n] matrix. As torch ops these are batched
-matmuls of 4 x 5 matrices (several times slower than a pass over memory on CPU) and
-~200 small kernels for Sinkhorn; fused, each is one pass with a token's rows in L1 --
-what mHC's fused kernels do on GPU (Xie et al., arXiv 2512.24880, §4.3: fused
-coefficient/mixing kernels, Sinkhorn recomputed in the backward). The mHC/Transformer
-step-time ratio the paper reports drops from 1.53 (unfused) to 1.07 (fused);
-``benchmarks/bench_hyperloop.py`` measures both paths here.
+Kept by measurement (``benchmarks/bench_hyperloop.py``, docs/hyperloop.md): a connection
+with a Sinkhorn H_res is, per token, tiny matrix products ([r, c] x [c, D]) and a
+20-iteration Sinkhorn projection of an [n, n] matrix. Fused, the read, the mix and
+Sinkhorn are one pass each with a token's rows in L1, the backward recomputes Sinkhorn
+(as mHC §4.3's fused kernels do on GPU), and the connection's three readers of y share
+one gradient buffer. That step beats the same model under ``torch.compile`` by 11 % at
+d 512 (12 % at d 128); for the diagonal and identity forms (Hyperloop's default) the
+hand-written path was within 3 % of compiled and was removed: they always run the plain
+torch ops of ``hyperconn.HyperConnection``, which is also the reference this path is
+tested against.
 
 The extension is compiled with ``torch.utils.cpp_extension`` on first use (~30 s, then
 cached under ``$TORCH_EXTENSIONS_DIR`` or ~/.cache/torch_extensions). Which path runs:
 
-    PHASELOOP_KERNELS=auto   (default) fused when the extension builds, else the torch path
+    PHASELOOP_KERNELS=auto   (default) fused when the extension builds, else torch ops
     PHASELOOP_KERNELS=fused  fused or an error saying why it cannot be built
-    PHASELOOP_KERNELS=eager  always the torch path (hand-written autograd functions)
+    PHASELOOP_KERNELS=torch  always the torch ops
 
-or in code ``with kernels.use("eager"): ...``. The fused path is taken for CPU tensors
-of float32/float64 outside ``torch.compile`` tracing; everything else (CUDA, bf16
-autocast, compile) runs the torch path, which computes the same values (tested).
+or in code ``with kernels.use("torch"): ...``. The fused path is taken for CPU tensors
+of float32/float64 outside ``torch.compile`` tracing and autocast; everything else
+(CUDA, bf16 autocast, compile) runs the torch ops, which compute the same values (tested).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from .errors import ConfigError
 
-MODES = ("auto", "fused", "eager")
+MODES = ("auto", "fused", "torch")
 _SOURCE = Path(__file__).parent / "csrc" / "hyperconn.cpp"
 _state = {"mode": None, "ext": None, "error": None, "warned": False}
 
@@ -57,7 +59,7 @@ def set_mode(m: str) -> None:
 
 @contextlib.contextmanager
 def use(m: str):
-    """Run a block with kernel mode ``m`` (auto, fused or eager)."""
+    """Run a block with kernel mode ``m`` (auto, fused or torch)."""
     old = mode()
     set_mode(m)
     try:
@@ -100,7 +102,7 @@ def _build():
         built = False
     if not built:
         print("phaseloop: compiling the fused hyper-connection kernels (first use only, "
-              "~30 s; PHASELOOP_KERNELS=eager skips them)", file=sys.stderr, flush=True)
+              "~30 s; PHASELOOP_KERNELS=torch skips them)", file=sys.stderr, flush=True)
     return cpp_extension.load(name=name, sources=[str(_SOURCE)],
                               extra_cflags=["-O3", "-fopenmp-simd", "-march=native"], verbose=False)
 
@@ -122,8 +124,10 @@ def error() -> str | None:
 
 def enabled(*tensors: torch.Tensor) -> bool:
     """True when the fused kernels should run for these tensors."""
+    if torch.compiler.is_compiling():
+        return False
     m = mode()
-    if m == "eager" or torch.compiler.is_compiling():
+    if m == "torch":
         return False
     dt = tensors[0].dtype
     if dt not in (torch.float32, torch.float64) or any(
@@ -153,7 +157,7 @@ class StreamGrad:
     buffer, the readers fill it in the order autograd must run them (the mix's output is
     last in the forward, the projection feeds everything else): the mix's ``Rows``
     writes it, the read's adds into it, and the projection's backward
-    (``hyperloop._ProjSq``) adds its part and returns it as y's whole gradient."""
+    (``ProjSq``) adds its part and returns it as y's whole gradient."""
     __slots__ = ("dy",)
 
     def __init__(self):
@@ -199,3 +203,48 @@ class Sinkhorn(torch.autograd.Function):
     def backward(ctx, G):
         L, = ctx.saved_tensors
         return extension().sinkhorn_backward(L, G.contiguous(), ctx.iters), None
+
+
+class ProjSq(torch.autograd.Function):
+    """(y W^T, sum(y^2)) over the last dim of y [N, m], W [k, m], with one fused input
+    gradient dy = g_p W + 2 g_s y, added in place to the other readers' gradient already
+    in ``buf.dy`` and returned as y's whole gradient (autograd runs this backward last:
+    the projection feeds everything else)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, W: torch.Tensor, buf: StreamGrad):
+        ctx.save_for_backward(y, W)
+        ctx.buf = buf
+        return y @ W.t(), torch.linalg.vector_norm(y, dim=-1, keepdim=True).square()
+
+    @staticmethod
+    def backward(ctx, g_p: torch.Tensor, g_s: torch.Tensor):
+        y, W = ctx.saved_tensors
+        acc, ctx.buf.dy = ctx.buf.dy, None
+        dy = y * (2 * g_s) if acc is None else acc.view(y.shape).addcmul_(y, 2 * g_s)
+        return dy.addmm_(g_p, W), g_p.t() @ y, None
+
+
+def applies(hc, y_BTnD: torch.Tensor) -> bool:
+    """Whether ``hc`` (a ``hyperconn.HyperConnection``) runs fused on these streams."""
+    return hc.form == "sinkhorn" and enabled(y_BTnD)
+
+
+def hyper_connection(hc, y_BTnD: torch.Tensor, fn) -> torch.Tensor:
+    """``hc(y, fn)`` with the kernels: the same equations as ``HyperConnection.forward``
+    (alpha * W RMSNorm(y) + b computed as b + (W y) * alpha / rms(y), one matmul)."""
+    lead, (n, D) = y_BTnD.shape[:-2], y_BTnD.shape[-2:]
+    y_Nnd = y_BTnD.reshape(-1, n, D)  # copies the stride-0 view of copy_streams
+    buf = StreamGrad()
+    proj_Nk, ss_N1 = ProjSq.apply(y_Nnd.reshape(-1, n * D), hc.W, buf)
+    scale_Nk = hc.alpha[hc.alpha_idx] * torch.rsqrt(ss_N1 / (n * D) + hc.eps)
+    logits_Nk = torch.addcmul(hc.b, proj_Nk, scale_Nk)
+    gates_Nk = torch.sigmoid(logits_Nk[:, :2 * n]).to(y_BTnD.dtype)
+    res_Nnn = Sinkhorn.apply(logits_Nk[:, 2 * n:].reshape(-1, n, n), hc.iters).to(y_BTnD.dtype)
+    x_ND = Rows.apply(gates_Nk[:, None, :n], y_Nnd, None, buf).view(-1, D)  # H_pre . y
+    f_BTD = fn(x_ND.view(*lead, D))
+    if hc.e is not None:
+        f_BTD = f_BTD + hc.e
+    A_Nnm = torch.cat([res_Nnn, 2 * gates_Nk[:, n:, None]], dim=-1)  # [H_res | H_post]
+    out = Rows.apply(A_Nnm, y_Nnd, f_BTD.reshape(-1, D).to(y_BTnD.dtype), buf)
+    return out.view(*lead, n, D)

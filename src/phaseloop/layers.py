@@ -1,5 +1,8 @@
-"""Building blocks of the shared decoder: RMSNorm, RoPE, GQA attention with a KV cache,
-SwiGLU and the pre-norm block. Architecture files reuse these; they do not copy them.
+"""Building blocks of the shared decoder: RMSNorm, RoPE, GQA attention (self or cross)
+with a KV cache, SwiGLU and the pre-norm block. Architecture files reuse these; they do
+not copy them, and this file imports none of them: an architecture that changes a norm,
+the map between the sub-layers or the embedding output registers a factory for its
+config switch (``register_block_option``; 3PT does so in ``three_phase.py``).
 
 Shapes live in names: B batch, T time (new tokens), S keys (cached + new), D d_model,
 H query heads, K kv heads, E head dim.
@@ -9,12 +12,48 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+
+
+# ---------------------------------------------------------------------------- options
+@dataclass
+class BlockOption:
+    """Factories an architecture attaches to one boolean ``ModelConfig`` switch; each
+    returns a module or is None. ``norm(cfg)`` replaces every norm site; ``between(cfg,
+    layer_idx, n_layers)`` is the map between attention and FFN (identity otherwise);
+    ``embedding(cfg)`` is applied as ``module(x_BTD, start_pos)`` to the embedding output."""
+
+    norm: Callable[[ModelConfig], nn.Module] | None = None
+    between: Callable[[ModelConfig, int, int], nn.Module] | None = None
+    embedding: Callable[[ModelConfig], nn.Module] | None = None
+
+
+BLOCK_OPTIONS: dict[str, BlockOption] = {}  # ModelConfig field -> what it switches on
+
+
+def register_block_option(switch: str, **factories) -> None:
+    if switch not in ModelConfig.__dataclass_fields__:
+        raise ValueError(f"{switch!r} is not a ModelConfig field")
+    BLOCK_OPTIONS[switch] = BlockOption(**factories)
+
+
+def option_modules(cfg: ModelConfig, kind: str, *args) -> list[tuple[str, nn.Module]]:
+    """(switch, module) for every registered option of ``kind`` that ``cfg`` switches on."""
+    return [(name, getattr(opt, kind)(cfg, *args)) for name, opt in BLOCK_OPTIONS.items()
+            if getattr(opt, kind) is not None and getattr(cfg, name)]
+
+
+def _at_most_one(found: list, kind: str):
+    if len(found) > 1:
+        raise ValueError(f"config switches on {len(found)} {kind} options "
+                         f"({', '.join(n for n, _ in found)}); at most one can apply")
+    return found[0][1] if found else None
 
 
 class RMSNorm(nn.Module):
@@ -30,12 +69,8 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
-    """Every norm site goes through here, so the 3PT phase norm replaces all of them."""
-    if cfg.phase_norm:
-        from .three_phase import PhaseRMSNorm
-
-        return PhaseRMSNorm(cfg.d_model, cfg.n_phases, cfg.norm_eps)
-    return RMSNorm(cfg.d_model, cfg.norm_eps)
+    """Every norm site goes through here, so a registered norm option replaces all of them."""
+    return _at_most_one(option_modules(cfg, "norm"), "norm") or RMSNorm(cfg.d_model, cfg.norm_eps)
 
 
 # ---------------------------------------------------------------------------- RoPE
@@ -74,6 +109,22 @@ class KVCache:
 
 
 @dataclass
+class Memory:
+    """What a decoder cross-attends to (an encoder's output, Vaswani §3.2.3): its states,
+    a key mask (bool [B, 1, 1, S], True = attend) and the keys/values of each
+    cross-attention module, computed once and reused by every step and token."""
+
+    x_BSD: torch.Tensor
+    mask_B11S: torch.Tensor | None = None
+    kv: dict = field(default_factory=dict)
+
+    def keys_values(self, attn: "Attention"):
+        if id(attn) not in self.kv:
+            self.kv[id(attn)] = attn.project_kv(self.x_BSD)
+        return self.kv[id(attn)]
+
+
+@dataclass
 class Context:
     """What every block needs besides its input: RoPE tables for the new positions,
     the cache (or None) and the absolute position of the first new token."""
@@ -84,15 +135,26 @@ class Context:
     cache: KVCache | None = None
     causal: bool = True  # False: bidirectional self-attention (seq2seq encoder)
     key_mask: torch.Tensor | None = None  # bidirectional only: bool [B, 1, 1, S], True = attend
+    memory: Memory | None = None  # cross-attention source (seq2seq decoder)
     aux_losses: dict = field(default_factory=dict)  # scalar losses added to the loss (ACT ponder)
     stats: dict = field(default_factory=dict)  # tensors for analysis (ACT ponder times)
+
+    @classmethod
+    def at(cls, cfg: ModelConfig, start: int, T: int, device, **kw) -> "Context":
+        """Context for the T new tokens at absolute positions start .. start + T - 1."""
+        cos, sin = rope_tables(torch.arange(start, start + T, device=device), cfg.head_dim,
+                               cfg.rope_base)
+        return cls(cos=cos, sin=sin, start_pos=start, **kw)
 
 
 # ---------------------------------------------------------------------------- modules
 class Attention(nn.Module):
-    """Causal grouped-query attention (Ainslie et al. 2023) through SDPA; no biases."""
+    """Grouped-query attention (Ainslie et al. 2023) through SDPA; no biases. Self-attention
+    (causal, or bidirectional with a key mask) over the new tokens and the cache; with
+    ``cross=True`` queries attend to ``ctx.memory`` instead (no RoPE: positions of two
+    sequences do not compare)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, cross: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
@@ -100,33 +162,47 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.o_proj.residual = True  # scaled init
         self.dropout = cfg.dropout
-        self.use_rope = cfg.use_rope
+        self.cross = cross
+        self.use_rope = cfg.use_rope and not cross
+
+    def project_kv(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, S, _ = x_BSD.shape
+        k_BSKE, v_BSKE = self.kv_proj(x_BSD).view(B, S, 2, self.n_kv_heads, self.head_dim).unbind(2)
+        return k_BSKE.transpose(1, 2), v_BSKE.transpose(1, 2)
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context, slot=None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BHTE = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k_BTKE, v_BTKE = self.kv_proj(x_BTD).view(B, T, 2, self.n_kv_heads, self.head_dim).unbind(2)
-        k_BKTE, v_BKTE = k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
-        if self.use_rope:
-            q_BHTE = apply_rope(q_BHTE, ctx.cos, ctx.sin)
-            k_BKTE = apply_rope(k_BKTE, ctx.cos, ctx.sin)
-        past = 0
-        if ctx.cache is not None:
-            k_BKSE, v_BKSE = ctx.cache.update(slot, k_BKTE, v_BKTE)
-            past = k_BKSE.shape[2] - T
+        if self.cross:
+            (k_BKSE, v_BKSE), mask, causal = ctx.memory.keys_values(self), ctx.memory.mask_B11S, False
         else:
-            k_BKSE, v_BKSE = k_BKTE, v_BKTE
-        mask, causal = None, ctx.causal and past == 0 and T > 1
-        if not ctx.causal:
-            mask = ctx.key_mask
-        elif past and T > 1:  # chunked prefill after a cached prefix: offset causal mask
-            S = past + T
-            mask = torch.ones(T, S, dtype=torch.bool, device=x_BTD.device).tril(diagonal=past)
+            k_BKSE, v_BKSE, mask, causal = self._self_keys(x_BTD, q_BHTE, ctx, slot)
+            if self.use_rope:
+                q_BHTE = apply_rope(q_BHTE, ctx.cos, ctx.sin)
         y_BHTE = F.scaled_dot_product_attention(
             q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(y_BHTE.transpose(1, 2).reshape(B, T, -1))
+
+    def _self_keys(self, x_BTD, q_BHTE, ctx: Context, slot):
+        """Keys/values of the new tokens (RoPE'd, appended to the cache) and the mask."""
+        T = x_BTD.shape[1]
+        k_BKTE, v_BKTE = self.project_kv(x_BTD)
+        if self.use_rope:
+            k_BKTE = apply_rope(k_BKTE, ctx.cos, ctx.sin)
+        past = 0
+        if ctx.cache is not None:
+            k_BKTE, v_BKTE = ctx.cache.update(slot, k_BKTE, v_BKTE)
+            past = k_BKTE.shape[2] - T
+        # is_causal on the new tokens alone (T = 1 included): a plain bool, also when a
+        # compiled graph sees T as a symbol
+        mask, causal = None, ctx.causal and past == 0
+        if not ctx.causal:
+            mask = ctx.key_mask
+        elif past and T > 1:  # chunked prefill after a cached prefix: offset causal mask
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=past)
+        return k_BKTE, v_BKTE, mask, causal
 
 
 class SwiGLU(nn.Module):
@@ -144,33 +220,44 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: h = h + Attn(N1(h)); h = mid(h); h = h + FFN(N2(h)).
+    """Pre-norm block: h = h + Attn(N1(h)) [+ CrossAttn(Nc(h))]; h = between(h);
+    h = h + FFN(N2(h)).
 
-    ``mid`` is the identity for the Llama baseline and the 3PT PhaseRotation when
-    ``cfg.phase_rotation`` (3PT §2: between attention and FFN, not residual).
+    ``between`` is the identity for the Llama baseline, or a registered option's map
+    (the 3PT PhaseRotation: between attention and FFN, not residual). ``cross=True``
+    adds the encoder-decoder's cross-attention sub-layer to ``ctx.memory`` (seq2seq.py).
+    The branches are public so that trunks which replace the residual additions (mHC)
+    reuse them instead of the block's internals.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, n_layers: int | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, n_layers: int | None = None,
+                 cross: bool = False):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
+        self.cross_norm = make_norm(cfg) if cross else None
+        self.cross_attn = Attention(cfg, cross=True) if cross else None
         self.ffn_norm = make_norm(cfg)
         self.ffn = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
-        self.mid: nn.Module = nn.Identity()
-        if cfg.phase_rotation:
-            from .three_phase import PhaseRotation
+        found = option_modules(cfg, "between", layer_idx, n_layers or cfg.n_layers)
+        self.between: nn.Module = _at_most_one(found, "between-sub-layer") or nn.Identity()
 
-            self.mid = PhaseRotation(cfg, layer_idx, n_layers or cfg.n_layers)
+    def attn_branch(self, x_BTD: torch.Tensor, ctx: Context, slot=None) -> torch.Tensor:
+        return self.drop(self.attn(self.attn_norm(x_BTD), ctx, slot))
 
-    def forward(self, x_BTD: torch.Tensor, ctx: Context, slot=None, cross=None) -> torch.Tensor:
-        """``cross``: optional sub-layer after self-attention, h = h + cross(h) (the
-        encoder-decoder's cross-attention, seq2seq.py)."""
-        x_BTD = x_BTD + self.drop(self.attn(self.attn_norm(x_BTD), ctx, slot))
-        if cross is not None:
-            x_BTD = x_BTD + self.drop(cross(x_BTD))
-        x_BTD = self.mid(x_BTD)
-        return x_BTD + self.drop(self.ffn(self.ffn_norm(x_BTD)))
+    def cross_branch(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return self.drop(self.cross_attn(self.cross_norm(x_BTD), ctx))
+
+    def ffn_branch(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.ffn(self.ffn_norm(x_BTD)))
+
+    def forward(self, x_BTD: torch.Tensor, ctx: Context, slot=None) -> torch.Tensor:
+        x_BTD = x_BTD + self.attn_branch(x_BTD, ctx, slot)
+        if self.cross_attn is not None:
+            x_BTD = x_BTD + self.cross_branch(x_BTD, ctx)
+        x_BTD = self.between(x_BTD)
+        return x_BTD + self.ffn_branch(x_BTD)
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig, n_residual_layers: int) -> None:

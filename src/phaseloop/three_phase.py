@@ -1,9 +1,9 @@
 """Three-Phase Transformer (Abu Ayyash, arXiv 2604.14430, 2026): what is new about it.
 
 The residual stream of width D is split into N contiguous stripes ("phases") of width
-d_phase = D / N. This file holds the three new modules; the shared block and embedding
-switch them on from ``ModelConfig`` so any trunk (stack, looped, universal) can carry
-the phase structure:
+d_phase = D / N. This file holds the three new modules and registers each as an option
+of the shared block / embedding (``layers.register_block_option``) under its config
+switch, so any trunk (stack, looped, universal, mHC) can carry the phase structure:
 
 * ``PhaseRotation``  — modification 2, between attention and FFN, not residual;
 * ``PhaseRMSNorm``   — modification 3, replaces every norm;
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, register_presets
+from .layers import register_block_option
 
 
 class PhaseRotation(nn.Module):
@@ -135,6 +136,10 @@ def zero_sum_profile(model: nn.Module, idx_BT: torch.Tensor) -> list[dict]:
             h.remove()
     return out
 
+
+register_block_option("phase_norm", norm=lambda cfg: PhaseRMSNorm(cfg.d_model, cfg.n_phases, cfg.norm_eps))
+register_block_option("phase_rotation", between=PhaseRotation)
+register_block_option("horn", embedding=HornInjection)
 
 # 3PT twins of the paper's RoPE-only baselines: same shapes, N = 3, no sqrt(d) factor.
 _3PT = dict(arch="three_phase", n_phases=3, embed_scale=False, tie_embeddings=False)

@@ -9,6 +9,12 @@ import numpy as np
 
 from .errors import ConfigError
 
+# Special ids of the task vocabularies (tasks/) and the encoder-decoders (seq2seq.py): one
+# convention everywhere. SEP separates a decoder-only task's prompt from its answer and is
+# the encoder-decoder's BOS (the first decoder input).
+PAD, EOS, SEP = 0, 1, 2
+BOS = SEP
+
 
 class Tokenizer(Protocol):
     name: str

@@ -49,7 +49,8 @@ from torch import nn
 from .act import ACTState, combine, ponder_cost, ponder_loss
 from .config import ModelConfig, register_presets
 from .errors import ConfigError
-from .layers import Block, Context, rope_tables
+from .layers import Block, Context
+from .model import register_trunk
 
 
 def timing_signal(positions: torch.Tensor, d: int, min_timescale: float = 1.0,
@@ -111,26 +112,25 @@ class HaltingUnit(nn.Module):
 class UniversalTrunk(nn.Module):
     """One shared block applied ``steps`` times, with the coordinate signal and optional ACT.
 
-    ``forward(x, ctx, steps=None, cross=None)``: ``steps`` overrides ``self.steps`` (the
-    number of applications, or the ACT loop bound); ``cross`` is the encoder-decoder's
-    cross-attention sub-layer (seq2seq.py), shared across steps like the block.
+    ``forward(x, ctx, steps=None)``: ``steps`` overrides ``self.steps`` (the number of
+    applications, or the ACT loop bound). ``cross=True`` gives the block a cross-attention
+    sub-layer to ``ctx.memory`` (the UT decoder, seq2seq.py), shared across steps.
     Under ACT: ``ctx.aux_losses["ponder_loss"]`` = act_loss_weight * mean(n_updates +
     remainders); ``ctx.stats["ponder_time"]`` [B, T] = n_updates + remainders and
     ``ctx.stats["halting_probs"]`` [steps run, B, T].
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, cross: bool = False):
         super().__init__()
         if cfg.arch != "universal":
             raise ConfigError(f"invalid config: arch={cfg.arch!r}: UniversalTrunk needs arch='universal'")
         self.cfg = cfg
-        self.block = Block(cfg, 0, 1)
+        self.block = Block(cfg, 0, 1, cross=cross)
         self.trained_steps = cfg.act_steps if cfg.act else cfg.n_steps
         self.steps = self.trained_steps
         self.signal = CoordinateSignal(cfg, self.trained_steps)
         self.halting = HaltingUnit(cfg) if cfg.act else None
         self.depth = cfg.n_steps  # nominal residual layer applications (init scaling)
-        self.unique_layers = 1
 
     def set_steps(self, steps: int) -> None:
         """Depth extrapolation: run ``steps`` applications (ACT: max steps) from now on."""
@@ -138,17 +138,16 @@ class UniversalTrunk(nn.Module):
             raise ConfigError(f"invalid steps={steps!r}: must be a positive integer")
         self.steps = steps
 
-    def forward(self, x_BTD: torch.Tensor, ctx: Context, steps: int | None = None,
-                cross=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, ctx: Context, steps: int | None = None) -> torch.Tensor:
         steps = self.steps if steps is None else steps
         pos_TD = self.signal.position(ctx.start_pos, x_BTD.shape[1], x_BTD.device)
         if self.halting is None:
             for t in range(steps):
-                x_BTD = self.block(self.signal(x_BTD, pos_TD, t), ctx, ("ut", t), cross)
+                x_BTD = self.block(self.signal(x_BTD, pos_TD, t), ctx, ("ut", t))
             return x_BTD
-        return self._act(x_BTD, ctx, steps, cross, pos_TD)
+        return self._act(x_BTD, ctx, steps, pos_TD)
 
-    def _act(self, x_BTD, ctx: Context, steps: int, cross, pos_TD) -> torch.Tensor:
+    def _act(self, x_BTD, ctx: Context, steps: int, pos_TD) -> torch.Tensor:
         cfg = self.cfg
         threshold = 1.0 - cfg.act_epsilon
         # meta tensors (``phaseloop params``) cannot be read: count all max steps
@@ -170,7 +169,7 @@ class UniversalTrunk(nn.Module):
             if state is None:
                 state = ACTState.like(p_BT)
             w_BT = state.step(p_BT, threshold)  # the one implementation (act.py)
-            y_BND = self.block(h_BND, ctx_t, ("ut", t), cross)  # transformed = next step input
+            y_BND = self.block(h_BND, ctx_t, ("ut", t))  # transformed = next step input
             out_BTD = combine(out_BTD, y_BND[:, new], w_BT.to(x_BTD.dtype), cfg.act_type)
             probs.append(p_BT.detach())
             if early_exit and not bool(state.running(threshold, steps).any()):
@@ -184,12 +183,13 @@ class UniversalTrunk(nn.Module):
 
     def _widen(self, ctx: Context, lo: int, end: int):
         """Context and position signal for positions [lo, end) (catch-up with a cache)."""
-        positions = torch.arange(lo, end, device=ctx.cos.device)
-        cos, sin = (r.to(ctx.cos.dtype) for r in rope_tables(positions, self.cfg.head_dim,
-                                                              self.cfg.rope_base))
-        return (dataclasses.replace(ctx, cos=cos, sin=sin, start_pos=lo),
+        wide = Context.at(self.cfg, lo, end - lo, ctx.cos.device)
+        return (dataclasses.replace(ctx, cos=wide.cos.to(ctx.cos.dtype), sin=wide.sin.to(ctx.sin.dtype),
+                                    start_pos=lo),
                 self.signal.position(lo, end - lo, ctx.cos.device))
 
+
+register_trunk("universal", UniversalTrunk)
 
 # Token embeddings at std d^-1/2 times sqrt(d) (tensor2tensor), so they are not drowned
 # by the unit-scale coordinate signal.

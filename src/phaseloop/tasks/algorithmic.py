@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..tokenizer import EOS, PAD, SEP
 
 TASKS: tuple[str, ...] = ("copy", "reverse", "addition", "parity")
 
@@ -298,9 +299,7 @@ class CharVocab:
     symbols for copy/reverse with a custom alphabet.
     """
 
-    PAD = 0
-    EOS = 1
-    SEP = 2
+    PAD, EOS, SEP = PAD, EOS, SEP  # phaseloop.tokenizer: one convention everywhere
     SPECIALS = ("<pad>", "<eos>", "<sep>")
     DEFAULT_SYMBOLS = DIGITS + "+"
 
@@ -362,15 +361,6 @@ class CharVocab:
                 raise ValueError(f"id {i} is outside the vocabulary (size {len(self)})")
             out.append(self.symbols[j])
         return "".join(out)
-
-    def encode_example(self, ex: Example) -> tuple[list[int], list[int]]:
-        """``(input ids, target ids + [EOS])`` for an encoder-decoder model."""
-        return self.encode(ex.input), self.encode(ex.target, add_eos=True)
-
-    def encode_joined(self, ex: Example) -> list[int]:
-        """``input ids + [SEP] + target ids + [EOS]`` for a decoder-only model; the loss
-        belongs on the positions after SEP."""
-        return self.encode(ex.input) + [self.SEP] + self.encode(ex.target, add_eos=True)
 
 
 __all__ = [

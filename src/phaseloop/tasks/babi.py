@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..tokenizer import EOS, PAD, SEP
 from ._errors import TaskDataError, TaskDataNotFound
 from .metrics import mean_std
 
@@ -274,6 +275,47 @@ def ponder_by_supporting(
     return {k: mean_std(vs) for k, vs in sorted(groups.items())}
 
 
+class WordVocab:
+    """Word-level vocabulary for bAbI (and any whitespace-tokenised text): words and
+    punctuation marks are tokens; the special ids match ``CharVocab`` (PAD 0, EOS 1,
+    SEP 2). ``decode`` joins tokens with spaces."""
+
+    PAD, EOS, SEP = PAD, EOS, SEP  # phaseloop.tokenizer: one convention everywhere
+    SPECIALS = ("<pad>", "<eos>", "<sep>")
+    _TOKEN = re.compile(r"\w+|[^\w\s]")
+
+    def __init__(self, words: Sequence[str]):
+        self.words = list(dict.fromkeys(words))
+        self._to_id = {w: i + len(self.SPECIALS) for i, w in enumerate(self.words)}
+
+    @classmethod
+    def tokenize(cls, text: str) -> list[str]:
+        return cls._TOKEN.findall(text.lower())
+
+    @classmethod
+    def for_texts(cls, texts) -> "WordVocab":
+        return cls(sorted({w for t in texts for w in cls.tokenize(t)}))
+
+    def __len__(self) -> int:
+        return len(self.SPECIALS) + len(self.words)
+
+    def encode(self, text: str, add_eos: bool = False) -> list[int]:
+        try:
+            ids = [self._to_id[w] for w in self.tokenize(text)]
+        except KeyError as e:
+            raise ConfigError(f"word {e.args[0]!r} is not in the vocabulary; build it from all texts") from None
+        return ids + [self.EOS] if add_eos else ids
+
+    def decode(self, ids) -> str:
+        out = []
+        for i in (ids.tolist() if hasattr(ids, "tolist") else ids):
+            if i == self.EOS:
+                break
+            if i >= len(self.SPECIALS):
+                out.append(self.words[i - len(self.SPECIALS)])
+        return " ".join(out)
+
+
 __all__ = [
     "N_TASKS",
     "BabiExample",
@@ -286,4 +328,5 @@ __all__ = [
     "task_error",
     "failed_tasks",
     "ponder_by_supporting",
+    "WordVocab",
 ]

@@ -1,0 +1,167 @@
+"""`phaseloop` command line: a thin layer over the library functions (``commands``).
+
+Bad input (PhaseloopError) prints one line `phaseloop: error: ...` and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import kernels
+from ..errors import PhaseloopError
+from . import commands as C
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int | None = None,
+              seq_len: bool = True, device: bool = True) -> argparse.ArgumentParser:
+    """A subcommand that reads a trained run, with the options such commands share."""
+    p = sub.add_parser(name, help=hlp)
+    p.add_argument("run", help="run folder (or its checkpoint folder)")
+    if data:
+        p.add_argument("--data", help="data source (default: the run's own)")
+    if windows is not None:
+        p.add_argument("--windows", type=int, default=windows, help="evaluation windows")
+        if seq_len:
+            p.add_argument("--seq-len", type=int, help="window length (default: the run's)")
+    if device:
+        p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.set_defaults(func=func)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="phaseloop", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train a model on a data source")
+    t.add_argument("--preset", help="model preset (phaseloop params --all lists them); default rope-small")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
+    t.add_argument("--data", help="a text file or folder, or stdlib (default) | shakespeare")
+    t.add_argument("--out", help="run folder (default runs/PRESET-TIMESTAMP)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out")
+    t.add_argument("--compile", action="store_true", help="torch.compile the model")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    for flag, field, typ, hlp in C.TRAIN_OPTS:
+        t.add_argument(flag, dest=field, type=typ, default=None, help=hlp)
+    t.set_defaults(func=C.cmd_train)
+
+    e = _on_a_run(sub, "eval", "validation loss / perplexity / bits per byte of a run", C.cmd_eval,
+                  windows=64)
+    e.add_argument("--split", choices=("val", "all"), default="val",
+                   help="val: the held-out tail; all: every token (e.g. a separate test file)")
+    e.add_argument("--json", action="store_true")
+
+    g = _on_a_run(sub, "generate", "sample text from a run", C.cmd_generate, data=False)
+    g.add_argument("--prompt", default="")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-cache", action="store_true", help="recompute the full prefix every token")
+
+    c = sub.add_parser("params", help="parameter and FLOP counts of a preset (no weights allocated)")
+    c.add_argument("--preset", help="preset name (default rope-small)")
+    c.add_argument("--all", action="store_true", help="every preset")
+    c.add_argument("--set", action="append", metavar="KEY=VALUE")
+    c.add_argument("--seq-len", type=int, help="sequence length for FLOPs (default: the preset's)")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--match", metavar="PRESET",
+                   help="UT §3: solve for the width d (d_ff=4d) with the parameters of PRESET "
+                        "(transformer-base, ...); with --shared a weight-tied encoder-decoder")
+    c.add_argument("--shared", action="store_true", help="with --match: one shared layer per side")
+    c.set_defaults(func=C.cmd_params)
+
+    a = _on_a_run(sub, "angles", "3PT: per-layer rotation-angle drift of a run (+ PNG)", C.cmd_angles,
+                  data=False, device=False)
+    a.add_argument("--png", help="plot path (default RUN/angle_drift.png)")
+
+    z = _on_a_run(sub, "zero-sum", "3PT: zero-sum diagnostic of a run's residual stream", C.cmd_zero_sum,
+                  windows=8, device=False)
+    z.add_argument("--phases", type=int, help="stripes to measure (default: the model's N)")
+
+    m = sub.add_parser("compare", help="train model variants over seeds and report (default: the quick recipe)")
+    m.add_argument("recipe", nargs="?", help="recipe .toml/.json (see recipes/) or a built-in name; default quick")
+    m.add_argument("--out", help="comparison folder (default runs/compare-NAME); rerun to resume")
+    m.add_argument("--variants", nargs="+", metavar="VARIANT",
+                   help="recipe variant names or specs, e.g. rope 'three_phase N=1' universal+act")
+    m.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1")
+    m.add_argument("--steps", type=int, help="optimizer steps per run")
+    m.add_argument("--data", help="a text file or folder, or stdlib | shakespeare")
+    m.add_argument("--match", choices=("none", "params", "flops", "depth"),
+                   help="resize variants to the reference's parameters, FLOPs/token or depth")
+    m.add_argument("--quiet", action="store_true", help="no progress bar")
+    m.set_defaults(func=C.cmd_compare)
+
+    for name, hlp in (("task", "train/evaluate on an algorithmic task or a JSONL file (UT paper)"),
+                      ("babi", "train/evaluate on bAbI QA tasks (UT paper)")):
+        k = sub.add_parser(name, help=hlp)
+        if name == "task":
+            k.add_argument("--task", required=True, help="copy | reverse | addition | parity | jsonl:PATH")
+            k.add_argument("--train-len", help="training lengths, e.g. 1-20 (default; --paper: 40)")
+            k.add_argument("--test-len", help="test lengths, e.g. 40,80 (default; --paper: 400)")
+            k.add_argument("--paper", action="store_true", help="the paper's setting: train 40, test 400, "
+                           "random position offsets for UT")
+            k.add_argument("--offsets", help="max random start offset in training: an integer or auto")
+            k.add_argument("--n-test", type=int, default=100, help="test examples per test length")
+            k.add_argument("--test-file", help="JSONL test file for --task jsonl:PATH (default: 10%% held out)")
+        else:
+            k.add_argument("--tasks", default="1,2,3", help="task numbers, e.g. 1,2,3")
+            k.add_argument("--data-dir", help="folder of qa*_train/test.txt (default $PHASELOOP_DATA_DIR/babi/en-1k)")
+            k.add_argument("--joint", action="store_true", help="one model on all tasks (default: one per task)")
+            k.add_argument("--max-sentences", default="20", help="keep the last N story sentences, or all")
+            k.add_argument("--n-test", type=int, help="score the first N test questions per task (default all)")
+        k.add_argument("--arch", help="any decoder arch (uses its -tiny preset), or transformer-seq2seq | "
+                       "universal-seq2seq")
+        k.add_argument("--preset", help="model preset (overrides the -tiny default)")
+        k.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
+        k.add_argument("--steps", type=int, help="optimizer steps (default 400)")
+        k.add_argument("--batch-size", type=int)
+        k.add_argument("--lr", type=float)
+        k.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1")
+        k.add_argument("--device", help="cpu (default) | auto | cuda[:N]")
+        k.add_argument("--out", help="folder for the run folders (one per seed), metrics.json and the plot")
+        k.add_argument("--resume", action="store_true", help="continue the run in --out (finished seeds "
+                       "are reloaded, not retrained)")
+        k.add_argument("--quiet", action="store_true")
+        k.set_defaults(func=C.cmd_task if name == "task" else C.cmd_babi)
+
+    q = _on_a_run(sub, "quantize", "weight-only INT8/INT4 quantisation of a run, with validation "
+                  "loss/BPB before and after", C.cmd_quantize, windows=64, seq_len=False)
+    q.add_argument("--bits", type=int, choices=(8, 4), required=True)
+    q.add_argument("--group-size", type=int, default=128, help="input columns per scale "
+                   "(-1: one per row; a layer it does not divide falls back to per row)")
+    q.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
+                   help="rtn: round to nearest; gptq: Frantar et al. 2022, Hessians of shared "
+                   "layers pooled over all loop passes")
+    q.add_argument("--calib-batches", type=int, default=8, help="GPTQ calibration batches")
+    q.add_argument("--calib-batch-size", type=int, default=8)
+    q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
+    q.add_argument("--out", help="folder for the weights and report (default: the run folder)")
+
+    d = sub.add_parser("demo", help="runnable explainer demos")
+    d.add_argument("which", choices=["parity"], help="parity: the hand-set prefix-parity scan")
+    d.add_argument("--length", type=int, default=100)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--layers", type=int, help="fixed-stack depth (default: one layer short)")
+    d.set_defaults(func=C.cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        kernels.mode()  # a bad $PHASELOOP_KERNELS is refused before anything is written
+        return args.func(args)
+    except PhaseloopError as e:
+        print(f"phaseloop: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("phaseloop: interrupted; the last checkpoint is intact (resume with --resume)",
+              file=sys.stderr)
+        return 130

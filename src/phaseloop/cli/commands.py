@@ -1,0 +1,316 @@
+"""The subcommands: each turns parsed arguments into one call of a library function and
+prints its result. Nothing here is needed by the library, the benchmarks or the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from .. import compare, plots
+from ..checkpoint import load_run, read_json, write_json
+from ..config import ModelConfig
+from ..data import eval_windows, load_corpus
+from ..engine import TrainConfig, resolve_device
+from ..errors import PhaseloopError
+from ..tokenizer import get_tokenizer
+from ..train import evaluate, fit_vocab, train
+
+# train options: (flag, TrainConfig field, type, help)
+TRAIN_OPTS = [
+    ("--steps", "steps", int, "optimizer steps"),
+    ("--batch-size", "batch_size", int, "sequences per micro-batch"),
+    ("--grad-accum", "grad_accum", int, "micro-batches per step"),
+    ("--seq-len", "seq_len", int, "training window (default: the model's max_seq_len)"),
+    ("--lr", "lr", float, "peak learning rate"),
+    ("--min-lr-ratio", "min_lr_ratio", float, "cosine floor as a fraction of lr"),
+    ("--warmup", "warmup_steps", int, "linear warmup steps"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay (matrices only)"),
+    ("--grad-clip", "grad_clip", float, "gradient-norm clip"),
+    ("--seed", "seed", int, "random seed"),
+    ("--eval-every", "eval_every", int, "steps between evaluations"),
+    ("--eval-windows", "eval_windows", int, "validation windows per evaluation"),
+    ("--ckpt-every", "ckpt_every", int, "steps between checkpoints"),
+    ("--log-every", "log_every", int, "steps between metric records"),
+    ("--val-fraction", "val_fraction", float, "fraction of tokens held out"),
+    ("--device", "device", str, "auto | cpu | cuda[:N]"),
+]
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """`key=value` pairs; values parsed as JSON where possible (3, 0.1, true, null)."""
+    out = {}
+    for item in items or []:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise PhaseloopError(f"bad --set {item!r}; write KEY=VALUE, e.g. --set n_layers=6")
+        try:
+            out[key.strip()] = json.loads(val)
+        except json.JSONDecodeError:
+            out[key.strip()] = val
+    return out
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- LM runs
+def cmd_train(args) -> int:
+    out = args.out or f"runs/{args.preset or 'rope-small'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    saved = read_json(Path(out) / "config.json") if args.resume and (Path(out) / "config.json").exists() else None
+    overrides = parse_overrides(args.set)
+    if saved is not None and args.preset is None:
+        model_cfg = ModelConfig.from_dict({**saved["model"], **overrides})
+    else:
+        model_cfg = ModelConfig.from_preset(args.preset or "rope-small", **overrides)
+    explicit = {field: getattr(args, field) for _, field, _, _ in TRAIN_OPTS if getattr(args, field) is not None}
+    if args.compile:
+        explicit["compile"] = True
+    tc = TrainConfig.from_dict({**(saved["train"] if saved else {}), **explicit})
+    corpus = load_corpus(args.data or (saved["data"]["source"] if saved else "stdlib"))
+    model_cfg = fit_vocab(model_cfg, corpus.tokenizer, explicit=saved is not None or "vocab_size" in overrides,
+                          log=_stderr)
+    summary = train(model_cfg, tc, corpus, out, resume=args.resume, progress=not args.quiet)
+    print(json.dumps({k: summary[k] for k in ("run", "step", "params", "val_loss", "val_bpb",
+                                              "val_ppl", "tok_per_s") if k in summary}, indent=2))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    device = resolve_device(args.device)
+    model, run_cfg = load_run(args.run, device)
+    corpus = load_corpus(args.data or run_cfg["data"]["source"])
+    seq_len = args.seq_len or run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
+    if args.split == "all":
+        tokens = corpus.tokens
+    else:
+        _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
+    windows = eval_windows(tokens, seq_len, args.windows)
+    res = evaluate(model, windows, corpus.tokenizer.token_bytes(), 16, device)
+    res.update({"data": corpus.name, "fingerprint": corpus.fingerprint, "split": args.split,
+                "windows": len(windows), "seq_len": seq_len})
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(f"{corpus.name} [{args.split}] loss {res['val_loss']:.4f}  ppl {res['val_ppl']:.3f}  "
+              f"bpb {res['val_bpb']:.4f}  ({res['val_tokens']} tokens)")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    if args.max_new_tokens < 0 or (args.top_k is not None and args.top_k < 1):
+        raise PhaseloopError("--max-new-tokens must be >= 0 and --top-k >= 1")
+    device = resolve_device(args.device)
+    model, run_cfg = load_run(args.run, device)
+    tok = get_tokenizer(run_cfg["data"].get("tokenizer", "bytes"))
+    idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         generator=g, use_cache=not args.no_cache)
+    sys.stdout.write(tok.decode(out[0].tolist()) + "\n")
+    return 0
+
+
+def cmd_params(args) -> int:
+    from .. import accounting as acc
+    from ..config import PRESETS
+    from ..params import count_params, format_count
+
+    if args.match or args.shared or args.preset in acc.PRESETS:
+        return _params_encdec(args)
+    names = list(PRESETS) if args.all else [args.preset or "rope-small"]
+    rows = [count_params(ModelConfig.from_preset(n, **parse_overrides(args.set)), args.seq_len)
+            | {"preset": n} for n in names]
+    if args.json:
+        print(json.dumps(rows if args.all else rows[0], indent=2))
+        return 0
+    w = max(len(r["preset"]) for r in rows) + 2
+    print(f"{'preset':<{w}}{'arch':<13}{'total':>10}{'embedding':>11}{'unembed':>10}"
+          f"{'non-emb':>10}{'MFLOP/tok':>11}")
+    for r in rows:
+        print(f"{r['preset']:<{w}}{r['arch']:<13}{format_count(r['total']):>10}"
+              f"{format_count(r['embedding']):>11}{format_count(r['unembedding']):>10}"
+              f"{format_count(r['non_embedding']):>10}{r['flops_per_token'] / 1e6:>11.2f}")
+    return 0
+
+
+def _params_encdec(args) -> int:
+    """UT §3: tensor2tensor-convention encoder-decoder presets, and --match solving for
+    the width of a weight-tied model with a preset's parameter count."""
+    from .. import accounting as acc
+
+    if args.set or args.all:
+        raise PhaseloopError("--set/--all do not apply to the encoder-decoder presets "
+                             f"({', '.join(acc.PRESETS)}); drop them")
+    if args.shared and not args.match:
+        raise PhaseloopError("--shared needs --match PRESET, e.g. --match transformer-base --shared")
+    seq_len = args.seq_len or acc.DEFAULT_SEQ_LEN
+    rows = [acc.count(spec, seq_len) for spec in acc.PRESETS.values()]
+    if args.match:
+        res = acc.match(args.match, shared=args.shared, seq_len=seq_len)
+        if args.json:
+            print(json.dumps(res, indent=2))
+            return 0
+        kind = "weight-tied (1+1 layers, shared)" if args.shared else "6+6 distinct layers"
+        print(f"{kind} encoder-decoder with the parameters of {args.match} "
+              f"({res['target_total']:,}): d = {res['d_exact']:.1f} -> d = {res['d']}, "
+              f"d_ff = {4 * res['d']}, {res['model']['total']:,} parameters\n")
+        print(acc.table(rows + [res["model"]], rows[0]))
+        return 0
+    row = acc.count(acc.get(args.preset), seq_len)
+    print(json.dumps(row, indent=2) if args.json else acc.table(rows, rows[0]))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    """Train every (variant, seed) of a recipe, then write summary.json, report.md, plots."""
+    recipe = compare.load_recipe(args.recipe)
+    recipe = compare.apply_overrides(recipe, args.variants, args.seeds, args.steps, args.data,
+                                     args.match, log=_stderr)
+    out = args.out or f"runs/compare-{compare.slugify(recipe.name)}"
+    command = " ".join(shlex.quote(a) for a in ["phaseloop", *sys.argv[1:]])
+    try:
+        s = compare.run_comparison(recipe, out, progress=not args.quiet, command=command)
+    except KeyboardInterrupt:
+        _stderr(f"phaseloop: interrupted; rerun the same command to resume ({out} keeps the "
+                "finished runs and the last checkpoints)")
+        return 130
+    print(compare.format_table(s))
+    print(f"wrote {Path(out) / 'report.md'}, summary.json and {len(s['plots'])} plots")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    """Hyperloop §4: weight-only INT8/INT4 quantisation of a run (``quant.quantize_run``)."""
+    from ..params import format_count
+    from ..quant import quantize_run
+
+    r = quantize_run(args.run, args.bits, args.group_size, args.method, calib_batches=args.calib_batches,
+                     calib_batch_size=args.calib_batch_size, seed=args.seed, windows=args.windows,
+                     data=args.data, out=args.out, device=args.device)
+    b, a = r["before"], r["after"]
+    print(f"{r['arch']} {r['stem']}: val loss {b['val_loss']:.4f} -> {a['val_loss']:.4f}, "
+          f"bpb {b['val_bpb']:.4f} -> {a['val_bpb']:.4f}, params {format_count(r['bytes_before'])}B -> "
+          f"{format_count(r['bytes_after'])}B ({r['n_quantized']} Linears) -> {r['weights']}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- 3PT analysis
+def cmd_angles(args) -> int:
+    """3PT: per-layer |θ_final − θ_init| of a trained run, printed and plotted."""
+    from ..three_phase import angle_drift
+
+    model, _ = load_run(args.run)
+    rows = angle_drift(model)
+    if not rows:
+        raise PhaseloopError(f"{args.run} has no phase rotation (train with --preset 3pt-* "
+                             "or --set phase_rotation=true)")
+    print(f"{'layer':>5} {'theta_init':>10} {'mean|drift|':>12} {'max|drift|':>11}")
+    for r in rows:
+        print(f"{r['layer']:>5} {r['init']:>10.4f} {r['mean_abs_drift']:>12.5f} {r['max_abs_drift']:>11.5f}")
+    run_dir = Path(args.run)
+    png = Path(args.png) if args.png else run_dir / "angle_drift.png"
+    plots.pyplot()  # refuse before writing anything when matplotlib is missing
+    write_json(run_dir / "angle_drift.json", rows)
+    plots.plot_angle_drift(rows, png)
+    print(f"wrote {png} and {run_dir / 'angle_drift.json'}")
+    return 0
+
+
+def cmd_zero_sum(args) -> int:
+    """3PT: Σ_i mean(stripe i) averaged over positions, at the embedding and each layer."""
+    from ..three_phase import zero_sum_profile
+
+    model, run_cfg = load_run(args.run)
+    if args.phases:
+        model.cfg = model.cfg.replace(n_phases=args.phases)
+    corpus = load_corpus(args.data or run_cfg["data"]["source"])
+    seq_len = args.seq_len or model.cfg.max_seq_len
+    _, val = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
+    windows = eval_windows(val, seq_len, args.windows)[:, :-1]
+    N, T = model.cfg.n_phases, seq_len
+    expect = N * sum(1 / k for k in range(1, T + 1)) / T
+    print(f"zero-sum diagnostic, N={N}, T={T} (horn value N*H_T/T = {expect:.4f})")
+    for r in zero_sum_profile(model, windows):
+        print(f"  {r['site']:<10} {r['zero_sum']:+.5f}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- tasks (UT paper)
+def _task_setup(args):
+    from ..tasks.models import task_train_config
+    from ..tasks.runner import task_model_config
+
+    cfg, arch = task_model_config(args.arch, args.preset, parse_overrides(args.set))
+    device = str(resolve_device(args.device or "cpu"))
+    tc = task_train_config(device=device, **{k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size),
+                                                               ("lr", args.lr)) if v is not None})
+    items = [s.strip() for s in args.seeds.split(",")]
+    if not all(s.isdigit() for s in items):
+        raise PhaseloopError(f"bad --seeds {args.seeds!r}; write integers like 0,1")
+    return cfg, arch, tc, list(dict.fromkeys(int(s) for s in items))
+
+
+def _task_out(args, kind: str) -> Path:
+    if args.resume and not args.out:
+        raise PhaseloopError("--resume needs --out, the folder of the run to continue")
+    return Path(args.out or f"runs/{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def cmd_task(args) -> int:
+    """Algorithmic task (or a JSONL file): train over seeds; table, metrics.json, plot."""
+    from ..tasks.report import format_table
+    from ..tasks.runner import run_task
+
+    cfg, arch, tc, seeds = _task_setup(args)
+    train_len = args.train_len or ("40" if args.paper else "1-20")
+    test_len = args.test_len or ("400" if args.paper else "40,80")
+    offsets = args.offsets if args.offsets is not None else (
+        "auto" if args.paper and "universal" in (arch or cfg.arch) else "0")
+    if offsets != "auto" and not offsets.isdigit():
+        raise PhaseloopError(f"bad --offsets {offsets!r}; write auto or an integer >= 0")
+    out = _task_out(args, f"task-{args.task.split(':')[0]}-{arch or cfg.arch}")
+    res = run_task(args.task, cfg, tc, seeds, train_len, test_len, out, n_test=args.n_test,
+                   test_file=args.test_file, offsets=offsets if offsets == "auto" else int(offsets),
+                   arch=arch, log=None if args.quiet else print, resume=args.resume)
+    print(format_table(res["summary"], f"{args.task} | {arch or cfg.arch} | train {train_len} | "
+                       f"seeds {','.join(map(str, seeds))} (mean ±std over seeds)"))
+    print(f"wrote {out / 'metrics.json'}" + (f" and {out / 'accuracy_vs_length.png'}" if res["plot"]
+                                              else f" (no plot: {plots.MISSING})"))
+    return 0
+
+
+def cmd_babi(args) -> int:
+    """bAbI QA: error per task, failed tasks, ponder time by supporting facts."""
+    from ..tasks.report import format_babi_table
+    from ..tasks.runner import run_babi_seeds
+
+    cfg, arch, tc, seeds = _task_setup(args)
+    data_dir = args.data_dir or Path(os.environ.get("PHASELOOP_DATA_DIR", "data")) / "babi" / "en-1k"
+    try:
+        tasks = [int(t) for t in args.tasks.split(",")]
+    except ValueError:
+        raise PhaseloopError(f"bad --tasks {args.tasks!r}; write task numbers like 1,2,3") from None
+    window = None if args.max_sentences == "all" else args.max_sentences
+    if window is not None and not window.isdigit():
+        raise PhaseloopError(f"bad --max-sentences {window!r}; write an integer or all")
+    out = _task_out(args, f"babi-{arch or cfg.arch}")
+    res = run_babi_seeds(cfg, data_dir, tasks, tc, seeds, args.joint, window and int(window), out, arch,
+                         log=None if args.quiet else print, max_test=args.n_test, resume=args.resume)
+    print(format_babi_table(res))
+    print(f"wrote {out / 'metrics.json'}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Hand-set prefix-parity scan (UT paper): shared step vs fixed stack vs no step signal."""
+    from ..tasks.parity_demo import render_demo
+
+    print(render_demo(args.length, seed=args.seed, n_layers=args.layers))
+    return 0

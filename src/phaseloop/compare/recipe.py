@@ -1,0 +1,355 @@
+"""Comparison recipes and variant specs: what to train (see the package docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .. import config
+from ..config import PRESETS, ModelConfig
+from ..engine import TrainConfig
+from ..errors import ConfigError, PhaseloopError
+
+MATCH_KINDS = ("none", "params", "flops", "depth")
+MATCH_BY = ("width", "depth")
+
+
+class RecipeError(PhaseloopError):
+    """A bad comparison recipe, variant, budget or comparison folder (one line)."""
+
+
+def _check_keys(cls, table: dict, where: str, what: str) -> None:
+    """Refuse keys that are not fields of ``cls`` (typos), suggesting the closest one."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    for k in table:
+        if k not in known:
+            raise RecipeError(f"{where}: unknown {what} {k!r}{_suggest(k, known)}; "
+                              f"known: {', '.join(known)}")
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# alias -> (arch, preset prefixes tried as "<prefix>-<scale>", extra overrides)
+ALIASES: dict[str, tuple[str, tuple[str, ...], dict]] = {
+    "rope": ("rope", ("rope",), {}),
+    "transformer": ("rope", ("transformer", "rope"), {}),
+    "three_phase": ("three_phase", ("3pt", "three_phase"), {}),
+    "3pt": ("three_phase", ("3pt", "three_phase"), {}),
+    "universal": ("universal", ("universal", "ut"), {}),
+    "ut": ("universal", ("universal", "ut"), {}),
+    "looped": ("looped", ("looped",), {}),
+    "hyperloop": ("hyperloop", ("hyperloop",), {}),
+    "mhc": ("mhc", ("mhc",), {}),
+}
+# "+modifier" -> ModelConfig overrides
+MODIFIERS: dict[str, dict] = {
+    "act": {"act": True},  # Universal Transformer with ACT halting (Dehghani et al. 2019 §2.2)
+    # the 3PT phase structure on any trunk built from Block (Abu Ayyash 2026, mods 1-5)
+    "3pt": {"n_phases": 3, "phase_rotation": True, "phase_norm": True,
+            "phase_aligned_gqa": True, "horn": True},
+    # the 3PT paper's RoPE-only baseline: N(0, 1) embedding times sqrt(d_model)
+    "paper": {"embed_scale": True, "embed_init_std": 1.0},
+}
+MODIFIERS["three_phase"] = MODIFIERS["3pt"]
+KEY_ALIASES = {"N": "n_phases", "L": "n_layers", "D": "d_model"}
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        low = text.lower()
+        return {"true": True, "false": False}.get(low, text)
+
+
+def parse_spec(spec: str) -> tuple[str, list[str], dict]:
+    """'three_phase+act N=3 lr=..' -> ('three_phase', ['act'], {'n_phases': 3})."""
+    tokens = str(spec).split()
+    if not tokens:
+        raise RecipeError("empty variant spec; write e.g. 'rope' or 'three_phase N=3'")
+    base, *mods = tokens[0].split("+")
+    overrides = {}
+    for tok in tokens[1:]:
+        key, sep, val = tok.partition("=")
+        if not sep or not key or not val:
+            raise RecipeError(f"variant {spec!r}: bad token {tok!r}; write KEY=VALUE, e.g. N=3")
+        overrides[KEY_ALIASES.get(key, key)] = _parse_value(val)
+    return base, mods, overrides
+
+
+def slugify(name: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._+-]+", "-", name.replace("=", "")).strip("-.")
+    return slug or "variant"
+
+
+@dataclass
+class Variant:
+    name: str
+    spec: str
+    set: dict = field(default_factory=dict)  # ModelConfig overrides applied last
+    match: str | None = None  # None -> the recipe's budget
+    match_to: str | None = None  # None -> the reference variant
+
+    @property
+    def slug(self) -> str:
+        return slugify(self.name)
+
+    @classmethod
+    def from_item(cls, item, where: str) -> "Variant":
+        if isinstance(item, str):
+            return cls(name=item, spec=item)
+        if not isinstance(item, dict):
+            raise RecipeError(f"{where}: a variant is a spec string or a table, got {item!r}")
+        _check_keys(cls, item, where, "variant key")
+        if "spec" not in item:
+            raise RecipeError(f"{where}: variant table needs spec = 'ARCH ...' (e.g. 'rope')")
+        if not isinstance(item.get("set", {}), dict):
+            raise RecipeError(f"{where}: set must be a table of ModelConfig fields")
+        v = cls(name=str(item.get("name", item["spec"])), spec=str(item["spec"]),
+                set=dict(item.get("set") or {}), match=item.get("match"),
+                match_to=item.get("match_to"))
+        if v.match is not None and v.match not in MATCH_KINDS:
+            raise RecipeError(f"{where}: match={v.match!r}; choose one of {', '.join(MATCH_KINDS)}")
+        return v
+
+
+def resolve_variant(v: Variant, scale: str, vocab_size: int | None = None):
+    """Variant -> ModelConfig. Errors name the variant and the fix."""
+    base, mods, overrides = parse_spec(v.spec)
+    where = f"variant {v.name!r}"
+    if base in PRESETS:
+        preset, extra = base, {}
+    elif base in ALIASES or base in config.ARCHS:
+        arch, prefixes, extra = ALIASES.get(base, (base, (base,), {}))
+        if arch not in config.ARCHS:
+            raise RecipeError(f"{where}: architecture {arch!r} is not registered in this "
+                              f"phaseloop (registered: {', '.join(config.ARCHS)}); remove the "
+                              "variant or use a version that has it")
+        # a preset for the composition (e.g. universal-act-small) beats base + overrides
+        tags = [f"{p}-{'-'.join(mods)}-{scale}" for p in prefixes] if mods else []
+        found = [n for n in tags + [f"{p}-{scale}" for p in prefixes] if n in PRESETS]
+        if found:
+            preset = found[0]
+        elif f"rope-{scale}" in PRESETS:  # an arch without its own preset: rope's shapes
+            preset, extra = f"rope-{scale}", {**extra, "arch": arch}
+        else:
+            scales = sorted({n.rsplit("-", 1)[1] for n in PRESETS if n.startswith("rope-")})
+            raise RecipeError(f"{where}: no preset {prefixes[0]}-{scale}; set scale to one of "
+                              f"{', '.join(scales)} or name a preset")
+    else:
+        options = sorted(set(ALIASES) | set(config.ARCHS) | set(PRESETS))
+        raise RecipeError(f"{where}: unknown architecture or preset {base!r}"
+                          f"{_suggest(base, options)}; use one of {', '.join(options)}")
+    mod_overrides: dict = {}
+    for m in mods:
+        if m not in MODIFIERS:
+            raise RecipeError(f"{where}: unknown modifier +{m}{_suggest(m, MODIFIERS)}; "
+                              f"known: {', '.join('+' + k for k in MODIFIERS)}")
+        mod_overrides.update(MODIFIERS[m])
+    d = {**PRESETS[preset], **extra, **mod_overrides, **overrides, **v.set}
+    if vocab_size is not None and "vocab_size" not in {**overrides, **v.set}:
+        d["vocab_size"] = vocab_size
+    try:
+        return ModelConfig.from_dict(d)
+    except ConfigError as e:
+        raise RecipeError(f"{where}: {e}") from None
+
+
+@dataclass
+class Recipe:
+    variants: list[Variant]
+    name: str = "comparison"
+    description: str = ""
+    data: str = "stdlib"
+    seeds: list[int] = field(default_factory=lambda: [0])
+    scale: str = "small"  # which <prefix>-<scale> presets the aliases pick
+    reference: str | None = None  # None -> the first variant
+    match: str = "none"  # none | params | flops | depth
+    match_by: str = "width"  # width (d_model, d_ff ratio kept) | depth (n_layers)
+    match_tolerance: float = 0.1  # largest relative miss of a matched budget
+    alpha: float = 0.05  # significance level of the paired t-test
+    train: dict = field(default_factory=dict)  # TrainConfig fields (all but seed)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.variants:
+            raise RecipeError("recipe has no variants; add e.g. variants = ['rope', 'three_phase']")
+        names = [v.name for v in self.variants]
+        for n in names:
+            if names.count(n) > 1:
+                raise RecipeError(f"recipe names variant {n!r} twice; give each a distinct name")
+        slugs = [v.slug for v in self.variants]
+        for v in self.variants:
+            if slugs.count(v.slug) > 1:
+                raise RecipeError(f"variant names {v.name!r} and another map to the same run "
+                                  f"folder {v.slug!r}; rename one")
+            if v.match_to is not None and v.match_to not in names:
+                raise RecipeError(f"variant {v.name!r}: match_to={v.match_to!r} names no variant"
+                                  f"{_suggest(v.match_to, names)}")
+        if self.reference is None:
+            self.reference = names[0]
+        if self.reference not in names:
+            raise RecipeError(f"reference={self.reference!r} is not a variant"
+                              f"{_suggest(self.reference, names)}; choose one of "
+                              f"{', '.join(names)}")
+        if (not isinstance(self.seeds, list) or not self.seeds
+                or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in self.seeds)
+                or len(set(self.seeds)) != len(self.seeds)):
+            raise RecipeError(f"seeds={self.seeds!r}: must be a non-empty list of distinct "
+                              "non-negative integers, e.g. [0, 1]")
+        if self.match not in MATCH_KINDS:
+            raise RecipeError(f"match={self.match!r}: choose one of {', '.join(MATCH_KINDS)}")
+        if self.match_by not in MATCH_BY:
+            raise RecipeError(f"match_by={self.match_by!r}: choose one of {', '.join(MATCH_BY)}")
+        if not 0 < self.match_tolerance < 1:
+            raise RecipeError(f"match_tolerance={self.match_tolerance!r}: must be in (0, 1)")
+        if not 0 < self.alpha < 1:
+            raise RecipeError(f"alpha={self.alpha!r}: must be in (0, 1)")
+        if not isinstance(self.data, str) or not self.data:
+            raise RecipeError(f"data={self.data!r}: a path or one of stdlib, shakespeare")
+        if not isinstance(self.train, dict):
+            raise RecipeError("train must be a table of TrainConfig fields")
+        if "seed" in self.train:
+            raise RecipeError("train.seed is set per run from seeds; use seeds = [...] instead")
+        try:
+            self.train = {k: v for k, v in TrainConfig.from_dict(self.train).to_dict().items()
+                          if k != "seed"}
+        except ConfigError as e:
+            raise RecipeError(f"recipe [train]: {e}") from None
+
+    def train_config(self, seed: int):
+        return TrainConfig.from_dict({**self.train, "seed": seed})
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["variants"] = [dataclasses.asdict(v) for v in self.variants]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "recipe") -> "Recipe":
+        if not isinstance(d, dict):
+            raise RecipeError(f"{source}: a recipe is a table of keys")
+        _check_keys(cls, d, source, "key")
+        if "variants" not in d:
+            raise RecipeError(f"{source}: no variants; add e.g. variants = ['rope', 'three_phase']")
+        items = d["variants"]
+        if not isinstance(items, list):
+            raise RecipeError(f"{source}: variants must be a list")
+        variants = [Variant.from_item(it, f"{source}: variants[{i}]") for i, it in enumerate(items)]
+        return cls(**{**d, "variants": variants})
+
+
+# Built-in default: the README's main job (`phaseloop compare` with no recipe). Kept equal
+# to recipes/quick.toml by a test.
+QUICK_TOML = """\
+# The README's main job: the RoPE-only baseline vs the Three-Phase Transformer vs
+# Hyperloop, small byte-level models on the built-in corpus (the Python standard
+# library), equal steps and tokens, 2 seeds: about 10 minutes on 2 CPU cores.
+name = "quick"
+description = "RoPE-only vs Three-Phase Transformer (N=3) vs Hyperloop, small byte-level models"
+data = "stdlib"
+scale = "small"
+seeds = [0, 1]
+reference = "rope"
+variants = ["rope", "three_phase N=3", "hyperloop"]
+
+[train]
+steps = 300
+batch_size = 16
+seq_len = 128
+lr = 0.002
+warmup_steps = 25
+eval_every = 25
+eval_windows = 32
+ckpt_every = 50
+log_every = 5
+"""
+BUILTIN_RECIPES = {"quick": QUICK_TOML}
+
+
+def _load_toml(text: str, source: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise RecipeError("reading TOML recipes on Python 3.10 needs tomli (pip install "
+                              "tomli); or pass a JSON recipe") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{source} is not valid TOML: {e}") from None
+
+
+def load_recipe(spec: str | os.PathLike | None = None) -> Recipe:
+    """A .toml / .json file, or a built-in name (default: quick)."""
+    spec = "quick" if spec is None else str(spec)
+    p = Path(spec).expanduser()
+    if p.is_file():
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise RecipeError(f"cannot read recipe {spec}: {e.__class__.__name__}") from None
+        if p.suffix == ".json":
+            try:
+                d = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise RecipeError(f"{spec} is not valid JSON: {e}") from None
+            d = d.get("recipe", d) if isinstance(d, dict) else d  # a stored recipe.json
+        else:
+            d = _load_toml(text, spec)
+        d = dict(d) if isinstance(d, dict) else d
+        if isinstance(d, dict):
+            d.setdefault("name", p.stem)
+        return Recipe.from_dict(d, spec)
+    if spec in BUILTIN_RECIPES:
+        return Recipe.from_dict(_load_toml(BUILTIN_RECIPES[spec], spec), spec)
+    raise RecipeError(f"recipe {spec!r} not found; pass a .toml/.json file (see recipes/) or "
+                      f"a built-in name: {', '.join(BUILTIN_RECIPES)}")
+
+
+def apply_overrides(recipe: Recipe, variants: list[str] | None = None,
+                    seeds: str | list | None = None, steps: int | None = None,
+                    data: str | None = None, match: str | None = None,
+                    log: Callable[[str], None] | None = None) -> Recipe:
+    """CLI flags on top of a recipe. ``variants`` items are recipe variant names or new
+    spec strings; when ``steps`` shrinks below the eval interval the interval follows."""
+    d = recipe.to_dict()
+    if variants:
+        by_name = {v["name"]: v for v in d["variants"]}
+        d["variants"] = [by_name.get(item, item) for item in variants]
+        names = [v["name"] if isinstance(v, dict) else v for v in d["variants"]]
+        if d["reference"] not in names:
+            d["reference"] = names[0]
+    if seeds is not None:
+        if isinstance(seeds, str):
+            try:
+                seeds = [int(s) for s in seeds.split(",") if s.strip()]
+            except ValueError:
+                raise RecipeError(f"--seeds {seeds!r}: write integers separated by commas, "
+                                  "e.g. --seeds 0,1") from None
+        d["seeds"] = list(seeds)
+    if steps is not None:
+        d["train"]["steps"] = steps
+        for k in ("eval_every", "ckpt_every", "warmup_steps"):
+            if d["train"][k] > max(1, steps // 5):
+                d["train"][k] = max(1, steps // 10) if k != "warmup_steps" else steps // 10
+                if log:
+                    log(f"note: train.{k} -> {d['train'][k]} for --steps {steps}")
+    if data is not None:
+        d["data"] = data
+    if match is not None:
+        d["match"] = match
+    return Recipe.from_dict(d, "recipe with command-line options")

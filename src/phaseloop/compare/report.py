@@ -1,0 +1,225 @@
+"""The comparison report: per-variant statistics, table, plots, summary.json, report.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import plots
+from ..checkpoint import read_json, write_json
+from ..data import atomic_write_bytes
+from ..engine import resolve_device, software_versions
+from ..params import format_count
+from .budget import Planned, describe_match
+from .recipe import Recipe, RecipeError
+from .stats import first_reach, mean_curve, mean_std, paired_t_test, read_curves, speedup
+
+
+def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
+    """Per-variant statistics from the finished runs in ``out/runs``."""
+    rows = {}
+    for p in plan:
+        seeds, sums, curves = [], [], []
+        for seed in recipe.seeds:
+            d = out / "runs" / f"{p.variant.slug}-s{seed}"
+            if (d / "summary.json").exists():
+                seeds.append(seed)
+                sums.append(read_json(d / "summary.json"))
+                curves.append(read_curves(d))
+        rows[p.name] = {"seeds": seeds, "summaries": sums, "curves": curves}
+    ref = rows[recipe.reference]
+    if not ref["seeds"]:
+        raise RecipeError(f"no finished run of the reference {recipe.reference!r} in {out}")
+    ref_mean = mean_curve(ref["curves"])
+    target = ref_mean["val_loss"][-1]  # reference's final validation loss (seed mean)
+    ref_step = first_reach(ref_mean["step"], ref_mean["val_loss"], target)
+    ref_time = first_reach(ref_mean["elapsed_s"], ref_mean["val_loss"], target)
+    ref_final = {s: x["val_loss"] for s, x in zip(ref["seeds"], ref["summaries"])}
+
+    variants = []
+    for p in plan:
+        r = rows[p.name]
+        if not r["seeds"]:
+            variants.append({"name": p.name, "spec": p.variant.spec, "finished_seeds": []})
+            continue
+        mc = mean_curve(r["curves"])
+        at_step = first_reach(mc["step"], mc["val_loss"], target)
+        at_time = first_reach(mc["elapsed_s"], mc["val_loss"], target)
+        stat = {}
+        for k in ("val_loss", "val_bpb", "val_ppl", "tok_per_s", "peak_memory_mb", "elapsed_s"):
+            m, sd = mean_std([s.get(k) for s in r["summaries"]])
+            stat[k] = {"mean": m, "std": sd}
+        paired = [s for s in r["seeds"] if s in ref_final]
+        test = (None if p.name == recipe.reference else paired_t_test(
+            [ref_final[s] for s in paired],
+            [r["summaries"][r["seeds"].index(s)]["val_loss"] for s in paired], recipe.alpha))
+        variants.append({
+            "name": p.name, "spec": p.variant.spec, "slug": p.variant.slug,
+            "model": p.cfg.to_dict(), "matched": p.matched,
+            "params": p.counts["total"], "non_embedding_params": p.counts.get("non_embedding"),
+            "depth": p.counts["depth"], "flops_per_token": p.counts["flops_per_token"],
+            "finished_seeds": r["seeds"],
+            "final": {s: {k: x.get(k) for k in ("val_loss", "val_bpb", "val_ppl")}
+                      for s, x in zip(r["seeds"], r["summaries"])},
+            **stat,
+            "reach_step": at_step, "reach_elapsed_s": at_time,
+            "step_speedup": speedup(ref_step, at_step),
+            "wallclock_speedup": speedup(ref_time, at_time),
+            "vs_reference": test, "curve": mc,
+        })
+    total = sum(x.get("elapsed_s", 0.0) for r in rows.values() for x in r["summaries"])
+    return {"reference": recipe.reference, "target_val_loss": target,
+            "train_time_s": total, "variants": variants}
+
+
+def _machine(device) -> dict:
+    m = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+         "device": str(device)}
+    if device.type == "cuda":
+        m["gpu"] = torch.cuda.get_device_name(device)
+    return m
+
+
+def _fmt(m, sd=None, digits=3) -> str:
+    if m is None:
+        return "n/a"
+    s = f"{m:.{digits}f}"
+    return s + (f" ± {sd:.{digits}f}" if sd is not None else "")
+
+
+def _speed(x) -> str:
+    return "not reached" if x is None else f"{x:.2f}x"
+
+
+def _verdict(t: dict | None) -> str:
+    if t is None:
+        return "reference"
+    if t["p"] is None:
+        return "n/a (1 seed)"
+    return f"{t['verdict']} (p={t['p']:.3f})"
+
+
+def format_table(summary: dict) -> str:
+    head = ("| variant | params | depth | MFLOP/tok | tok/s | peak MB | val loss | BPB | PPL "
+            "| step speedup | wall speedup | vs reference |")
+    lines = [head, "|" + "---|" * 12]
+    for v in summary["variants"]:
+        if not v["finished_seeds"]:
+            lines.append(f"| {v['name']} | not run |" + " |" * 10)
+            continue
+        fl = v["flops_per_token"]
+        lines.append(
+            f"| {v['name']} | {format_count(v['params'])} | {v['depth']} | "
+            f"{'n/a' if fl is None else f'{fl / 1e6:.2f}'} | "
+            f"{_fmt(v['tok_per_s']['mean'], None, 0)} | "
+            f"{_fmt(v['peak_memory_mb']['mean'], None, 0)} | "
+            f"{_fmt(v['val_loss']['mean'], v['val_loss']['std'])} | "
+            f"{_fmt(v['val_bpb']['mean'], v['val_bpb']['std'])} | "
+            f"{_fmt(v['val_ppl']['mean'], v['val_ppl']['std'], 2)} | "
+            f"{_speed(v['step_speedup'])} | {_speed(v['wallclock_speedup'])} | "
+            f"{_verdict(v['vs_reference'])} |")
+    return "\n".join(lines)
+
+
+def write_plots(out: Path, summary: dict) -> list[str] | str:
+    """PNG files written, or a one-line reason when matplotlib is missing."""
+    if not plots.available():
+        return f"{plots.MISSING}; no plots written"
+    plt = plots.pyplot()
+
+    done = [v for v in summary["variants"] if v["finished_seeds"]]
+    written = []
+    for key, xlabel, fname in (("step", "training step", "val_loss_vs_step.png"),
+                               ("elapsed_s", "training wall-clock time (s)",
+                                "val_loss_vs_time.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for v in done:
+            c = v["curve"]
+            line, = ax.plot(c[key], c["val_loss"], marker=".", label=v["name"])
+            if len(v["finished_seeds"]) > 1:
+                ax.fill_between(c[key], c["lo"], c["hi"], color=line.get_color(), alpha=0.2)
+        ax.axhline(summary["target_val_loss"], color="grey", ls=":", lw=1,
+                   label=f"target ({summary['reference']} final)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title("validation loss (seed mean; band = min..max over seeds)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        plots.save_png(fig, out / fname)
+        written.append(fname)
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for v in done:
+        ax.errorbar([v["params"]], [v["val_loss"]["mean"]], yerr=[v["val_loss"]["std"] or 0],
+                    fmt="o", capsize=3, label=v["name"])
+    ps = [v["params"] for v in done]
+    if ps and max(ps) > 4 * min(ps):
+        ax.set_xscale("log")
+    ax.set_xlabel("parameters (unique)")
+    ax.set_ylabel("final validation loss")
+    ax.set_title("parameters vs final loss (mean ± std over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plots.save_png(fig, out / "params_vs_loss.png")
+    written.append("params_vs_loss.png")
+    return written
+
+
+def write_report(out: Path, recipe: Recipe, plan: list[Planned], data: dict,
+                 command: str | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """summary.json, report.md and the plots."""
+    s = summarize(out, recipe, plan)
+    machine = _machine(resolve_device(recipe.train["device"]))
+    s.update(recipe=recipe.to_dict(), data=data, machine=machine, software=software_versions(),
+             command=command, reproduce=f"phaseloop compare {shlex.quote(str(out / 'recipe.json'))}"
+             f" --out {shlex.quote(str(out) + '-repro')}")
+    plots = write_plots(out, s)
+    s["plots"] = plots if isinstance(plots, list) else []
+    write_json(out / "summary.json", s)
+    if isinstance(plots, str) and log:
+        log(f"note: {plots}")
+
+    table = format_table(s)
+    notes = [v for v in s["variants"] if v.get("matched")]
+    tests = [v["vs_reference"] for v in s["variants"] if v.get("vs_reference")]
+    md = [f"# Comparison: {recipe.name}", "", recipe.description, "",
+          f"Data: `{data['source']}` ({data['tokens']:,} tokens, {data['tokenizer']} tokenizer), "
+          f"seeds {recipe.seeds}, {recipe.train['steps']} steps of "
+          f"{recipe.train['batch_size'] * recipe.train['grad_accum']} x "
+          f"{recipe.train['seq_len'] or 'max_seq_len'} tokens per run; reference: "
+          f"**{recipe.reference}**; training time of all runs {s['train_time_s'] / 60:.1f} min "
+          "(evaluation excluded).", "", table, "",
+          f"- Target = the reference's final validation loss (seed mean), "
+          f"{s['target_val_loss']:.4f}. Step speedup (3PT paper's definition) = the "
+          "reference's first step reaching the target / the variant's, on seed-mean "
+          "curves, interpolating linearly between evaluations; wall-clock speedup likewise "
+          "with training time (evaluation excluded). A variant whose curve never reaches the "
+          "target shows \"not reached\".",
+          f"- vs reference: paired t-test over seeds on the final validation loss "
+          f"(alpha={recipe.alpha}); better / worse = lower / higher loss beyond seed noise."]
+    if any(t.get("note") for t in tests):
+        md.append(f"- Note: {next(t['note'] for t in tests if t.get('note'))}.")
+    md.append("- Peak memory: the run's peak RSS (CPU; reset between runs) or peak CUDA "
+              "allocation; MFLOP/tok: forward FLOPs per token at the training length.")
+    if notes:
+        md += ["", "## Budget matching", ""]
+        md += [f"- {v['name']}: {describe_match(v['matched'])}" for v in notes]
+    md += ["", "## Plots", ""]
+    md += ([f"![{f}]({f})" for f in s["plots"]] if s["plots"] else [f"({plots})"])
+    md += ["", "## Recipe", "", "```json", json.dumps(recipe.to_dict(), indent=2), "```", "",
+           "## Data", "", "```json", json.dumps(data, indent=2), "```", "",
+           "## Machine and software", "", "```json",
+           json.dumps({"machine": machine, "software": s["software"]}, indent=2), "```", "",
+           "## Reproduce", "", "```sh", s["reproduce"], "```"]
+    if command:
+        md += ["", f"Invoked as: `{command}`"]
+    atomic_write_bytes(out / "report.md", ("\n".join(md) + "\n").encode())
+    return s

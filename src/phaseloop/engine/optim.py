@@ -1,0 +1,64 @@
+"""AdamW parameter groups, the learning-rate schedule, device and precision."""
+
+from __future__ import annotations
+
+import math
+import platform
+import resource
+import sys
+
+import torch
+
+from ..errors import ConfigError
+from .config import TrainConfig
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Linear warmup to lr, then cosine to min_lr_ratio * lr at the last step."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    span = max(1, tc.steps - tc.warmup_steps)
+    progress = min(1.0, (step - tc.warmup_steps) / span)
+    floor = tc.lr * tc.min_lr_ratio
+    return floor + (tc.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (dim >= 2); norms, angles, biases, gains
+    are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": tc.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=1e-8,
+                             foreach=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"invalid train config: device={name!r}: no CUDA device here; use --device cpu")
+    return torch.device(name)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA only; fp32 on CPU (bf16 matmuls are ~50x slower there)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss / 1024 if sys.platform != "darwin" else rss / 2**20
+
+
+def software_versions() -> dict:
+    from .. import __version__
+
+    return {"phaseloop": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}

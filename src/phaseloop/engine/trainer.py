@@ -1,0 +1,162 @@
+"""The one training loop: LM runs (``phaseloop.train``), task runs (``tasks``) and the
+comparison runner all go through ``Trainer``.
+
+The Trainer owns the three things a resumable (and, later, distributed) run must agree
+on: the model (seeded, built and placed by it), the optimiser and the data order (the
+``batches`` object, whose state goes into every checkpoint). What differs between runs
+is passed in: how to build the model, where batches come from, how a batch becomes a
+loss (``loss_fn(model, batch, device) -> ModelOutput``; auxiliary losses such as the ACT
+ponder cost travel in ``ModelOutput.aux_losses`` and are logged apart) and, optionally,
+an evaluation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from ..checkpoint import (data_state, load_model_state, load_trainer_state, optimizer_state,
+                          save_checkpoint)
+from .config import TrainConfig
+from .optim import autocast, lr_at, make_optimizer, peak_memory_mb, resolve_device
+from .run import RunFolder
+
+
+class Batches(Protocol):
+    """A seeded source of training batches whose position can be saved and restored."""
+
+    def next(self): ...
+
+    def state(self) -> dict[str, torch.Tensor]: ...
+
+    def set_state(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+class Trainer:
+    """Train ``build()``'s model on ``batches`` for ``tc.steps`` optimiser steps.
+
+    Each step: lr from the schedule, ``grad_accum`` micro-batches (loss / grad_accum
+    backpropagated under autocast), gradient clipping, AdamW. Every ``log_every`` steps a
+    record (loss = mean cross-entropy of the step's micro-batches, aux losses, lr, grad
+    norm, tokens, tokens/s, training time) goes to ``records``, the run's metrics.jsonl
+    and ``on_step(step, record)``; every ``eval_every`` steps ``evaluate(model)``'s dict
+    is logged; every ``ckpt_every`` steps (and at the end) a checkpoint is written. With
+    ``run`` None nothing is written (an in-memory run)."""
+
+    def __init__(self, build: Callable[[], nn.Module], tc: TrainConfig, batches: Batches,
+                 loss_fn: Callable, *, evaluate: Callable[[nn.Module], dict] | None = None,
+                 run: RunFolder | None = None, progress: bool = False, desc: str = "train",
+                 on_step: Callable[[int, dict], None] | None = None):
+        self.tc, self.batches, self.loss_fn, self.evaluate = tc, batches, loss_fn, evaluate
+        self.run, self.progress, self.desc, self.on_step = run, progress, desc, on_step
+        self.device = resolve_device(tc.device)
+        torch.manual_seed(tc.seed)
+        self.model = build().to(self.device)
+        self.optimizer = make_optimizer(self.model, tc)
+        self.step, self.elapsed, self.tokens = 0, 0.0, 0
+        self.ran = 0  # steps run by this process (0 when resuming a finished run)
+        self.records: list[dict] = []
+        self.last_eval: dict = {}
+        ckpt = run.checkpoint if run is not None else None
+        if ckpt is not None:
+            self._restore(ckpt)
+        if run is not None:
+            run.start(self.step)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _restore(self, ckpt) -> None:
+        meta, tensors = load_trainer_state(ckpt)
+        load_model_state(self.model, ckpt)
+        self.optimizer.load_state_dict(optimizer_state(meta, tensors))
+        torch.set_rng_state(tensors["rng.torch"])
+        if torch.cuda.is_available() and "rng.cuda.0" in tensors:
+            torch.cuda.set_rng_state_all([tensors[f"rng.cuda.{i}"]
+                                          for i in range(torch.cuda.device_count())])
+        self.batches.set_state(data_state(tensors))
+        self.step, self.elapsed = meta["step"], meta.get("elapsed", 0.0)
+        self.tokens = meta.get("tokens", 0)
+
+    def save(self) -> None:
+        save_checkpoint(self.run.path, self.model, self.optimizer, self.step, self.batches.state(),
+                        {"elapsed": self.elapsed, "tokens": self.tokens})
+
+    def _log(self, record: dict) -> None:
+        self.records.append(record)
+        if self.run is not None:
+            self.run.log(record)
+        if self.on_step is not None:
+            self.on_step(record["step"], record)
+
+    # ------------------------------------------------------------------ the loop
+    def _train_step(self, fwd) -> dict:
+        tc, dev = self.tc, self.device
+        lr = lr_at(self.step, tc)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        loss: torch.Tensor | float = 0.0
+        aux: dict[str, torch.Tensor] = {}
+        for _ in range(tc.grad_accum):
+            with autocast(dev):
+                out = self.loss_fn(fwd, self.batches.next(), dev)
+            (out.loss / tc.grad_accum).backward()
+            loss = loss + out.ce_loss.detach() / tc.grad_accum  # no host sync until a log step
+            for k, v in out.aux_losses.items():
+                aux[k] = aux.get(k, 0.0) + v.detach() / tc.grad_accum
+            self.tokens += out.logits.shape[0] * out.logits.shape[1]
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": loss, "lr": lr, "grad_norm": gnorm, **aux}
+
+    def fit(self, stop_after: int | None = None) -> dict:
+        """Run to ``tc.steps`` (or ``stop_after`` more steps, leaving the run unfinished:
+        used to test interruption); returns the summary (also summary.json when done)."""
+        tc = self.tc
+        fwd = torch.compile(self.model) if tc.compile else self.model
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=tc.steps, initial=self.step, desc=self.desc, unit="step",
+                       dynamic_ncols=True)
+        self.model.train()
+        t_last, tok_last = time.perf_counter(), self.tokens
+        try:
+            while self.step < tc.steps and (stop_after is None or self.ran < stop_after):
+                rec = self._train_step(fwd)
+                self.ran += 1
+                last = self.step == tc.steps
+                if self.step % tc.log_every == 0 or last:
+                    dt = time.perf_counter() - t_last
+                    self.elapsed += dt
+                    rec = {"step": self.step, **{k: float(v) for k, v in rec.items()},
+                           "tokens": self.tokens, "tok_per_s": (self.tokens - tok_last) / max(dt, 1e-9),
+                           "elapsed_s": self.elapsed}
+                    self._log(rec)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tok_per_s']:.0f}")
+                    t_last, tok_last = time.perf_counter(), self.tokens
+                if bar is not None:
+                    bar.update(1)
+                t0 = time.perf_counter()  # evaluation and checkpoints are not training time
+                if self.evaluate is not None and (self.step % tc.eval_every == 0 or last):
+                    self.last_eval = self.evaluate(self.model)
+                    self._log({"step": self.step, **self.last_eval, "elapsed_s": self.elapsed})
+                if self.run is not None and (self.step % tc.ckpt_every == 0 or last):
+                    self.save()
+                t_last += time.perf_counter() - t0
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.summary()
+
+    def summary(self) -> dict:
+        return {"run": str(self.run.path) if self.run is not None else None, "step": self.step,
+                "finished": self.step >= self.tc.steps,
+                "params": sum(p.numel() for p in self.model.parameters()),
+                "elapsed_s": self.elapsed, "tok_per_s": self.tokens / max(self.elapsed, 1e-9),
+                "peak_memory_mb": peak_memory_mb(self.device), **self.last_eval}

@@ -1,0 +1,71 @@
+"""Matplotlib in one place: the Agg backend, a clear error when it is missing, PNGs
+written atomically (temporary file, then rename)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from .data import atomic_write_bytes
+from .errors import PhaseloopError
+
+MISSING = "matplotlib is not installed (pip install 'phaseloop[plot]')"
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend; PhaseloopError when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PhaseloopError(f"plots need matplotlib: {MISSING}") from None
+    return plt
+
+
+def available() -> bool:
+    try:
+        pyplot()
+        return True
+    except PhaseloopError:
+        return False
+
+
+def save_png(fig, path: str | Path, dpi: int = 110) -> None:
+    """Render ``fig`` to ``path`` (nothing half-written) and close it."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    atomic_write_bytes(Path(path), buf.getvalue())
+    pyplot().close(fig)
+
+
+def plot_angle_drift(rows: list[dict], path: str | Path) -> None:
+    """3PT: |θ_final − θ_init| per rotation layer (``three_phase.angle_drift`` rows)."""
+    fig, ax = pyplot().subplots(figsize=(5, 3.2))
+    ax.plot([r["layer"] for r in rows], [r["mean_abs_drift"] for r in rows], "o-", label="mean over pairs")
+    ax.plot([r["layer"] for r in rows], [r["max_abs_drift"] for r in rows], "s--", alpha=0.6, label="max")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("|θ_final − θ_init| (rad)")
+    ax.set_title("3PT rotation-angle drift by depth")
+    ax.legend()
+    fig.tight_layout()
+    save_png(fig, path, dpi=120)
+
+
+def plot_accuracy(per_seed: list[dict], path: str | Path, title: str) -> None:
+    """Tasks: char and sequence accuracy against test length, one line per seed."""
+    fig, axes = pyplot().subplots(1, 2, figsize=(8, 3.2), sharey=True)
+    for ax, key, name in zip(axes, ("char_acc", "seq_acc"), ("character accuracy", "sequence accuracy")):
+        for r in per_seed:
+            Ls = sorted(r["per_length"])
+            ax.plot(Ls, [r["per_length"][L][key] for L in Ls], "o-", label=f"seed {r['seed']}")
+        ax.set_xlabel("test length")
+        ax.set_title(name)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    save_png(fig, path)

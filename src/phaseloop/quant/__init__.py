@@ -1,0 +1,27 @@
+"""Post-training weight-only quantisation: round-to-nearest (RTN), GPTQ, optional torchao.
+
+The Hyperloop paper reports weight-only INT4 with group size 128, quantised by GPTQ
+where the Hessian of a looped (weight-shared) layer is pooled over all of its loop
+passes.  This module implements that for any ``nn.Module`` whose matmuls are
+``nn.Linear``; nothing here knows about a particular architecture.
+
+Along its seams: ``core`` (the quantisation scheme, RTN, int4 packing), ``gptq`` (GPTQ and
+the Hessians pooled over loop passes), ``targets`` (which Linears), ``apply``
+(``quantize_model``, fake quantisation in place, torchao), ``io`` (packed safetensors) and
+``run`` (quantise a trained run: ``phaseloop quantize``).
+"""
+
+from .apply import quantize_model
+from .core import (QUANT_ATTR, SUPPORTED_BITS, QuantizedWeight, dequantize, pack_int4, packed_bytes,
+                   quantize_rtn, unpack_int4)
+from .gptq import collect_hessians, gptq_quantize
+from .io import load_quantized_state_dict, quantized_state_dict, save_quantized
+from .run import quantize_run
+from .targets import default_skip
+
+__all__ = [
+    "SUPPORTED_BITS", "QUANT_ATTR", "QuantizedWeight",
+    "quantize_rtn", "dequantize", "gptq_quantize", "pack_int4", "unpack_int4",
+    "collect_hessians", "quantize_model", "quantized_state_dict", "save_quantized",
+    "load_quantized_state_dict", "packed_bytes", "default_skip", "quantize_run",
+]

@@ -1,0 +1,112 @@
+"""Packed quantised weights in safetensors: write and read back (bit-exact)."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+
+from ..errors import CheckpointError, ConfigError
+from .core import QUANT_ATTR, QuantizedWeight
+
+_FORMAT = "phaseloop.quant.v1"
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+
+
+_SUFFIXES = ("qdata", "scale", "zero", "qmeta")
+
+
+def quantized_state_dict(model: nn.Module) -> dict:
+    """A safetensors-ready state dict: each quantised weight ``<name>.weight`` is replaced by
+    ``<name>.weight.qdata`` (uint8; 4-bit codes packed two per byte), ``.scale`` / ``.zero``
+    (fp16) and ``.qmeta`` (int64: bits, group_size, out, in, sym, dtype code); every other
+    entry is kept as is (copied where tensors share memory, which safetensors refuses)."""
+    qmods = {name: getattr(m, QUANT_ATTR) for name, m in model.named_modules(remove_duplicate=False)
+             if isinstance(getattr(m, QUANT_ATTR, None), QuantizedWeight)}
+    out: dict[str, torch.Tensor] = {}
+    seen_ptrs: set = set()
+
+    def put(key, t):
+        t = t.detach().contiguous()
+        ptr = (t.untyped_storage().data_ptr(), t.device) if t.numel() else None
+        if ptr is not None and ptr in seen_ptrs:
+            t = t.clone()
+        elif ptr is not None:
+            seen_ptrs.add(ptr)
+        out[key] = t
+
+    qkeys = {}
+    for name, qw in qmods.items():
+        prefix = f"{name}.weight" if name else "weight"
+        qkeys[prefix] = qw
+    for key, t in model.state_dict(keep_vars=False).items():
+        if key in qkeys:
+            continue
+        if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+            raise ConfigError(f"quantized_state_dict: {key!r} is a {type(t).__name__} (a torchao-quantised "
+                              "weight?); save such models with torch.save, or quantise with method='rtn'/'gptq'")
+        put(key, t)
+    for prefix, qw in qkeys.items():
+        put(prefix + ".qdata", qw.qdata)
+        put(prefix + ".scale", qw.scale)
+        put(prefix + ".zero", qw.zero)
+        out[prefix + ".qmeta"] = torch.tensor([qw.bits, qw.group_size, qw.shape[0], qw.shape[1], int(qw.sym),
+                                               _DTYPE_CODES.get(qw.dtype, 0)], dtype=torch.int64)
+    return out
+
+
+def save_quantized(model: nn.Module, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
+    """Write :func:`quantized_state_dict` of ``model`` to a safetensors file."""
+    from safetensors.torch import save_file
+    meta = {"format": _FORMAT}
+    meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
+    save_file(quantized_state_dict(model), os.fspath(path), metadata=meta)
+
+
+def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cpu", strict: bool = True) -> dict:
+    """Read a quantised state dict (a safetensors path or the dict itself) back.
+
+    Returns an ordinary state dict whose quantised weights are dequantised (to their
+    original dtype).  If ``model`` is given, loads it (``strict``) and re-attaches the packed
+    :class:`QuantizedWeight` to each quantised Linear.
+    """
+    if isinstance(src, (str, os.PathLike)):
+        from safetensors.torch import load_file
+        try:
+            sd = load_file(os.fspath(src), device=str(device))
+        except Exception as e:
+            raise CheckpointError(f"cannot read quantised safetensors file {os.fspath(src)!r}: {e}") from e
+    else:
+        sd = dict(src)
+    plain: dict[str, torch.Tensor] = {}
+    qweights: dict[str, QuantizedWeight] = {}
+    prefixes = {k[: -len(".qmeta")] for k in sd if k.endswith(".qmeta")}
+    for prefix in prefixes:
+        try:
+            bits, g, out_f, in_f, sym, dcode = (int(v) for v in sd[prefix + ".qmeta"].tolist())
+            qw = QuantizedWeight(sd[prefix + ".qdata"], sd[prefix + ".scale"], sd[prefix + ".zero"], bits, g,
+                                 (out_f, in_f), _CODE_DTYPES.get(dcode, torch.float32), bool(sym))
+            w = qw.dequantize()
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"quantised entry {prefix!r} is incomplete or corrupt: {e}") from e
+        if tuple(w.shape) != (out_f, in_f):
+            raise CheckpointError(f"quantised entry {prefix!r}: shape {tuple(w.shape)} != {(out_f, in_f)}")
+        plain[prefix] = w
+        qweights[prefix] = qw
+    qsuffix_keys = {p + "." + s for p in prefixes for s in _SUFFIXES}
+    for k, v in sd.items():
+        if k not in qsuffix_keys:
+            plain[k] = v
+    if model is not None:
+        model.load_state_dict(plain, strict=strict)
+        for name, m in model.named_modules(remove_duplicate=False):
+            prefix = f"{name}.weight" if name else "weight"
+            if prefix in qweights and isinstance(m, nn.Linear):
+                qw = qweights[prefix]
+                dev = m.weight.device
+                setattr(m, QUANT_ATTR, QuantizedWeight(qw.qdata.to(dev), qw.scale.to(dev), qw.zero.to(dev), qw.bits,
+                                                       qw.group_size, qw.shape, qw.dtype, qw.sym))
+    return plain

@@ -1,0 +1,65 @@
+"""Quantise a trained run (Hyperloop §4): load its weights, quantise every Linear but the
+embedding and head, measure validation loss / BPB before and after on the run's own data,
+write the packed weights and a JSON report. ``phaseloop quantize`` and the benchmarks
+call ``quantize_run``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..checkpoint import load_run, write_json
+from ..data import TrainBatches, eval_windows, load_corpus
+from ..engine import resolve_device
+from ..errors import PhaseloopError
+from ..train import evaluate
+from .apply import quantize_model
+from .io import save_quantized
+
+
+def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str = "rtn", *,
+                 calib_batches: int = 8, calib_batch_size: int = 8, seed: int = 0,
+                 windows: int = 64, data: str | None = None, out: str | Path | None = None,
+                 device: str = "auto") -> dict:
+    """Quantise ``run`` (a run folder or its checkpoint folder) and return the report,
+    also written as ``<out>/quant-w<bits>-g<group>-<method>.json`` next to the weights
+    (``out`` defaults to the run folder). ``group_size`` -1 means one group per row;
+    GPTQ calibrates on ``calib_batches`` windows of the run's training split."""
+    if group_size < 1 and group_size != -1:
+        raise PhaseloopError(f"--group-size {group_size}: use a positive size or -1 (per row)")
+    if windows < 1 or calib_batches < 1 or calib_batch_size < 1:
+        raise PhaseloopError("--windows, --calib-batches and --calib-batch-size must be >= 1")
+    dev = resolve_device(device)
+    model, run_cfg = load_run(run, dev)
+    run_path = Path(run)
+    run_dir = run_path.parent if (run_path / "model.safetensors").exists() else run_path
+    corpus = load_corpus(data or run_cfg["data"]["source"], run_cfg["data"].get("tokenizer", "bytes"))
+    seq_len = run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
+    train_tok, val_tok = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
+    val = eval_windows(val_tok, seq_len, windows)
+    token_bytes = corpus.tokenizer.token_bytes()
+    before = evaluate(model, val, token_bytes, 16, dev)
+    calib = None
+    if method == "gptq":  # calibration windows from the run's training split
+        batches = TrainBatches(train_tok, seq_len, calib_batch_size, seed)
+        calib = [batches.next()[0] for _ in range(calib_batches)]
+    report = quantize_model(model, bits, None if group_size == -1 else group_size, method, calib)
+    after = evaluate(model, val, token_bytes, 16, dev)
+
+    out_dir = Path(out) if out else run_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"quant-w{bits}-g{group_size}-{method}"
+    weights = out_dir / f"{stem}.safetensors"
+    tmp = out_dir / f".{stem}.safetensors.tmp"
+    try:
+        save_quantized(model, tmp, {"run": str(run_dir), "arch": model.cfg.arch})
+        os.replace(tmp, weights)
+    finally:
+        tmp.unlink(missing_ok=True)
+    report.update({"run": str(run_dir), "arch": model.cfg.arch, "weights": str(weights), "stem": stem,
+                   "before": before, "after": after, "data": corpus.name,
+                   "fingerprint": corpus.fingerprint, "windows": len(val), "seq_len": seq_len,
+                   "calib": None if calib is None else {"batches": len(calib),
+                                                        "batch_size": calib_batch_size, "seed": seed}})
+    write_json(out_dir / f"{stem}.json", report)
+    return report

@@ -1,0 +1,75 @@
+"""Task results: per-length metrics with ponder time, means over seeds, the tables the
+``task`` and ``babi`` commands print."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .algorithmic import Example
+from .metrics import mean_std, per_length_metrics
+
+
+def length_metrics(examples: Sequence[Example], preds: Sequence[str],
+                   ponder: Sequence[torch.Tensor | None]) -> dict[int, dict]:
+    """``per_length_metrics`` plus, for ACT models, ``ponder_mean``/``ponder_std``
+    over all positions of that length's examples."""
+    res = per_length_metrics(examples, preds)
+    if ponder and ponder[0] is not None:
+        for L in res:
+            vals = torch.cat([p for ex, p in zip(examples, ponder) if ex.length == L])
+            res[L]["ponder_mean"], res[L]["ponder_std"] = mean_std(vals.tolist())
+    return res
+
+
+def summarize_seeds(results: Sequence[dict]) -> dict:
+    """Mean and std across seeds per length and overall."""
+    out: dict = {"per_length": {}}
+    lengths = sorted(results[0]["per_length"])
+    keys = [k for k in ("char_acc", "seq_acc", "ponder_mean", "ponder_std")
+            if k in results[0]["per_length"][lengths[0]]]
+    for L in lengths:
+        row = {"n": results[0]["per_length"][L]["n"]}
+        for k in keys:
+            row[k], row[k + "_seed_std"] = mean_std(r["per_length"][L][k] for r in results)
+        out["per_length"][L] = row
+    for k in ("char_acc", "seq_acc", "final_loss"):
+        out[k], out[k + "_seed_std"] = mean_std(r[k] for r in results)
+    return out
+
+
+def format_table(summary: dict, title: str = "") -> str:
+    rows = summary["per_length"]
+    has_p = any("ponder_mean" in r for r in rows.values())
+    head = f"{'length':>6} {'n':>5} {'char acc':>15} {'seq acc':>15}" + (f" {'ponder/pos':>13}" if has_p else "")
+    lines = ([title] if title else []) + [head]
+    for L, r in rows.items():
+        s = (f"{L:>6} {r['n']:>5} {r['char_acc']:>8.3f} ±{r['char_acc_seed_std']:.3f}"
+             f" {r['seq_acc']:>8.3f} ±{r['seq_acc_seed_std']:.3f}")
+        if has_p:
+            s += f" {r['ponder_mean']:>6.2f} ±{r['ponder_std']:.2f}"
+        lines.append(s)
+    lines.append(f"{'all':>6} {'':>5} {summary['char_acc']:>8.3f} ±{summary['char_acc_seed_std']:.3f}"
+                 f" {summary['seq_acc']:>8.3f} ±{summary['seq_acc_seed_std']:.3f}")
+    return "\n".join(lines)
+
+
+def format_babi_table(out: dict) -> str:
+    s = out["summary"]
+    lines = [f"{'task':>4} {'error':>15} {'window':>7}  ponder by supporting facts: mean±std over questions"
+             " of the per-question mean over positions; at the answer position"]
+    for t in out["tasks"]:
+        m, sd = s["errors"][t]
+        cov = sum(r["supporting_in_window"][t] for r in out["per_seed"]) / len(out["per_seed"])
+        p = s["ponder"].get(t, {})
+        a = s["answer_ponder"].get(t, {})
+        pond = "  ".join(f"{k} fact{'s' if int(k) > 1 else ''}: {v[0][0]:.2f}±{v[1][0]:.2f}; "
+                         f"{a[k][0][0]:.2f}±{a[k][1][0]:.2f}" for k, v in p.items()) or "-"
+        lines.append(f"{t:>4} {m:>8.3f} ±{sd:.3f} {cov:>7.2f}  {pond}")
+    fm, fs = s["failed"]
+    em, es = s["mean_error"]
+    lines.append(f"mean error {em:.3f} ±{es:.3f}; failed tasks (>5% error) {fm:.1f} ±{fs:.1f} "
+                 f"of {len(out['tasks'])}; window = fraction of test questions whose supporting facts "
+                 "are inside the story window")
+    return "\n".join(lines)
