@@ -1,15 +1,13 @@
-"""Training-step time of mHC and Hyperloop per stream-maths path, against their baselines
+"""Training-step time of mHC and Hyperloop, eager and compiled, against their baselines
 (Transformer, Looped), and parameter memory of the four.
 
-Paths of the hyper-connection maths (``phaseloop.kernels``):
+The hyper-connection maths (``hyperconn.HyperConnection``) is plain torch ops, timed
 
-    torch      the plain torch ops of ``hyperconn.HyperConnection`` (the readable reference)
-    compiled   the same ops under ``torch.compile(model, fullgraph=True)``
-    fused      the C++ kernels (``csrc/hyperconn.cpp``) where they apply (the Sinkhorn form:
-               mHC, hyperloop with hc_res=sinkhorn; the other forms run torch ops), if built
+    torch      eagerly
+    compiled   under ``torch.compile(model, fullgraph=True)``
 
-(Hand-written autograd functions and fused kernels for the diagonal form were measured
-with this script too and removed: within 4 % of compiled at d 512; docs/hyperloop.md.)
+(Hand-written autograd functions and fused C++ kernels for it were timed with this
+script too, side by side, and removed by that measurement: docs/hyperloop.md.)
 
 Ratios are measured side by side in one process: the models' timed steps are
 interleaved round by round and each model's fastest step is used (interference only
@@ -25,7 +23,7 @@ connection, is large next to the matmuls, O(d^2)), widened to d 512 and to the p
 d 1024 (same depth 8 and split; ``--widths``).
 
     python benchmarks/bench_hyperloop.py                   # d 128 / 512 / 1024, ~30 min
-    python benchmarks/bench_hyperloop.py --widths 128 --paths torch,fused   # ~1 min
+    python benchmarks/bench_hyperloop.py --widths 128 --paths torch          # ~1 min
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ import time
 import torch
 from torch import nn
 
-from phaseloop import ModelConfig, build_model, kernels
+from phaseloop import ModelConfig, build_model
 from phaseloop.engine import TrainConfig, make_optimizer
 from phaseloop.quant import default_skip, packed_bytes
 
@@ -48,11 +46,7 @@ SHAPES = {128: ({}, 8, 128, 12),
           1024: (dict(d_model=1024, n_heads=16, n_kv_heads=16, d_ff=2816), 16, 64, 3)}
 
 
-def available_paths() -> list[str]:
-    paths = ["torch", "compiled"]
-    if kernels.extension() is not None:
-        paths.append("fused")
-    return paths
+PATHS = ("torch", "compiled")
 
 
 def param_bytes(cfg: ModelConfig, bits: int | None = None, group_size: int = 128) -> int:
@@ -78,7 +72,7 @@ def step_times(cfgs: dict, batch: int, seq: int, rounds: int, clock) -> tuple[di
     for name, (cfg, path) in cfgs.items():
         model = build_model(cfg).train()
         fwd = torch.compile(model, fullgraph=True) if path == "compiled" else model
-        runs[name] = (fwd, make_optimizer(model, TrainConfig(lr=1e-4)), "torch" if path == "compiled" else path)
+        runs[name] = (fwd, make_optimizer(model, TrainConfig(lr=1e-4)))
 
     def step(fwd, opt):
         fwd(x, y).loss.backward()
@@ -86,26 +80,24 @@ def step_times(cfgs: dict, batch: int, seq: int, rounds: int, clock) -> tuple[di
         opt.zero_grad(set_to_none=True)
 
     first = {}
-    for name, (fwd, opt, mode) in runs.items():  # warm-up: compile, kernel build, AdamW state
-        with kernels.use(mode):
-            t0 = time.perf_counter()
-            step(fwd, opt)
-            first[name] = time.perf_counter() - t0
-            step(fwd, opt)
+    for name, (fwd, opt) in runs.items():  # warm-up: compilation, AdamW state
+        t0 = time.perf_counter()
+        step(fwd, opt)
+        first[name] = time.perf_counter() - t0
+        step(fwd, opt)
     times = {name: [] for name in runs}
     for _ in range(rounds):
-        for name, (fwd, opt, mode) in runs.items():
-            with kernels.use(mode):
-                t0 = clock()
-                step(fwd, opt)
-                times[name].append(clock() - t0)
+        for name, (fwd, opt) in runs.items():
+            t0 = clock()
+            step(fwd, opt)
+            times[name].append(clock() - t0)
     return {name: min(ts) for name, ts in times.items()}, first
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", default="128,512,1024")
-    ap.add_argument("--paths", help=f"comma-separated subset of {','.join(available_paths())}")
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of torch,compiled")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default per width: 12 / 6 / 3)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--threads", type=int, default=1)
@@ -113,16 +105,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    paths = args.paths.split(",") if args.paths else available_paths()
+    paths = args.paths.split(",")
     results = {}
     for width in (int(w) for w in args.widths.split(",")):
         over, batch, seq, rounds = SHAPES[width]
         cfgs = {a: (ModelConfig.from_preset(f"{a}-small", **over), "torch") for a in ("transformer", "looped")}
         for a in ("mhc", "hyperloop"):
-            cfg = ModelConfig.from_preset(f"{a}-small", **over)
-            for path in paths:  # the kernels only apply to the Sinkhorn form (mHC's)
-                if path != "fused" or cfg.hc_res_form == "sinkhorn":
-                    cfgs[f"{a}:{path}"] = (cfg, path)
+            for path in paths:
+                cfgs[f"{a}:{path}"] = (ModelConfig.from_preset(f"{a}-small", **over), path)
         t, first = step_times(cfgs, batch, seq, args.rounds or rounds, clock)
         ratios = {f"{a}/{base} {p}": t[f"{a}:{p}"] / t[base] for a, base in (("mhc", "transformer"),
                   ("hyperloop", "looped")) for p in paths if f"{a}:{p}" in t}

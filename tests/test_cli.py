@@ -74,17 +74,6 @@ def test_bad_input_one_line_exit_2(argv, pattern, capsys, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_bad_kernel_mode_env(tmp_path, capsys, monkeypatch):
-    from phaseloop import kernels
-
-    monkeypatch.setitem(kernels._state, "mode", None)
-    monkeypatch.setenv("PHASELOOP_KERNELS", "turbo")
-    out = tmp_path / "r"
-    one_line_error(capsys, main(["train", "--preset", "mhc-tiny", "--out", str(out)]),
-                   "PHASELOOP_KERNELS='turbo' is not a kernel mode")
-    assert not out.exists()
-
-
 def test_empty_data_file(tmp_path, capsys):
     p = tmp_path / "empty.txt"
     p.write_text("")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import kernels
 from ..errors import PhaseloopError
 from . import commands as C
 
@@ -156,7 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        kernels.mode()  # a bad $PHASELOOP_KERNELS is refused before anything is written
         return args.func(args)
     except PhaseloopError as e:
         print(f"phaseloop: error: {e}", file=sys.stderr)
