@@ -4,6 +4,7 @@ renames, so an interruption never leaves a half-written checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -14,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
-from .data import atomic_write_bytes
+from .files import atomic_write_bytes
 from .errors import CheckpointError, ConfigError
 
 CKPT, OLD = "checkpoint", ".checkpoint.old"
@@ -183,3 +184,28 @@ def load_run(path: str | Path, device: str | torch.device = "cpu"):
     model = build_model(cfg)
     load_model_state(model, ckpt)
     return model.to(device).eval(), run_cfg
+
+
+TOKENIZER_COPY = "tokenizer.json"  # a run keeps the tokenizer it was trained with
+
+
+def run_tokenizer(path: str | Path, run_cfg: dict):
+    """The tokenizer a run was trained with: bytes, or the run's own copy of its
+    tokenizer.json, refused when that copy no longer has the recorded sha256."""
+    from .tokenizer import ByteTokenizer, HFTokenizer
+
+    path = Path(path)
+    run_dir = path.parent if (path / "model.safetensors").exists() else path
+    data = run_cfg.get("data", {})
+    if data.get("tokenizer", "bytes") == "bytes":
+        return ByteTokenizer()
+    copy = run_dir / TOKENIZER_COPY
+    if not copy.is_file():
+        raise CheckpointError(f"{copy} is missing (the run was trained with tokenizer "
+                              f"{data.get('tokenizer')!r}); restore the file from the run")
+    sha = hashlib.sha256(copy.read_bytes()).hexdigest()
+    if sha != data.get("tokenizer_sha256"):
+        raise CheckpointError(f"{copy} has changed since the run was trained (sha256 "
+                              f"{sha[:12]}..., recorded {str(data.get('tokenizer_sha256'))[:12]}...); "
+                              "restore the original tokenizer file")
+    return HFTokenizer(copy)

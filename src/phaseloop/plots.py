@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from .data import atomic_write_bytes
+from .files import atomic_write_bytes
 from .errors import PhaseloopError
 
 MISSING = "matplotlib is not installed (pip install 'phaseloop[plot]')"

@@ -1,8 +1,22 @@
-"""Tokenizers. Byte-level by default: vocab 256, any file works, and bits per byte is
-exactly nats/token ÷ ln 2. A BPE tokenizer plugs in by implementing ``Tokenizer``."""
+"""Tokenizers: bytes (built in, vocab 256) or any Hugging Face fast tokenizer
+(``tokenizer.json``, through the ``tokenizers`` library: the ``data`` extra).
+
+``load_tokenizer(spec)``: ``"bytes"`` | a path to a ``tokenizer.json`` | a folder holding
+one | the name of one trained with ``phaseloop tokenizer train --name NAME`` (kept under
+``$PHASELOOP_CACHE/tokenizers/NAME/``). Every tokenizer knows how many UTF-8 bytes a
+window of its tokens decodes to (``window_bytes``), so bits per byte is exact for any of
+them: exactly one byte per token for ``bytes``, the bytes of each token for byte-level
+BPE (GPT-2's byte alphabet), the decoded text otherwise (a word-level tokenizer's decode
+joins words with spaces; its unknown token counts as ``[UNK]``).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from functools import cached_property
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -15,40 +29,166 @@ from .errors import ConfigError
 PAD, EOS, SEP = 0, 1, 2
 BOS = SEP
 
+FILE = "tokenizer.json"
+
 
 class Tokenizer(Protocol):
-    name: str
+    name: str  # "bytes", or the file's folder name
+    kind: str  # bytes | bpe | wordlevel | other
     vocab_size: int
+    sha256: str | None  # of the tokenizer file (None for bytes)
+    path: Path | None
+    chunk_safe: bool  # encoding text pieces split after a newline = encoding the whole
 
-    def encode(self, data: bytes) -> np.ndarray: ...
+    def encode(self, data: bytes | str) -> np.ndarray: ...
+
+    def encode_batch(self, pieces: list[bytes | str]) -> list[np.ndarray]: ...
 
     def decode(self, ids) -> str: ...
 
-    def token_bytes(self) -> np.ndarray:
-        """[vocab_size] number of UTF-8 bytes each token stands for (for bits per byte)."""
-        ...
+    def window_bytes(self, ids_NT) -> np.ndarray: ...
 
 
 class ByteTokenizer:
-    name = "bytes"
+    """Token = byte: any file works, nothing is unknown, BPB = nats/token / ln 2."""
+
+    name = kind = "bytes"
     vocab_size = 256
+    sha256 = path = None
+    chunk_safe = True
 
     def encode(self, data: bytes | str) -> np.ndarray:
         if isinstance(data, str):
             data = data.encode("utf-8")
         return np.frombuffer(data, dtype=np.uint8).copy()
 
+    def encode_batch(self, pieces):
+        return [self.encode(p) for p in pieces]
+
     def decode(self, ids) -> str:
         return bytes(int(i) & 0xFF for i in ids).decode("utf-8", errors="replace")
 
-    def token_bytes(self) -> np.ndarray:
-        return np.ones(self.vocab_size, dtype=np.int64)
+    def window_bytes(self, ids_NT) -> np.ndarray:
+        return np.full(len(ids_NT), np.shape(ids_NT)[1], dtype=np.int64)
 
 
-TOKENIZERS = {"bytes": ByteTokenizer}
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the printable character standing for each byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
 
 
-def get_tokenizer(name: str = "bytes") -> Tokenizer:
-    if name not in TOKENIZERS:
-        raise ConfigError(f"unknown tokenizer {name!r}; available: {', '.join(TOKENIZERS)}")
-    return TOKENIZERS[name]()
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` read from a tokenizer.json. Corpus text is encoded
+    without special tokens (no BOS/EOS added); bytes that are not UTF-8 become U+FFFD."""
+
+    def __init__(self, path: str | Path):
+        try:
+            from tokenizers import Tokenizer as _T
+        except ImportError:
+            raise ConfigError("tokenizer files need the tokenizers library: pip install "
+                              "'phaseloop[data]'") from None
+        self.path = Path(path)
+        try:
+            self.tok = _T.from_file(str(self.path))
+        except Exception as e:  # not JSON, or JSON that is not a tokenizer
+            raise ConfigError(f"{self.path} is not a tokenizer file ({str(e).splitlines()[0][:80]}); "
+                              "pass a tokenizer.json made by `phaseloop tokenizer train` or a "
+                              "Hugging Face fast tokenizer") from None
+        self.sha256 = _sha256(self.path)
+        self.name = self.path.parent.name or self.path.stem
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        spec = json.loads(self.path.read_text())
+        self._pre = (spec.get("pre_tokenizer") or {}).get("type")
+        self._dec = (spec.get("decoder") or {}).get("type")
+        model = (spec.get("model") or {}).get("type")
+        self.kind = {"BPE": "bpe", "WordLevel": "wordlevel"}.get(model, "other")
+        if self.kind == "bpe" and self._pre != "ByteLevel":
+            self.kind = "other"
+
+    @cached_property
+    def chunk_safe(self) -> bool:
+        """Whether text split right after a newline that precedes a non-space character
+        encodes to the tokens of the whole (true for byte-level BPE and whitespace
+        pre-tokenizers; a leading-space scheme such as Metaspace fails the probe and then
+        gets whole documents)."""
+        probe = ["First line\nsecond  one\n\n third\nx", "a\nb\n'c\n-d\n\te\n\ng"]
+        for text in probe:
+            cuts = [i + 1 for i, c in enumerate(text[:-1]) if c == "\n" and not text[i + 1].isspace()]
+            parts = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+            if np.concatenate(self.encode_batch(parts)).tolist() != self.encode(text).tolist():
+                return False
+        return True
+
+    @staticmethod
+    def _text(data) -> str:
+        return data if isinstance(data, str) else data.decode("utf-8", errors="replace")
+
+    def encode(self, data: bytes | str) -> np.ndarray:
+        return np.asarray(self.tok.encode(self._text(data), add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_batch(self, pieces):
+        encs = self.tok.encode_batch([self._text(p) for p in pieces], add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @cached_property
+    def _token_bytes(self) -> np.ndarray | None:
+        """Bytes per token for byte-level tokenizers (exact), else None."""
+        if self._dec != "ByteLevel":
+            return None
+        dec = _gpt2_byte_decoder()
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
+        for token, i in self.tok.get_vocab(with_added_tokens=True).items():
+            if token not in special:
+                out[i] = sum(1 if c in dec else len(c.encode()) for c in token)
+        return out
+
+    def window_bytes(self, ids_NT) -> np.ndarray:
+        ids = np.asarray(ids_NT)
+        if self._token_bytes is not None:
+            return self._token_bytes[ids].sum(axis=1)
+        return np.array([len(self.decode(row).encode("utf-8")) for row in ids], dtype=np.int64)
+
+
+def registry() -> Path:
+    """Where ``phaseloop tokenizer train --name NAME`` keeps named tokenizers."""
+    return Path(os.environ.get("PHASELOOP_CACHE", Path.home() / ".cache" / "phaseloop")) / "tokenizers"
+
+
+def load_tokenizer(spec: str | os.PathLike | Tokenizer = "bytes") -> Tokenizer:
+    """``bytes`` | tokenizer.json | a folder holding one | a name in the registry."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return spec
+    spec = str(spec)
+    if spec == "bytes":
+        return ByteTokenizer()
+    p = Path(spec).expanduser()
+    for cand in (p, p / FILE, registry() / spec / FILE):
+        if cand.is_file():
+            return HFTokenizer(cand)
+    named = sorted(f.parent.name for f in registry().glob(f"*/{FILE}"))
+    raise ConfigError(f"unknown tokenizer {spec!r}: not 'bytes', a tokenizer.json, a folder holding one, "
+                      f"or a trained name ({', '.join(named) or 'none trained yet'}); train one with "
+                      "`phaseloop tokenizer train`")
+
+
+get_tokenizer = load_tokenizer
+
+
+def describe(tok: Tokenizer) -> dict:
+    return {"tokenizer": tok.name, "tokenizer_kind": tok.kind, "tokenizer_sha256": tok.sha256,
+            "tokenizer_vocab": tok.vocab_size}

@@ -11,12 +11,14 @@ from typing import Callable
 
 import torch
 
-from .checkpoint import read_json
+from .checkpoint import TOKENIZER_COPY, read_json
 from .config import ModelConfig
 from .data import Corpus, TrainBatches, eval_windows, load_corpus
 from .engine import RunFolder, TrainConfig, Trainer, autocast, software_versions
 from .errors import ConfigError
+from .files import atomic_write_bytes
 from .model import DecoderLM, build_model
+from .tokenizer import ByteTokenizer, Tokenizer
 
 
 def fit_vocab(cfg: ModelConfig, tokenizer, explicit: bool = False,
@@ -36,15 +38,18 @@ def fit_vocab(cfg: ModelConfig, tokenizer, explicit: bool = False,
 
 
 @torch.no_grad()
-def evaluate(model: DecoderLM, windows: torch.Tensor, token_bytes=None, batch_size: int = 16,
-             device: torch.device | str = "cpu") -> dict:
-    """Validation loss (nats/token), perplexity and bits per byte over fixed windows.
-    BPB = total nats / (ln 2 * total bytes of the predicted tokens)."""
+def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | None = None,
+             batch_size: int = 16, device: torch.device | str = "cpu") -> dict:
+    """Validation loss (nats/token), perplexity and bits per byte over fixed windows:
+    BPB = total nats / (ln 2 x the UTF-8 bytes the predicted tokens decode to, counted per
+    window by the tokenizer; one per token for bytes), with tokens per byte beside it and,
+    for a word-level tokenizer, the perplexity per word."""
+    tokenizer = tokenizer or ByteTokenizer()
     device = torch.device(device)
     was_training = model.training
     model.eval()
-    tb = torch.as_tensor(token_bytes if token_bytes is not None else [1] * model.cfg.vocab_size)
-    nll, n_tok, n_bytes = 0.0, 0, 0
+    nll, n_tok = 0.0, 0
+    n_bytes = int(tokenizer.window_bytes(windows[:, 1:].numpy()).sum())
     for i in range(0, len(windows), batch_size):
         w = windows[i: i + batch_size].to(device)
         x, y = w[:, :-1], w[:, 1:]
@@ -52,11 +57,14 @@ def evaluate(model: DecoderLM, windows: torch.Tensor, token_bytes=None, batch_si
             logits = model(x).logits.float()
         nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
         n_tok += y.numel()
-        n_bytes += int(tb[y.cpu()].sum())
     model.train(was_training)
     loss = nll / n_tok
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
-            "val_bpb": nll / (math.log(2) * n_bytes), "val_tokens": n_tok}
+    out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+           "val_bpb": nll / (math.log(2) * max(n_bytes, 1)), "val_tokens": n_tok,
+           "val_tokens_per_byte": n_tok / max(n_bytes, 1)}
+    if tokenizer.kind == "wordlevel":  # one token per word: the paper's word-level PPL
+        out["val_word_ppl"] = out["val_ppl"]
+    return out
 
 
 def lm_loss(model, batch, device):
@@ -82,10 +90,11 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     train_tok, val_tok = corpus.split(tc.val_fraction, seq_len + 1)
     batches = TrainBatches(train_tok, seq_len, tc.batch_size, tc.seed)
     windows = eval_windows(val_tok, seq_len, tc.eval_windows)
-    token_bytes = corpus.tokenizer.token_bytes()
     trainer = Trainer(lambda: build_model(model_cfg), tc, batches, lm_loss,
-                      evaluate=lambda m: evaluate(m, windows, token_bytes, tc.batch_size, trainer.device),
+                      evaluate=lambda m: evaluate(m, windows, corpus.tokenizer, tc.batch_size, trainer.device),
                       run=run, progress=progress, desc=run.path.name, on_step=on_step)
+    if corpus.tokenizer.path is not None and not (run.path / TOKENIZER_COPY).exists():
+        atomic_write_bytes(run.path / TOKENIZER_COPY, corpus.tokenizer.path.read_bytes())
     summary = {**trainer.fit(stop_after), "data": corpus.describe()}
     if summary["finished"] and trainer.ran == 0 and (run.path / "summary.json").exists():
         return read_json(run.path / "summary.json")  # resumed a finished run: nothing new

@@ -34,6 +34,14 @@ def _on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int
     return p
 
 
+def _data_options(p) -> None:
+    p.add_argument("--tokenizer", help="bytes (default), a tokenizer.json or a folder holding one, "
+                   "or a name trained with `phaseloop tokenizer train --name`")
+    p.add_argument("--text-column", default="text", help="column of .jsonl/.parquet/.arrow/hf data")
+    p.add_argument("--data-split", default="train", help="split of an hf: dataset")
+    p.add_argument("--streaming", action="store_true", help="stream an hf: dataset (no full download)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="phaseloop", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -41,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model on a data source")
     t.add_argument("--preset", help="model preset (phaseloop params --all lists them); default rope-small")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
-    t.add_argument("--data", help="a text file or folder, or stdlib (default) | shakespeare")
+    t.add_argument("--data", help="a file or folder (.txt, .jsonl, .parquet, .arrow, WikiText raw), "
+                   "stdlib (default), shakespeare, or hf:NAME[:CONFIG]")
+    _data_options(t)
     t.add_argument("--out", help="run folder (default runs/PRESET-TIMESTAMP)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -91,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recipe variant names or specs, e.g. rope 'three_phase N=1' universal+act")
     m.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1")
     m.add_argument("--steps", type=int, help="optimizer steps per run")
-    m.add_argument("--data", help="a text file or folder, or stdlib | shakespeare")
+    m.add_argument("--data", help="a file or folder, stdlib | shakespeare | hf:NAME[:CONFIG]")
+    m.add_argument("--tokenizer", help="bytes, a tokenizer.json / folder, or a trained name")
     m.add_argument("--match", choices=("none", "params", "flops", "depth"),
                    help="resize variants to the reference's parameters, FLOPs/token or depth")
     m.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -109,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
             k.add_argument("--offsets", help="max random start offset in training: an integer or auto")
             k.add_argument("--n-test", type=int, default=100, help="test examples per test length")
             k.add_argument("--test-file", help="JSONL test file for --task jsonl:PATH (default: 10%% held out)")
+            k.add_argument("--tokenizer", help="jsonl tasks: encode with this tokenizer (default: characters)")
         else:
             k.add_argument("--tasks", default="1,2,3", help="task numbers, e.g. 1,2,3")
             k.add_argument("--data-dir", help="folder of qa*_train/test.txt (default $PHASELOOP_DATA_DIR/babi/en-1k)")
@@ -142,6 +154,31 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calib-batch-size", type=int, default=8)
     q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
     q.add_argument("--out", help="folder for the weights and report (default: the run folder)")
+
+    k = sub.add_parser("tokenizer", help="train a BPE / word-level tokenizer; encode, decode, stats")
+    ks = k.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    kt = ks.add_parser("train", help="train on a data source, write DIR/tokenizer.json")
+    kt.add_argument("--data", default="stdlib", help="the data source (as train --data)")
+    kt.add_argument("--kind", choices=("bpe", "wordlevel"), default="bpe",
+                    help="byte-level BPE, or a word-level vocabulary with [UNK]")
+    kt.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocabulary")
+    kt.add_argument("--min-frequency", type=int, default=2, help="bpe: rarest pair merged")
+    kt.add_argument("--out", help="folder to write tokenizer.json into")
+    kt.add_argument("--name", help="keep it under this name ($PHASELOOP_CACHE/tokenizers/NAME)")
+    for name, hlp in (("encode", "text -> token ids"), ("decode", "token ids -> text"),
+                      ("stats", "tokens per byte of a data source")):
+        p_ = ks.add_parser(name, help=hlp)
+        p_.add_argument("-t", "--tokenizer", default="bytes", help="bytes, a tokenizer.json, a folder or a name")
+        if name == "stats":
+            p_.add_argument("--data", default="stdlib", help="the data source (as train --data)")
+        else:
+            p_.add_argument("text", nargs="+", help="the text" if name == "encode" else "token ids")
+    for p_ in (kt, ks.choices["stats"]):
+        p_.add_argument("--text-column", default="text")
+        p_.add_argument("--data-split", default="train")
+        p_.add_argument("--streaming", action="store_true")
+        p_.add_argument("--quiet", action="store_true", help="no progress bar")
+    k.set_defaults(func=C.cmd_tokenizer)
 
     d = sub.add_parser("demo", help="runnable explainer demos")
     d.add_argument("which", choices=["parity"], help="parity: the hand-set prefix-parity scan")

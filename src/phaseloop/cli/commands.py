@@ -13,10 +13,10 @@ from pathlib import Path
 from .. import compare, plots
 from ..checkpoint import load_run, read_json, write_json
 from ..config import ModelConfig
-from ..data import eval_windows, load_corpus
+from ..checkpoint import run_tokenizer
+from ..data import corpus_args, eval_windows, load_corpus, run_corpus
 from ..engine import TrainConfig, resolve_device
 from ..errors import PhaseloopError
-from ..tokenizer import get_tokenizer
 from ..train import evaluate, fit_vocab, train
 
 # train options: (flag, TrainConfig field, type, help)
@@ -71,7 +71,14 @@ def cmd_train(args) -> int:
     if args.compile:
         explicit["compile"] = True
     tc = TrainConfig.from_dict({**(saved["train"] if saved else {}), **explicit})
-    corpus = load_corpus(args.data or (saved["data"]["source"] if saved else "stdlib"))
+    if saved is not None:  # the run's data and its copy of the tokenizer, unless given again
+        largs = {**corpus_args(saved["data"]), **({"spec": args.data} if args.data else {})}
+        tok = args.tokenizer or run_tokenizer(out, saved)
+    else:
+        largs = dict(spec=args.data or "stdlib", text_column=args.text_column, split=args.data_split,
+                     streaming=args.streaming)
+        tok = args.tokenizer or "bytes"
+    corpus = load_corpus(tokenizer=tok, progress=not args.quiet, **largs)
     model_cfg = fit_vocab(model_cfg, corpus.tokenizer, explicit=saved is not None or "vocab_size" in overrides,
                           log=_stderr)
     summary = train(model_cfg, tc, corpus, out, resume=args.resume, progress=not args.quiet)
@@ -83,14 +90,14 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     device = resolve_device(args.device)
     model, run_cfg = load_run(args.run, device)
-    corpus = load_corpus(args.data or run_cfg["data"]["source"])
+    corpus = run_corpus(args.run, run_cfg, args.data)
     seq_len = args.seq_len or run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
     if args.split == "all":
         tokens = corpus.tokens
     else:
         _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     windows = eval_windows(tokens, seq_len, args.windows)
-    res = evaluate(model, windows, corpus.tokenizer.token_bytes(), 16, device)
+    res = evaluate(model, windows, corpus.tokenizer, 16, device)
     res.update({"data": corpus.name, "fingerprint": corpus.fingerprint, "split": args.split,
                 "windows": len(windows), "seq_len": seq_len})
     if args.json:
@@ -108,7 +115,7 @@ def cmd_generate(args) -> int:
         raise PhaseloopError("--max-new-tokens must be >= 0 and --top-k >= 1")
     device = resolve_device(args.device)
     model, run_cfg = load_run(args.run, device)
-    tok = get_tokenizer(run_cfg["data"].get("tokenizer", "bytes"))
+    tok = run_tokenizer(args.run, run_cfg)
     idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]
     g = torch.Generator(device=device).manual_seed(args.seed)
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -172,7 +179,7 @@ def cmd_compare(args) -> int:
     """Train every (variant, seed) of a recipe, then write summary.json, report.md, plots."""
     recipe = compare.load_recipe(args.recipe)
     recipe = compare.apply_overrides(recipe, args.variants, args.seeds, args.steps, args.data,
-                                     args.match, log=_stderr)
+                                     args.match, log=_stderr, tokenizer=args.tokenizer)
     out = args.out or f"runs/compare-{compare.slugify(recipe.name)}"
     command = " ".join(shlex.quote(a) for a in ["phaseloop", *sys.argv[1:]])
     try:
@@ -230,7 +237,7 @@ def cmd_zero_sum(args) -> int:
     model, run_cfg = load_run(args.run)
     if args.phases:
         model.cfg = model.cfg.replace(n_phases=args.phases)
-    corpus = load_corpus(args.data or run_cfg["data"]["source"])
+    corpus = run_corpus(args.run, run_cfg, args.data)
     seq_len = args.seq_len or model.cfg.max_seq_len
     _, val = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     windows = eval_windows(val, seq_len, args.windows)[:, :-1]
@@ -278,7 +285,8 @@ def cmd_task(args) -> int:
     out = _task_out(args, f"task-{args.task.split(':')[0]}-{arch or cfg.arch}")
     res = run_task(args.task, cfg, tc, seeds, train_len, test_len, out, n_test=args.n_test,
                    test_file=args.test_file, offsets=offsets if offsets == "auto" else int(offsets),
-                   arch=arch, log=None if args.quiet else print, resume=args.resume)
+                   arch=arch, log=None if args.quiet else print, resume=args.resume,
+                   tokenizer=args.tokenizer)
     print(format_table(res["summary"], f"{args.task} | {arch or cfg.arch} | train {train_len} | "
                        f"seeds {','.join(map(str, seeds))} (mean ±std over seeds)"))
     print(f"wrote {out / 'metrics.json'}" + (f" and {out / 'accuracy_vs_length.png'}" if res["plot"]
@@ -313,4 +321,41 @@ def cmd_demo(args) -> int:
     from ..tasks.parity_demo import render_demo
 
     print(render_demo(args.length, seed=args.seed, n_layers=args.layers))
+    return 0
+
+
+# ---------------------------------------------------------------------------- tokenizers
+def cmd_tokenizer(args) -> int:
+    """Train a tokenizer, encode / decode with one, or measure one on a data source."""
+    from ..tokenizer import load_tokenizer
+
+    if args.action == "train":
+        from ..tokenizer_train import train_tokenizer
+
+        tok = train_tokenizer(args.data, args.kind, args.vocab_size, args.out, args.name,
+                              text_column=args.text_column, split=args.data_split, streaming=args.streaming,
+                              min_frequency=args.min_frequency, progress=not args.quiet)
+        print(f"wrote {tok.path} ({tok.kind}, {tok.vocab_size} tokens, sha256 {tok.sha256[:12]}...)")
+        return 0
+    tok = load_tokenizer(args.tokenizer)
+    if args.action == "encode":
+        print(" ".join(map(str, tok.encode(" ".join(args.text)).tolist())))
+    elif args.action == "decode":
+        try:
+            ids = [int(t) for t in " ".join(args.text).replace(",", " ").split()]
+        except ValueError:
+            raise PhaseloopError("decode takes token ids, e.g. `phaseloop tokenizer decode -t T 12 40 7`") from None
+        if any(not 0 <= i < tok.vocab_size for i in ids):
+            raise PhaseloopError(f"token ids must lie in [0, {tok.vocab_size}) for this tokenizer")
+        sys.stdout.write(tok.decode(ids) + "\n")
+    else:  # stats
+        c = load_corpus(args.data, tok, text_column=args.text_column, split=args.data_split,
+                        streaming=args.streaming, progress=not args.quiet)
+        d = c.describe()
+        stats = {k: d[k] for k in ("source", "tokenizer", "tokenizer_kind", "tokenizer_vocab", "bytes",
+                                   "tokens", "documents", "tokens_per_byte")}
+        if tok.kind == "wordlevel" and "[UNK]" in tok.tok.get_vocab():
+            unk = tok.tok.token_to_id("[UNK]")
+            stats["unknown_fraction"] = float((c.tokens[:] == unk).mean())
+        print(json.dumps(stats, indent=2))
     return 0

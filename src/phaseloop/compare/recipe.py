@@ -170,6 +170,8 @@ class Recipe:
     name: str = "comparison"
     description: str = ""
     data: str = "stdlib"
+    tokenizer: str = "bytes"  # bytes | a tokenizer.json / folder | a trained name
+    text_column: str = "text"  # for .jsonl / .parquet / hf: data
     seeds: list[int] = field(default_factory=lambda: [0])
     scale: str = "small"  # which <prefix>-<scale> presets the aliases pick
     reference: str | None = None  # None -> the first variant
@@ -216,8 +218,10 @@ class Recipe:
             raise RecipeError(f"match_tolerance={self.match_tolerance!r}: must be in (0, 1)")
         if not 0 < self.alpha < 1:
             raise RecipeError(f"alpha={self.alpha!r}: must be in (0, 1)")
-        if not isinstance(self.data, str) or not self.data:
-            raise RecipeError(f"data={self.data!r}: a path or one of stdlib, shakespeare")
+        for k in ("data", "tokenizer", "text_column"):
+            if not isinstance(getattr(self, k), str) or not getattr(self, k):
+                raise RecipeError(f"{k}={getattr(self, k)!r}: must be a non-empty string (data: a path, "
+                                  "stdlib, shakespeare or hf:NAME; tokenizer: bytes or a tokenizer)")
         if not isinstance(self.train, dict):
             raise RecipeError("train must be a table of TrainConfig fields")
         if "seed" in self.train:
@@ -323,7 +327,7 @@ def load_recipe(spec: str | os.PathLike | None = None) -> Recipe:
 def apply_overrides(recipe: Recipe, variants: list[str] | None = None,
                     seeds: str | list | None = None, steps: int | None = None,
                     data: str | None = None, match: str | None = None,
-                    log: Callable[[str], None] | None = None) -> Recipe:
+                    log: Callable[[str], None] | None = None, tokenizer: str | None = None) -> Recipe:
     """CLI flags on top of a recipe. ``variants`` items are recipe variant names or new
     spec strings; when ``steps`` shrinks below the eval interval the interval follows."""
     d = recipe.to_dict()
@@ -350,6 +354,8 @@ def apply_overrides(recipe: Recipe, variants: list[str] | None = None,
                     log(f"note: train.{k} -> {d['train'][k]} for --steps {steps}")
     if data is not None:
         d["data"] = data
+    if tokenizer is not None:
+        d["tokenizer"] = tokenizer
     if match is not None:
         d["match"] = match
     return Recipe.from_dict(d, "recipe with command-line options")

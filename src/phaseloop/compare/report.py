@@ -13,7 +13,7 @@ import torch
 
 from .. import plots
 from ..checkpoint import read_json, write_json
-from ..data import atomic_write_bytes
+from ..files import atomic_write_bytes
 from ..engine import resolve_device, software_versions
 from ..params import format_count
 from .budget import Planned, describe_match

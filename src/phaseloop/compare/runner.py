@@ -87,7 +87,7 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     out = Path(out_dir)
     for v in recipe.variants:  # cheap spec check before the data is read
         resolve_variant(v, recipe.scale)
-    corpus = load_corpus(recipe.data)
+    corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column)
     plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
     devices = devices_for(recipe.train["device"])
     for d in devices:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ..checkpoint import checkpoint_dir, read_json, write_json
-from ..data import atomic_write_bytes
+from ..files import atomic_write_bytes
 from ..errors import CheckpointError
 
 # keys that may change between a run and its resumption (where it runs, not what)
@@ -16,8 +16,9 @@ RESUMABLE_CHANGES = ("device", "compile")
 
 
 def _first_difference(saved: dict, want: dict, section: str) -> str | None:
-    if section == "data":  # the same bytes, however they were named
-        return "fingerprint" if saved.get("fingerprint") != want.get("fingerprint") else None
+    if section == "data":  # the same bytes and the same tokenizer, however they were named
+        keys = ("fingerprint", "tokenizer_sha256")
+        return next((k for k in keys if saved.get(k) != want.get(k) and (k in saved or want.get(k))), None)
     keys = sorted(set(saved) | set(want), key=str)
     return next((k for k in keys if saved.get(k) != want.get(k) and k not in RESUMABLE_CHANGES), None)
 
@@ -51,6 +52,11 @@ class RunFolder:
                 k = _first_difference(saved.get(section, {}), want, section)
                 if k is None:
                     continue
+                if section == "data" and k == "tokenizer_sha256":
+                    raise CheckpointError(f"{path} was trained with another tokenizer "
+                                          f"({saved['data'].get('tokenizer')!r}, sha256 "
+                                          f"{str(saved['data'].get(k))[:12]}...); resume with the same "
+                                          "--tokenizer or choose another --out")
                 if section == "data":
                     raise CheckpointError(f"{path} was trained on other data ({saved.get('data', {}).get('source')}); "
                                           "resume with the same --data or choose another --out")

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from ..checkpoint import load_run, write_json
-from ..data import TrainBatches, eval_windows, load_corpus
+from ..data import TrainBatches, eval_windows, run_corpus
 from ..engine import resolve_device
 from ..errors import PhaseloopError
 from ..train import evaluate
@@ -33,18 +33,17 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
     model, run_cfg = load_run(run, dev)
     run_path = Path(run)
     run_dir = run_path.parent if (run_path / "model.safetensors").exists() else run_path
-    corpus = load_corpus(data or run_cfg["data"]["source"], run_cfg["data"].get("tokenizer", "bytes"))
+    corpus = run_corpus(run, run_cfg, data)
     seq_len = run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
     train_tok, val_tok = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     val = eval_windows(val_tok, seq_len, windows)
-    token_bytes = corpus.tokenizer.token_bytes()
-    before = evaluate(model, val, token_bytes, 16, dev)
+    before = evaluate(model, val, corpus.tokenizer, 16, dev)
     calib = None
     if method == "gptq":  # calibration windows from the run's training split
         batches = TrainBatches(train_tok, seq_len, calib_batch_size, seed)
         calib = [batches.next()[0] for _ in range(calib_batches)]
     report = quantize_model(model, bits, None if group_size == -1 else group_size, method, calib)
-    after = evaluate(model, val, token_bytes, 16, dev)
+    after = evaluate(model, val, corpus.tokenizer, 16, dev)
 
     out_dir = Path(out) if out else run_dir
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ._errors import TaskDataError, TaskDataNotFound
+from ..tokenizer import EOS
 from .algorithmic import Example
 
 REQUIRED_KEYS = ("input", "target")
@@ -106,3 +107,29 @@ def save_jsonl(path: str | os.PathLike, examples: Iterable[Example]) -> int:
 
 
 __all__ = ["load_jsonl", "save_jsonl"]
+
+
+class TokenizerVocab:
+    """A corpus tokenizer (``phaseloop.tokenizer``) as a task vocabulary: its ids shifted
+    past the task specials (PAD 0, EOS 1, SEP 2), for JSONL tasks in a learned vocabulary."""
+
+    SPECIALS = ("<pad>", "<eos>", "<sep>")
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def __len__(self) -> int:
+        return len(self.SPECIALS) + self.tok.vocab_size
+
+    def encode(self, text: str, add_eos: bool = False) -> list[int]:
+        ids = [int(i) + len(self.SPECIALS) for i in self.tok.encode(text)]
+        return ids + [EOS] if add_eos else ids
+
+    def decode(self, ids) -> str:
+        out = []
+        for i in (ids.tolist() if hasattr(ids, "tolist") else ids):
+            if i == EOS:
+                break
+            if i >= len(self.SPECIALS):
+                out.append(i - len(self.SPECIALS))
+        return self.tok.decode(out)

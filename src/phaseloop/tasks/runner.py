@@ -30,9 +30,10 @@ from ..checkpoint import write_json
 from ..config import PRESETS, ModelConfig
 from ..engine import RunFolder, TrainConfig, read_metrics, software_versions
 from ..errors import CheckpointError, ConfigError
+from ..tokenizer import load_tokenizer
 from .algorithmic import TASKS, CharVocab, Example, TaskSpec, parse_lengths
 from .babi import BabiExample, WordVocab, failed_tasks, format_example, load_babi, ponder_by_supporting, task_error
-from .jsonl import load_jsonl
+from .jsonl import TokenizerVocab, load_jsonl
 from .metrics import char_accuracy, mean_std, sequence_accuracy
 from .models import SEQ2SEQ_ARCHS, Pair, decode_pairs, encode_pairs, task_model_class, train_pairs
 from .report import length_metrics, summarize_seeds
@@ -181,13 +182,18 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
              train_lengths="1-20", test_lengths="40,80", out_dir=None, n_test: int = 100,
              n_train: int | None = None, test_file=None, offsets: str | int = 0,
              arch: str | None = None, log: Callable[[str], None] | None = print,
-             resume: bool = False, eval_batch_size: int = 100) -> dict:
+             resume: bool = False, eval_batch_size: int = 100, tokenizer: str | None = None) -> dict:
     """Run one task for several seeds (``n_test`` test examples per test length); write
     ``metrics.json`` and ``accuracy_vs_length.png`` into ``out_dir`` (when given, with one
     run folder per seed; ``resume`` continues them). ``task``: an algorithmic task name or
     ``jsonl:PATH`` (held-out 10% test split unless ``test_file``). ``offsets``: max random
-    start offset in training, or ``"auto"`` (reach the longest test position)."""
+    start offset in training, or ``"auto"`` (reach the longest test position).
+    ``tokenizer``: encode a JSONL task's text with a corpus tokenizer instead of characters."""
     name, path = parse_task(task)
+    if tokenizer is not None and name != "jsonl":
+        raise ConfigError(f"--tokenizer applies to jsonl: tasks; the {name} task has its own "
+                          "character vocabulary")
+    vocab_of = (lambda examples: TokenizerVocab(load_tokenizer(tokenizer))) if tokenizer else CharVocab.for_examples
     out = _prepare_out(out_dir, resume)
     per_seed = []
     for seed in seeds:
@@ -198,7 +204,7 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
             spec = TaskSpec(name, train_lengths, test_lengths)
             n_lens = len(parse_lengths(test_lengths)) if isinstance(test_lengths, str) else len(test_lengths)
             train, test = algorithmic_data(spec, n_train or tc.steps * tc.batch_size, n_test * n_lens, seed)
-        vocab = CharVocab.for_examples(list(train) + list(test))
+        vocab = vocab_of(list(train) + list(test))
         max_off = offsets
         if offsets == "auto":
             max_off = auto_offset(encode_pairs(train, vocab), encode_pairs(test, vocab), arch in SEQ2SEQ_ARCHS)
@@ -209,7 +215,8 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
         res = run_examples(model_cfg, train, test, tcs, vocab, arch, _step_log(log), max_offset=int(max_off),
                            eval_batch_size=eval_batch_size, run_dir=out / f"seed-{seed}" if out else None,
                            resume=resume, describe={"task": task, "train_lengths": str(train_lengths),
-                                                    "test_lengths": str(test_lengths)})
+                                                    "test_lengths": str(test_lengths),
+                                                    "tokenizer": tokenizer or "characters"})
         res.pop("decoded")
         res["seed"], res["max_offset"] = seed, int(max_off)
         res["examples"] = [{"input": e.input, "target": e.target, "pred": p}

@@ -1,0 +1,310 @@
+"""Data sources (``--data``): what documents a corpus holds and its fingerprint. Documents
+are streamed as pieces of bytes, so no source is ever read into memory whole.
+
+* a path: a file, or a folder (every regular file under it, sorted, hidden ones skipped).
+  By suffix: ``.jsonl`` / ``.parquet`` / ``.arrow`` files hold one document per record
+  (the ``text_column``, default ``text``); WikiText's raw files (``wiki.*.raw``,
+  ``wiki.*.tokens``) one per article (a `` = Title = `` heading); any other file is one
+  document of raw bytes. A folder written by ``datasets.Dataset.save_to_disk`` is read
+  with ``datasets.load_from_disk``.
+* ``stdlib``: the running interpreter's standard-library ``.py`` files (built in, no
+  download; tests, idlelib, lib2to3 and site-packages left out). Its fingerprint changes
+  with the Python version, and every run records it.
+* ``shakespeare``: Tiny Shakespeare, found under ``$PHASELOOP_DATA_DIR`` or the cache
+  folder, else downloaded from its canonical URL and checked by sha256.
+* ``hf:NAME[:CONFIG]``: a Hugging Face dataset through ``datasets.load_dataset`` (any
+  ``split``; ``streaming`` for big ones), the ``data`` extra.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sysconfig
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import DataError
+from .files import atomic_write_bytes
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+NAMED_SOURCES = ("stdlib", "shakespeare", "hf:NAME[:CONFIG]")
+RECORD_SUFFIXES = (".jsonl", ".parquet", ".arrow")
+BLOCK = 1 << 20  # bytes read at a time from a file
+PIECE = 1 << 16  # bytes per piece handed to the tokenizer (a batch holds many)
+_CUT = re.compile(rb"\n(?=[^\s])")
+_WIKITEXT = re.compile(r"^wiki\.(train|valid|test)\.(raw|tokens)$")
+_HEADING = re.compile(rb"^ = [^=].* = \n?$")  # a WikiText article title (not = = section = =)
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("PHASELOOP_CACHE", Path.home() / ".cache" / "phaseloop"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(BLOCK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def safe_pieces(stream, split_anywhere: bool) -> Iterator[bytes]:
+    """Re-cut a stream of byte blocks into pieces of about ``PIECE`` bytes that a
+    chunk-safe tokenizer encodes as the whole: each cut falls right after a newline that
+    precedes a non-space byte (anywhere when ``split_anywhere``, e.g. for bytes). Text
+    without such a newline stays in one piece."""
+    carry = b""
+    for block in stream:
+        buf = carry + block
+        start = 0
+        while len(buf) - start > PIECE:
+            if split_anywhere:
+                cut = start + PIECE
+            else:
+                m = _CUT.search(buf, start + PIECE)
+                if m is None:
+                    break
+                cut = m.end()
+            yield buf[start:cut]
+            start = cut
+        carry = buf[start:]
+    if carry:
+        yield carry
+
+
+def _file_blocks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        yield from iter(lambda: f.read(BLOCK), b"")
+
+
+@dataclass
+class Source:
+    """A resolved ``--data``: ``documents(split_anywhere)`` yields each document as an
+    iterator of byte pieces (see ``safe_pieces``)."""
+
+    name: str
+    fingerprint: str
+    n_files: int
+    kind: str  # files | records | wikitext | hf
+    files: list[Path] = field(default_factory=list)
+    text_column: str | None = None
+    dataset: object = None  # datasets.Dataset / IterableDataset for kind 'hf'
+
+    @property
+    def joiner(self) -> bytes:
+        """What stands between two documents: a newline, as files are joined; nothing
+        between WikiText articles, which are consecutive pieces of one file."""
+        return b"" if self.kind == "wikitext" else b"\n"
+
+    def describe(self) -> dict:
+        d = {"source": self.name, "fingerprint": self.fingerprint, "files": self.n_files}
+        if self.kind in ("records", "hf"):
+            d["text_column"] = self.text_column
+        return d
+
+    def documents(self, split_anywhere: bool = False) -> Iterator[Iterator[bytes]]:
+        if self.kind == "hf":
+            for row in self.dataset:
+                yield iter(safe_pieces([_text(row, self.text_column, self.name).encode()], split_anywhere))
+            return
+        for f in self.files:
+            if f.suffix in RECORD_SUFFIXES:
+                for text in _records(f, self.text_column):
+                    yield safe_pieces([text.encode()], split_anywhere)
+            elif _WIKITEXT.match(f.name):
+                yield from _articles(f, split_anywhere)
+            else:
+                yield safe_pieces(_file_blocks(f), split_anywhere)
+
+
+def _text(row: dict, col: str, where: str) -> str:
+    if col not in row:
+        raise DataError(f"{where}: no column {col!r} (columns: {', '.join(map(str, row))}); "
+                        "pass --text-column with one of them")
+    v = row[col]
+    return v if isinstance(v, str) else "" if v is None else str(v)
+
+
+def _records(path: Path, col: str) -> Iterator[str]:
+    """The text column of each record of a .jsonl / .parquet / .arrow file, streamed."""
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{path}:{i}: not a JSON object ({e.msg}); fix the line") from None
+                    yield _text(row if isinstance(row, dict) else {}, col, f"{path}:{i}")
+        return
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading {path.suffix} files needs pyarrow: pip install 'phaseloop[data]'") from None
+    try:
+        if path.suffix == ".parquet":
+            pf = pq.ParquetFile(path)
+            names = pf.schema_arrow.names
+            batches = pf.iter_batches(columns=[col]) if col in names else None
+        else:
+            with open(path, "rb") as fh:
+                head = fh.read(6)
+            reader = (pa.ipc.open_file(path) if head == b"ARROW1" else pa.ipc.open_stream(path))
+            names = reader.schema.names
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
+                if head == b"ARROW1" else iter(reader)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"cannot read {path} ({str(e)[:80]}); is it a {path.suffix[1:]} file?") from None
+    if batches is None or col not in names:
+        raise DataError(f"{path}: no column {col!r} (columns: {', '.join(names)}); pass "
+                        "--text-column with one of them")
+    for b in batches:
+        for v in b.column(col).to_pylist():
+            yield v if isinstance(v, str) else "" if v is None else str(v)
+
+
+def _articles(path: Path, split_anywhere: bool) -> Iterator[Iterator[bytes]]:
+    """WikiText: one document per article, which starts at a `` = Title = `` line (the
+    blank line before it belongs to the previous article)."""
+    with open(path, "rb") as f:
+        article: list[bytes] = []
+        text = False  # the article so far holds more than blank lines
+        for line in f:
+            if _HEADING.match(line) and text:
+                yield safe_pieces([b"".join(article)], split_anywhere)
+                article, text = [], False
+            article.append(line)
+            text = text or bool(line.strip())
+        if article:
+            yield safe_pieces([b"".join(article)], split_anywhere)
+
+
+# ---------------------------------------------------------------------------- resolution
+def stdlib_files() -> tuple[Path, list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    files = sorted(f for f in root.rglob("*.py")
+                   if f.is_file() and not skip & set(f.relative_to(root).parts))
+    return root, files
+
+
+def shakespeare_path(download: bool = True) -> Path:
+
+
+    candidates = []
+    if os.environ.get("PHASELOOP_DATA_DIR"):
+        d = Path(os.environ["PHASELOOP_DATA_DIR"])
+        candidates += [d / "tinyshakespeare" / "input.txt", d / "input.txt"]
+    cached = cache_dir() / "tinyshakespeare" / "input.txt"
+    candidates.append(cached)
+    for c in candidates:
+        if c.is_file():
+            return c
+    if not download:
+        raise DataError("Tiny Shakespeare not found; pass --data /path/to/input.txt")
+    try:
+        with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
+            data = r.read()
+    except Exception as e:  # offline, DNS, HTTP error
+        raise DataError(f"could not download Tiny Shakespeare ({e.__class__.__name__}); pass "
+                        "--data /path/to/input.txt, or set PHASELOOP_DATA_DIR to a folder "
+                        "holding tinyshakespeare/input.txt") from None
+    if hashlib.sha256(data).hexdigest() != SHAKESPEARE_SHA256:
+        raise DataError("downloaded Tiny Shakespeare failed its sha256 check; pass --data "
+                        "/path/to/input.txt with a verified copy")
+    atomic_write_bytes(cached, data)
+    return cached
+
+
+def _fingerprint(files: list[Path], root: Path, text_column: str) -> str:
+    if len(files) == 1:
+        fp = sha256_file(files[0])
+    else:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f"{sha256_file(f)}  {f.relative_to(root).as_posix()}\n".encode())
+        fp = h.hexdigest()
+    if any(f.suffix in RECORD_SUFFIXES for f in files):  # the column read is part of the data
+        fp = hashlib.sha256(f"{fp}:{text_column}".encode()).hexdigest()
+    return fp
+
+
+def resolve(spec: str | os.PathLike, text_column: str = "text", split: str = "train",
+            streaming: bool = False) -> Source:
+    """-> Source. Raises DataError naming the fix."""
+    spec = str(spec)
+    if spec.startswith("hf:"):
+        return _hf(spec[3:], text_column, split, streaming)
+    if spec == "stdlib":
+        root, files = stdlib_files()
+        name = "stdlib"
+    elif spec == "shakespeare":
+        files = [shakespeare_path()]
+        root, name = files[0].parent, "shakespeare"
+    else:
+        p = Path(spec).expanduser()
+        if not p.exists():
+            why = "is a symlink loop" if p.is_symlink() else "does not exist"
+            raise DataError(f"data path {spec!r} {why}; pass --data with an existing file "
+                            f"or folder, or one of: {', '.join(NAMED_SOURCES)}")
+        if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
+            return _hf(str(p), text_column, split, streaming, from_disk=True)
+        root = p if p.is_dir() else p.parent
+        files = [p] if p.is_file() else sorted(
+            f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        name = str(p.resolve())
+    try:
+        total = sum(f.stat().st_size for f in files)
+        fp = _fingerprint(files, root, text_column)
+    except OSError as e:
+        raise DataError(f"cannot read data {spec!r}: {e.strerror}; check the path and permissions") from None
+    if total == 0:
+        raise DataError(f"data {spec!r} is empty; pass --data with a non-empty text file or folder")
+    kind = "records" if any(f.suffix in RECORD_SUFFIXES for f in files) else \
+        "wikitext" if any(_WIKITEXT.match(f.name) for f in files) else "files"
+    return Source(name, fp, len(files), kind, files, text_column if kind == "records" else None)
+
+
+def _hf(spec: str, text_column: str, split: str, streaming: bool, from_disk: bool = False) -> Source:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("hf: data needs the datasets library: pip install 'phaseloop[data]'") from None
+    name, _, config = spec.partition(":") if not from_disk else (spec, "", "")
+    try:
+        if from_disk:
+            ds = datasets.load_from_disk(name)
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise DataError(f"{name} has no split {split!r} (splits: {', '.join(ds)}); pass --data-split")
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(name, config or None, split=split, streaming=streaming)
+    except DataError:
+        raise
+    except Exception as e:  # offline without a cache, unknown dataset or split, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise DataError(f"cannot load dataset {spec!r} split {split!r} ({type(e).__name__}: {first}); "
+                        "offline, pass --data with a local .txt/.jsonl/.parquet file or a folder "
+                        "saved with datasets' save_to_disk") from None
+    cols = list(ds.column_names or []) if getattr(ds, "column_names", None) is not None else None
+    if cols is not None and text_column not in cols:
+        raise DataError(f"dataset {spec!r}: no column {text_column!r} (columns: {', '.join(cols)}); "
+                        "pass --text-column with one of them")
+    if not streaming and len(ds) == 0:
+        raise DataError(f"dataset {spec!r} split {split!r} is empty; pass another --data-split")
+    fp = getattr(ds, "_fingerprint", None) or hashlib.sha256(
+        f"hf:{spec}:{split}:{getattr(ds.info, 'version', '')}:{getattr(ds.info, 'dataset_size', '')}".encode()
+    ).hexdigest()
+    fp = hashlib.sha256(f"{fp}:{text_column}".encode()).hexdigest()
+    return Source(f"hf:{spec}" + (f"[{split}]" if split != "train" else ""), fp, 0, "hf",
+                  text_column=text_column, dataset=ds)
