@@ -99,6 +99,19 @@ def test_store_equals_encoding_the_whole_text(bpe, tmp_path, monkeypatch):
     assert bytes(b.tokens[:]) == f.read_bytes() and b.manifest["dtype"] == "uint8"
 
 
+def test_store_equals_the_whole_on_real_text(bpe, words, data_dir, tmp_path, monkeypatch):
+    """Shakespeare (lines start with letters) and WikiText (lines start with a space, runs
+    of blank lines): cut every ~512 bytes, the tokens are those of the whole file."""
+    _chunky(monkeypatch)
+    text = ((data_dir / "tinyshakespeare" / "input.txt").read_bytes()[:60000]
+            + (data_dir / "wikitext-2" / "wiki.valid.raw").read_bytes()[:60000])
+    f = tmp_path / "mixed.txt"
+    f.write_bytes(text)
+    for tok in (bpe, words):
+        st = ST.build(S.resolve(f), tok, batch_bytes=8000)
+        assert st.tokens[:].tolist() == tok.encode(text).tolist(), tok.kind
+
+
 def test_token_view_slices_across_shards_like_one_array():
     parts = [np.arange(0, 5), np.arange(5, 6), np.arange(6, 20)]
     v = ST.TokenView(parts)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from .errors import DataError
 from .files import atomic_write_bytes
+from .tokenizer import CUT_PATTERN
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -37,7 +38,7 @@ NAMED_SOURCES = ("stdlib", "shakespeare", "hf:NAME[:CONFIG]")
 RECORD_SUFFIXES = (".jsonl", ".parquet", ".arrow")
 BLOCK = 1 << 20  # bytes read at a time from a file
 PIECE = 1 << 16  # bytes per piece handed to the tokenizer (a batch holds many)
-_CUT = re.compile(rb"\n(?=[^\s])")
+_CUT = re.compile(CUT_PATTERN.encode())
 _WIKITEXT = re.compile(r"^wiki\.(train|valid|test)\.(raw|tokens)$")
 _HEADING = re.compile(rb"^ = [^=].* = \n?$")  # a WikiText article title (not = = section = =)
 
@@ -58,9 +59,9 @@ def sha256_file(path: Path) -> str:
 
 def safe_pieces(stream, split_anywhere: bool) -> Iterator[bytes]:
     """Re-cut a stream of byte blocks into pieces of about ``PIECE`` bytes that a
-    chunk-safe tokenizer encodes as the whole: each cut falls right after a newline that
-    precedes a non-space byte (anywhere when ``split_anywhere``, e.g. for bytes). Text
-    without such a newline stays in one piece."""
+    chunk-safe tokenizer encodes as the whole: each cut falls at ``tokenizer.CUT_PATTERN``
+    (anywhere when ``split_anywhere``, e.g. for bytes). Text without such a place stays in
+    one piece."""
     carry = b""
     for block in stream:
         buf = carry + block
@@ -72,7 +73,7 @@ def safe_pieces(stream, split_anywhere: bool) -> Iterator[bytes]:
                 m = _CUT.search(buf, start + PIECE)
                 if m is None:
                     break
-                cut = m.end()
+                cut = m.start()
             yield buf[start:cut]
             start = cut
         carry = buf[start:]

@@ -107,7 +107,7 @@ class Store:
         self.tokens = TokenView(shards)
 
 
-def build(source: Source, tok, batch_bytes: int = 4 << 20, shard_tokens: int = 1 << 28,
+def build(source: Source, tok, batch_bytes: int = 2 << 20, shard_tokens: int = 1 << 28,
           progress: bool = False) -> Store:
     """Tokenise ``source`` into its store (or open the one already built)."""
     final = store_dir(source, tok)
