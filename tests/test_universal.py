@@ -90,12 +90,12 @@ def test_gradients_accumulate_across_steps():
     for t, blk in enumerate(copies):
         x = blk(m.trunk.signal(x, pos, t), ctx)
     loss = torch.nn.functional.cross_entropy(m.head(m.norm(x)).flatten(0, 1), idx.flatten())
-    assert torch.allclose(loss, m(idx, idx).loss)  # float64 model: float64 loss
+    assert torch.allclose(loss, m(idx, idx).loss, atol=1e-12, rtol=0)  # float64 model: float64 loss
     loss.backward()
     for n, g in tied.items():
         per_step = [dict(c.named_parameters())[n].grad for c in copies]
         assert all(s.abs().sum() > 0 for s in per_step), n
-        assert torch.allclose(g, sum(per_step), atol=1e-10), n
+        assert torch.allclose(g, sum(per_step), atol=1e-10, rtol=0), n
 
 
 # ---------------------------------------------------------------------------- coordinate signal
@@ -196,11 +196,11 @@ def test_act_output_matches_halting_schedule(mode):
     sched = halting_schedule(p.flatten(1), threshold=0.99, max_steps=6, mode=mode)
     assert sched.steps_run == S
     eff = sched.effective_weights.view(S, 2, 9, 1)
-    assert torch.allclose(y, (eff * torch.stack(transformed)).sum(0), atol=1e-10)
+    assert torch.allclose(y, (eff * torch.stack(transformed)).sum(0), atol=1e-10, rtol=0)
     n = ctx.stats["ponder_time"]
-    assert torch.allclose(n.flatten(), ponder_cost(sched))
+    assert torch.allclose(n.flatten(), ponder_cost(sched), atol=1e-12, rtol=0)
     assert len(set(sched.n_updates.tolist())) > 1  # positions halt at different steps
-    assert torch.allclose(ctx.aux_losses["ponder_loss"], 0.01 * ponder_cost(sched).mean())
+    assert torch.allclose(ctx.aux_losses["ponder_loss"], 0.01 * ponder_cost(sched).mean(), atol=1e-12, rtol=0)
 
 
 def test_ponder_loss_has_gradient_and_is_logged_separately():
@@ -272,7 +272,7 @@ def test_kv_cache_equals_full_forward(kw):
         _lazy_lengths(cache, m.trunk.steps)
     else:
         assert {k for k in cache.entries} == {("ut", t) for t in range(m.trunk.steps)}
-    assert torch.allclose(got, full.logits, atol=1e-10)
+    assert torch.allclose(got, full.logits, atol=1e-10, rtol=0)
     if m.cfg.act:
         pt = full.stats["ponder_time"]
         assert len(set(pt.flatten().floor().tolist())) > 1
@@ -311,7 +311,7 @@ def test_lazy_act_cache_equals_early_exit_forward(mode, B, cuts):
     assert len(set(full.stats["ponder_time"].floor().flatten().tolist())) > 1
     sizes = _counting_block(m)
     got, cache = _pieces(m, idx, cuts)
-    assert torch.allclose(got, full.logits, atol=1e-10)
+    assert torch.allclose(got, full.logits, atol=1e-10, rtol=0)
     c = _lazy_lengths(cache, 8)
     # each (position, step) runs once, never past the full pass's steps (not all 8 max steps)
     assert c[full.stats["halting_probs"].shape[0]] == 0 and sum(sizes) == sum(c)
@@ -349,7 +349,7 @@ def test_output_of_a_position_does_not_depend_on_the_batch():
     idx = torch.randint(0, 64, (4, 16))
     together = m(idx).logits
     alone = torch.cat([m(idx[i: i + 1]).logits for i in range(4)])
-    assert torch.allclose(together, alone, atol=1e-10)
+    assert torch.allclose(together, alone, atol=1e-10, rtol=0)
 
 
 def test_presets_build_and_are_small():

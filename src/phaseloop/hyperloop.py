@@ -21,7 +21,7 @@ from torch import nn
 
 from .config import ModelConfig, register_presets
 from .hyperconn import HyperConnection, copy_streams, merge_streams
-from .layers import Block, Context
+from .layers import Block, Context, compute_dtype
 from .model import register_trunk
 
 
@@ -46,7 +46,8 @@ class PooledMLPTransition(nn.Module):
     def forward(self, streams_BTnD: torch.Tensor, fn, ctx: Context | None = None,
                 slot=None) -> torch.Tensor:
         B, T, n, D = streams_BTnD.shape
-        sum_BTm = streams_BTnD.flatten(-2).float().cumsum(dim=1)
+        # running sum in fp32 at least (float64 for a float64 model, so that cached = full)
+        sum_BTm = streams_BTnD.flatten(-2).to(compute_dtype(streams_BTnD.dtype)).cumsum(dim=1)
         past = 0
         cache = ctx.cache if ctx is not None else None
         if cache is not None:

@@ -56,6 +56,12 @@ def _at_most_one(found: list, kind: str):
     return found[0][1] if found else None
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype for maths that needs at least fp32 (the 3PT rotation, the ACT halting unit):
+    float64 stays float64 end to end; fp32, bf16 and half compute in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019) with a learnable gain, eps inside the sqrt."""
 

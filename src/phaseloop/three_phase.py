@@ -22,7 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, register_presets
-from .layers import register_block_option
+from .layers import compute_dtype, register_block_option
+
+
+def phase_offsets(n_phases: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """[N]: the fixed offsets 2πi/N, computed in ``dtype``."""
+    return 2 * math.pi * torch.arange(n_phases, dtype=dtype, device=device) / n_phases
 
 
 class PhaseRotation(nn.Module):
@@ -39,28 +44,38 @@ class PhaseRotation(nn.Module):
         self.residual = cfg.residual_rotation
         self.layer_idx, self.n_layers = layer_idx, n_layers
         self.theta = nn.Parameter(torch.full((cfg.d_phase // 2,), self.init_angle(layer_idx, n_layers)))
-        offsets = 2 * math.pi * torch.arange(cfg.n_phases, dtype=torch.float32) / cfg.n_phases
+        offsets = phase_offsets(cfg.n_phases, torch.float32)
         if cfg.learnable_offsets:
             self.offsets = nn.Parameter(offsets)
-        else:
+        else:  # the fp32 values, for inspection; forward rebuilds them in its compute dtype
             self.register_buffer("offsets", offsets, persistent=False)
 
     @staticmethod
     def init_angle(layer_idx: int, n_layers: int) -> float:
         return (layer_idx + 1) * math.pi / (2 * n_layers)
 
-    def angles(self) -> torch.Tensor:
-        """[N, d_phase/2]: θ_k + 2πi/N."""
-        return self.theta[None, :] + self.offsets[:, None]
+    def angles(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[N, d_phase/2]: θ_k + 2πi/N, in ``dtype`` (default: θ's compute dtype).
+
+        Fixed offsets are built here in ``dtype`` (exact in float64, not float32 values
+        widened; not rounded to bf16 when the weights are); learnable ones are cast."""
+        dtype = dtype or compute_dtype(self.theta.dtype)
+        if isinstance(self.offsets, nn.Parameter):
+            offsets = self.offsets.to(dtype)
+        else:
+            offsets = phase_offsets(self.n_phases, dtype, self.theta.device)
+        return self.theta.to(dtype)[None, :] + offsets[:, None]
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         # Pair (x0, x1) as the complex number x0 + i·x1: the Givens rotation R(a) is then a
         # product with e^{ia}, one fused kernel over all phases (2.5x cheaper than stacking).
-        a_P = self.angles().flatten()  # [N * d_phase/2], phase-major like the channels
+        # float64 end to end for a float64 model; fp32 otherwise (polar and complex
+        # products have no bf16/half kernels), cast back to the input's dtype.
+        dtype = compute_dtype(torch.promote_types(x_BTD.dtype, self.theta.dtype))
+        a_P = self.angles(dtype).flatten()  # [N * d_phase/2], phase-major like the channels
         rot_P = torch.polar(torch.ones_like(a_P), a_P)
-        x32 = x_BTD if x_BTD.dtype in (torch.float32, torch.float64) else x_BTD.float()
-        z_BTP = torch.view_as_complex(x32.unflatten(-1, (-1, 2)).contiguous())
-        y_BTD = torch.view_as_real(z_BTP * rot_P.to(z_BTP.dtype)).flatten(-2).to(x_BTD.dtype)
+        z_BTP = torch.view_as_complex(x_BTD.to(dtype).unflatten(-1, (-1, 2)).contiguous())
+        y_BTD = torch.view_as_real(z_BTP * rot_P).flatten(-2).to(x_BTD.dtype)
         return x_BTD + y_BTD if self.residual else y_BTD
 
 
@@ -92,7 +107,9 @@ class HornInjection(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         T = x_BTD.shape[1]
-        t = torch.arange(start_pos, start_pos + T, device=x_BTD.device, dtype=torch.float32)
+        # positions in float64 for a float64 model, else fp32 (cast to the input's dtype)
+        t = torch.arange(start_pos, start_pos + T, device=x_BTD.device,
+                         dtype=compute_dtype(x_BTD.dtype))
         r_T = 1.0 / (t + 1.0)
         if self.gain is not None:
             r_T = r_T * self.gain

@@ -49,7 +49,7 @@ from torch import nn
 from .act import ACTState, combine, ponder_cost, ponder_loss
 from .config import ModelConfig, register_presets
 from .errors import ConfigError
-from .layers import Block, Context
+from .layers import Block, Context, compute_dtype
 from .model import register_trunk
 
 
@@ -97,8 +97,10 @@ class CoordinateSignal(nn.Module):
 class HaltingUnit(nn.Module):
     """p = sigmoid(w . h + b) per position (UT §2.2), b initialised to act_halting_bias_init.
 
-    Not an ``nn.Linear``, so the shared init leaves the bias alone; computed in fp32
-    (also under autocast) because the ACT accumulators compare sums to 1 - eps."""
+    Not an ``nn.Linear``, so the shared init leaves the bias alone. Computed in float64
+    for a float64 model (its cached decoding then equals the full pass to float64
+    rounding) and in fp32 otherwise (bf16/half weights, autocast), because the ACT
+    accumulators compare sums to 1 - eps; the ACT state takes the dtype of p."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -106,7 +108,8 @@ class HaltingUnit(nn.Module):
         self.bias = nn.Parameter(torch.full((), float(cfg.act_halting_bias_init)))
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid((h_BTD.float() * self.weight.float()).sum(-1) + self.bias.float())
+        dtype = compute_dtype(torch.promote_types(h_BTD.dtype, self.weight.dtype))
+        return torch.sigmoid((h_BTD.to(dtype) * self.weight.to(dtype)).sum(-1) + self.bias.to(dtype))
 
 
 class UniversalTrunk(nn.Module):
