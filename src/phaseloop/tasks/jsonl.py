@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ._errors import TaskDataError, TaskDataNotFound
 from ..tokenizer import EOS
+from ..files import why_missing
 from .algorithmic import Example
 
 REQUIRED_KEYS = ("input", "target")
@@ -42,9 +43,11 @@ def _json_type(value: object) -> str:
 
 def load_jsonl(path: str | os.PathLike) -> list[Example]:
     """Read examples from ``path`` (see module doc for the format and the errors)."""
+    if not os.fspath(path).strip():  # Path("") would be "." (a folder)
+        raise TaskDataNotFound(f"empty path; pass the path of a .jsonl file ({_SHAPE})")
     p = Path(path)
     if not p.is_file():
-        what = "is a folder, not a file" if p.is_dir() else "does not exist"
+        what = "is a folder, not a file" if p.is_dir() else why_missing(p)
         raise TaskDataNotFound(f"{p}: {what}; pass the path of a .jsonl file ({_SHAPE})")
     examples: list[Example] = []
     with open(p, "rb") as fh:

@@ -1,5 +1,5 @@
 """Task results: per-length metrics with ponder time, means over seeds, the tables the
-``task`` and ``babi`` commands print."""
+``task`` and ``babi`` commands print, and the labels and length ranges they carry."""
 
 from __future__ import annotations
 
@@ -9,6 +9,29 @@ import torch
 
 from .algorithmic import Example
 from .metrics import mean_std, per_length_metrics
+
+
+def model_label(model_cfg, arch: str | None = None) -> str:
+    """The model's name in reports: the arch (``arch`` for an encoder-decoder, else
+    ``model_cfg.arch``) with ``+act`` for ACT, as ``phaseloop compare`` spells the
+    variant (``universal+act``, ``compare.recipe.MODIFIERS``)."""
+    name = arch or model_cfg.arch
+    return f"{name}+act" if model_cfg.act else name
+
+
+def length_span(examples: Sequence[Example]) -> str:
+    """The range of ``Example.length`` over ``examples``: ``"3-17"``, or ``"5"`` when all
+    are equal (the task command's ``--train-len`` / ``--test-len`` notation)."""
+    lo, hi = min(e.length for e in examples), max(e.length for e in examples)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def task_title(result: dict) -> str:
+    """The header of the ``task`` table, from a ``run_task`` result: task, model label,
+    the lengths trained and tested on, seeds."""
+    return (f"{result['task']} | {result.get('label', result['arch'])} | train {result['train_lengths']} | "
+            f"test {result['test_lengths']} | seeds {','.join(map(str, result['seeds']))} "
+            "(mean ±std over seeds)")
 
 
 def length_metrics(examples: Sequence[Example], preds: Sequence[str],
@@ -57,7 +80,10 @@ def format_table(summary: dict, title: str = "") -> str:
 
 def format_babi_table(out: dict) -> str:
     s = out["summary"]
-    lines = [f"{'task':>4} {'error':>15} {'window':>7}  ponder by supporting facts: mean±std over questions"
+    title = (f"bAbI tasks {','.join(map(str, out['tasks']))} | {out.get('label', out['arch'])} | "
+             f"{'joint' if out['joint'] else 'one model per task'} | seeds {','.join(map(str, out['seeds']))}"
+             " (mean ±std over seeds)")
+    lines = [title, f"{'task':>4} {'error':>15} {'window':>7}  ponder by supporting facts: mean±std over questions"
              " of the per-question mean over positions; at the answer position"]
     for t in out["tasks"]:
         m, sd = s["errors"][t]

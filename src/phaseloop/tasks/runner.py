@@ -13,6 +13,11 @@ remainders per position. Reported per test length as mean +- std over every posi
 the model processed (prompt, SEP and fed-back answer tokens), and for bAbI per example
 (mean over its positions, and at the answer position, i.e. SEP) grouped by the number
 of supporting facts.
+
+Positions: a task run sizes ``max_seq_len`` to its examples (``positions_needed``) and
+logs when that raises the config's value; a config whose ``max_seq_len`` the user set
+(``--set max_seq_len=N``, ``fix_max_seq_len``) is a limit instead, and a run with a
+longer example stops before training with a ``ConfigError`` naming that example.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ from .babi import BabiExample, WordVocab, failed_tasks, format_example, load_bab
 from .jsonl import TokenizerVocab, load_jsonl
 from .metrics import char_accuracy, mean_std, sequence_accuracy
 from .models import SEQ2SEQ_ARCHS, Pair, decode_pairs, encode_pairs, task_model_class, train_pairs
-from .report import length_metrics, summarize_seeds
-
+from .positions import check_positions, fix_max_seq_len, positions_needed
+from .report import length_metrics, length_span, model_label, summarize_seeds
 
 # ----------------------------------------------------------------------------- one model
 def fit_model_config(model_cfg: ModelConfig, vocab_size: int, max_len: int) -> ModelConfig:
@@ -67,15 +72,20 @@ def run_examples(model_cfg: ModelConfig, train: Sequence[Example], test: Sequenc
                  tc: TrainConfig, vocab=None, arch: str | None = None,
                  log: Callable[[dict], None] | None = None, *, max_offset: int = 0,
                  eval_batch_size: int = 100, run_dir=None, resume: bool = False,
-                 describe: dict | None = None) -> dict:
+                 describe: dict | None = None, note: Callable[[str], None] | None = None,
+                 too_long_hint: str = "") -> dict:
     """Train a fresh model (seed ``tc.seed``) on ``train``, greedy-decode ``test``.
     ``run_dir``: checkpoint there (``resume``: continue the run found there; ``describe``
-    is stored as its config's ``task`` section). Returns ``{"per_length": {L: {char_acc,
-    seq_acc, n[, ponder_mean, ponder_std]}}, "char_acc", "seq_acc", "train_log", "params",
-    "seconds", "preds", "decoded"}``."""
+    is stored as its config's ``task`` section). max_seq_len: see ``check_positions``
+    (``note`` gets its message; ``too_long_hint`` is added to the fix it names).
+    Returns ``{"per_length": {L: {char_acc, seq_acc, n[, ponder_mean, ponder_std]}},
+    "char_acc", "seq_acc", "train_log", "params", "seconds", "preds", "decoded"}``."""
     vocab = vocab or CharVocab.for_examples(list(train) + list(test))
+    if not train or not test:
+        raise ConfigError(f"no {'training' if not train else 'test'} examples; a task run needs both")
     tr, te = encode_pairs(train, vocab), encode_pairs(test, vocab)
-    cfg = fit_model_config(model_cfg, len(vocab), max(_seq_len(tr), _seq_len(te)) + max_offset)
+    need, where = positions_needed(train, test, tr, te, max_offset, arch in SEQ2SEQ_ARCHS)
+    cfg = fit_model_config(model_cfg, len(vocab), check_positions(model_cfg, need, where, too_long_hint, note))
     run = None
     if run_dir is not None:
         task = {"arch": arch or cfg.arch, "max_offset": max_offset, "eval_batch_size": eval_batch_size,
@@ -126,10 +136,10 @@ def split_examples(examples: Sequence[Example], test_fraction: float = 0.1,
 def parse_task(text: str) -> tuple[str, Path | None]:
     """``"copy"`` -> ("copy", None); ``"jsonl:PATH"`` -> ("jsonl", PATH)."""
     if text.startswith("jsonl:"):
-        path = Path(text[len("jsonl:"):])
-        if not str(path):
-            raise ConfigError("--task jsonl:PATH needs a path, e.g. --task jsonl:my_pairs.jsonl")
-        return "jsonl", path
+        raw = text[len("jsonl:"):]
+        if not raw.strip():  # Path("") would be "." (a folder)
+            raise ConfigError(f"--task {text!r} has an empty path; write --task jsonl:PATH/TO/FILE.jsonl")
+        return "jsonl", Path(raw)
     if text not in TASKS:
         raise ConfigError(f"unknown task {text!r}; choose {', '.join(TASKS)} or jsonl:PATH")
     return text, None
@@ -139,8 +149,14 @@ def task_model_config(arch: str | None, preset: str | None, overrides: dict | No
                       ) -> tuple[ModelConfig, str | None]:
     """``(model config, seq2seq arch or None)`` for the task commands: ``--preset`` wins;
     else ``--arch X`` uses the ``X-tiny`` preset, or another ``*-tiny`` preset of that
-    arch (``three_phase`` -> ``3pt-tiny``)."""
+    arch (``three_phase`` -> ``3pt-tiny``). A ``max_seq_len`` in ``overrides`` is a limit
+    (``fix_max_seq_len``); otherwise the run sizes max_seq_len to its examples."""
     overrides = overrides or {}
+    cfg, seq2seq = _task_model_config(arch, preset, overrides)
+    return (fix_max_seq_len(cfg) if "max_seq_len" in overrides else cfg), seq2seq
+
+
+def _task_model_config(arch: str | None, preset: str | None, overrides: dict) -> tuple[ModelConfig, str | None]:
     if arch in SEQ2SEQ_ARCHS:
         if preset is None and arch == "transformer-seq2seq":
             # rope-tiny with the UT presets' embedding scale (sqrt(d) * N(0, 1/d)): the
@@ -188,18 +204,31 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
     run folder per seed; ``resume`` continues them). ``task``: an algorithmic task name or
     ``jsonl:PATH`` (held-out 10% test split unless ``test_file``). ``offsets``: max random
     start offset in training, or ``"auto"`` (reach the longest test position).
-    ``tokenizer``: encode a JSONL task's text with a corpus tokenizer instead of characters."""
+    ``tokenizer``: encode a JSONL task's text with a corpus tokenizer instead of characters.
+    A JSONL task reports the lengths in its data (``length_span`` of the training and the
+    test examples) as ``train_lengths`` / ``test_lengths``; ``train_lengths`` and
+    ``test_lengths`` apply to the algorithmic tasks only."""
     name, path = parse_task(task)
     if tokenizer is not None and name != "jsonl":
         raise ConfigError(f"--tokenizer applies to jsonl: tasks; the {name} task has its own "
                           "character vocabulary")
+    if test_file is not None and name != "jsonl":
+        raise ConfigError(f"--test-file applies to jsonl: tasks; the {name} task makes its own test set "
+                          "(--test-len, --n-test)")
+    if test_file is not None and not str(test_file).strip():
+        raise ConfigError("--test-file has an empty path; write --test-file PATH/TO/FILE.jsonl")
+    if name != "jsonl" and (isinstance(n_test, bool) or not isinstance(n_test, int) or n_test < 1):
+        raise ConfigError(f"--n-test {n_test!r}: the test set needs at least 1 example per test length; "
+                          "pass an integer >= 1")
     vocab_of = (lambda examples: TokenizerVocab(load_tokenizer(tokenizer))) if tokenizer else CharVocab.for_examples
+    label = model_label(model_cfg, arch)
     out = _prepare_out(out_dir, resume)
     per_seed = []
     for seed in seeds:
         if name == "jsonl":
             data = load_jsonl(path)
             train, test = (data, load_jsonl(test_file)) if test_file is not None else split_examples(data, 0.1, seed=0)
+            train_lengths, test_lengths = length_span(train), length_span(test)
         else:
             spec = TaskSpec(name, train_lengths, test_lengths)
             n_lens = len(parse_lengths(test_lengths)) if isinstance(test_lengths, str) else len(test_lengths)
@@ -210,26 +239,31 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
             max_off = auto_offset(encode_pairs(train, vocab), encode_pairs(test, vocab), arch in SEQ2SEQ_ARCHS)
         tcs = tc.replace(seed=seed)
         if log:
-            log(f"[seed {seed}] training {arch or model_cfg.arch} on {task}: {len(train)} examples, "
+            log(f"[seed {seed}] training {label} on {task}: {len(train)} examples, "
                 f"{tcs.steps} steps, max offset {int(max_off)}")
+        fixes = ([] if name == "jsonl" else ["shorter --train-len / --test-len"]) + (
+            ["a smaller --offsets"] if max_off else [])
+        hint = f" (or use {' or '.join(fixes)})" if fixes else ""
         res = run_examples(model_cfg, train, test, tcs, vocab, arch, _step_log(log), max_offset=int(max_off),
                            eval_batch_size=eval_batch_size, run_dir=out / f"seed-{seed}" if out else None,
                            resume=resume, describe={"task": task, "train_lengths": str(train_lengths),
                                                     "test_lengths": str(test_lengths),
-                                                    "tokenizer": tokenizer or "characters"})
+                                                    "tokenizer": tokenizer or "characters"},
+                           note=log, too_long_hint=hint)
         res.pop("decoded")
         res["seed"], res["max_offset"] = seed, int(max_off)
         res["examples"] = [{"input": e.input, "target": e.target, "pred": p}
                            for e, p in list(zip(test, res.pop("preds")))[:5]]
         per_seed.append(res)
-    result = {"task": task, "arch": arch or model_cfg.arch, "seeds": list(seeds),
+    result = {"task": task, "arch": arch or model_cfg.arch, "label": label, "seeds": list(seeds),
               "train_lengths": str(train_lengths), "test_lengths": str(test_lengths),
+              "max_seq_len": max(r["model"]["max_seq_len"] for r in per_seed),
               "train_config": tc.to_dict(), "summary": summarize_seeds(per_seed), "per_seed": per_seed}
     result["plot"] = False
     if out is not None:
         write_json(out / "metrics.json", _jsonable(result))
         if plots.available():
-            plots.plot_accuracy(per_seed, out / "accuracy_vs_length.png", f"{task} - {arch or model_cfg.arch}")
+            plots.plot_accuracy(per_seed, out / "accuracy_vs_length.png", f"{task} - {label}")
             result["plot"] = True
     return result
 
@@ -255,27 +289,38 @@ def babi_pairs(examples: Sequence[BabiExample], max_sentences: int | None) -> li
 def run_babi(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: TrainConfig,
              joint: bool = False, max_sentences: int | None = 20, arch: str | None = None,
              log: Callable[[dict], None] | None = None, max_test: int | None = None,
-             out_dir=None, resume: bool = False) -> dict:
+             out_dir=None, resume: bool = False, note: Callable[[str], None] | None = None) -> dict:
     """Train per task (one model each) or jointly (one model on all tasks' training
     questions) and score the test questions: error per task, failed tasks (> 5%),
     and for ACT models ponder time by number of supporting facts per task.
     ``max_sentences``: keep the last k story sentences (None: all); ``max_test``: score
     only the first k test questions per task (None: all); ``out_dir``: one run folder
-    per model (``task-<t>`` or ``joint``)."""
+    per model (``task-<t>`` or ``joint``); ``note``: see ``check_positions``."""
+    if max_test is not None and (isinstance(max_test, bool) or not isinstance(max_test, int) or max_test < 1):
+        raise ConfigError(f"--n-test {max_test!r}: score at least 1 test question per task (an integer >= 1), "
+                          "or leave it out to score them all")
     train = {t: load_babi(data_dir, t, "train") for t in tasks}
     test = {t: load_babi(data_dir, t, "test")[:max_test] for t in tasks}
     texts = [s for d in (train, test) for exs in d.values() for e in babi_pairs(exs, max_sentences)
              for s in (e.input, e.target)]
     vocab = WordVocab.for_texts(texts)
     groups = [list(tasks)] if joint else [[t] for t in tasks]
-    errors, ponder, ans_ponder, covered, seconds, params = {}, {}, {}, {}, 0.0, 0
-    for grp in groups:
+    hint = " (or keep fewer story sentences with --max-sentences)"
+    data = {}
+    for grp in groups:  # a max_seq_len too small for any model stops the run before the first trains
         tr = [e for t in grp for e in babi_pairs(train[t], max_sentences)]
         te_raw = [e for t in grp for e in test[t]]
         te = babi_pairs(te_raw, max_sentences)
+        check_positions(model_cfg, *positions_needed(tr, te, encode_pairs(tr, vocab), encode_pairs(te, vocab),
+                                                     seq2seq=arch in SEQ2SEQ_ARCHS), hint)
+        data[grp[0]] = tr, te_raw, te
+    errors, ponder, ans_ponder, covered, seconds, params = {}, {}, {}, {}, 0.0, 0
+    for grp in groups:
+        tr, te_raw, te = data[grp[0]]
         run_dir = None if out_dir is None else Path(out_dir) / ("joint" if joint else f"task-{grp[0]}")
         res = run_examples(model_cfg, tr, te, tc, vocab, arch, log, run_dir=run_dir, resume=resume,
-                           describe={"babi_tasks": grp, "max_sentences": max_sentences, "max_test": max_test})
+                           describe={"babi_tasks": grp, "max_sentences": max_sentences, "max_test": max_test},
+                           note=note, too_long_hint=hint)
         seconds += res["seconds"]
         params = res["params"]
         errors.update(task_error(res["preds"], te_raw))
@@ -302,13 +347,14 @@ def run_babi_seeds(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: T
     task and of ponder time per task and number of supporting facts; writes
     ``metrics.json`` into ``out_dir`` when given (run folders ``seed-<s>/...``)."""
     out = _prepare_out(out_dir, resume)
+    label = model_label(model_cfg, arch)
     per_seed = []
     for seed in seeds:
         if log:
-            log(f"[seed {seed}] bAbI tasks {','.join(map(str, tasks))} "
+            log(f"[seed {seed}] {label} on bAbI tasks {','.join(map(str, tasks))} "
                 f"({'joint' if joint else 'per task'}), {tc.steps} steps")
         res = run_babi(model_cfg, data_dir, tasks, tc.replace(seed=seed), joint, max_sentences, arch,
-                       _step_log(log), max_test, out / f"seed-{seed}" if out else None, resume)
+                       _step_log(log), max_test, out / f"seed-{seed}" if out else None, resume, note=log)
         res["seed"] = seed
         per_seed.append(res)
     summary: dict = {"errors": {}, "ponder": {}, "answer_ponder": {}}
@@ -320,7 +366,7 @@ def run_babi_seeds(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: T
                                    for k in per_seed[0][src][t]}
     summary["failed"] = mean_std(len(r["failed"]) for r in per_seed)
     summary["mean_error"] = mean_std(r["mean_error"] for r in per_seed)
-    result = {"tasks": list(tasks), "arch": arch or model_cfg.arch, "joint": joint, "seeds": list(seeds),
+    result = {"tasks": list(tasks), "arch": arch or model_cfg.arch, "label": label, "joint": joint, "seeds": list(seeds),
               "max_sentences": max_sentences, "data_dir": str(data_dir), "train_config": tc.to_dict(),
               "summary": summary, "per_seed": per_seed}
     if out is not None:
