@@ -114,9 +114,14 @@ def test_resume_refuses_a_different_config(tmp_path, text_file):
     assert before == after
 
 
-def test_resume_without_a_run(tmp_path, text_file):
-    with pytest.raises(CheckpointError, match="no run to resume"):
-        train(CFG, tc(steps=5), text_file, tmp_path / "none", resume=True, progress=False)
+def test_resume_without_a_run_starts_it(tmp_path, text_file):
+    """"Rerun with --resume until it is done" (preemptible jobs): with nothing to resume
+    the run starts, and says so; it equals a run started without --resume."""
+    notes = []
+    s = train(CFG, tc(steps=5), text_file, tmp_path / "none", resume=True, progress=False, log=notes.append)
+    assert notes == [f"note: {tmp_path / 'none'} holds no run yet; starting it"]
+    ref = train(CFG, tc(steps=5), text_file, tmp_path / "ref", progress=False)
+    assert s["val_loss"] == ref["val_loss"] and s["step"] == 5
 
 
 def test_interrupted_checkpoint_swap_keeps_previous(tmp_path, text_file):

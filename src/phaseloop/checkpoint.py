@@ -1,11 +1,14 @@
-"""Run folders and checkpoints in safe formats only: safetensors for tensors, JSON for
-everything else. A checkpoint folder is written beside the old one and swapped in by
-renames, so an interruption never leaves a half-written checkpoint."""
+"""Run folders and checkpoints in safe formats only: safetensors for tensors, strict JSON
+for everything else. A checkpoint folder is written beside the old one and swapped in by
+renames, so an interruption never leaves a half-written checkpoint; its manifest.json,
+written last, records the size and sha256 of every file, checked on load, so a damaged
+file is refused by name, never loaded nor taken for a missing checkpoint."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,14 +18,38 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
-from .files import atomic_write_bytes
+from .files import atomic_write_bytes, why_missing
 from .errors import CheckpointError, ConfigError
 
-CKPT, OLD = "checkpoint", ".checkpoint.old"
+CKPT, OLD, TMP_PREFIX = "checkpoint", ".checkpoint.old", ".checkpoint.tmp-"
+MANIFEST = "manifest.json"
+CKPT_FILES = ("model.safetensors", "trainer.safetensors", "trainer.json")
+
+
+def strict(obj):
+    """``obj`` with every non-finite float (NaN, ±inf) replaced by None: JSON has no
+    NaN, and phaseloop writes strict JSON only."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
+def dumps(obj, **kw) -> str:
+    """Strict JSON (non-finite floats as null)."""
+    return json.dumps(strict(obj), allow_nan=False, **kw)
 
 
 def write_json(path: Path, obj) -> None:
-    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(Path(path), (dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_json(path: Path) -> dict:
@@ -76,6 +103,10 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer=None, step:
             meta["optimizer"] = m
         save_file(trainer_tensors, tmp / "trainer.safetensors")
         write_json(tmp / "trainer.json", meta)
+        for name in ("model.safetensors", "trainer.safetensors"):
+            (tmp / name).chmod(0o644)  # as the JSON beside them
+        write_json(tmp / MANIFEST, {"step": step, "files": {
+            n: {"bytes": (tmp / n).stat().st_size, "sha256": file_sha256(tmp / n)} for n in CKPT_FILES}})
         final, old = run_dir / CKPT, run_dir / OLD
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -98,11 +129,50 @@ def _dedupe_tied(state: dict) -> dict:
 
 
 def checkpoint_dir(run_dir: Path) -> Path | None:
+    """The run's checkpoint folder, complete or not (``verify_checkpoint`` decides), or
+    None when it has none. OLD alone is left only by an interrupted swap."""
     run_dir = Path(run_dir)
-    for name in (CKPT, OLD):  # OLD survives only if a swap was interrupted
-        if (run_dir / name / "trainer.json").exists():
+    for name in (CKPT, OLD):
+        if (run_dir / name).is_dir():
             return run_dir / name
     return None
+
+
+def verify_checkpoint(ckpt: Path, names=CKPT_FILES) -> None:
+    """Refuse a checkpoint whose files ``names`` are missing or differ (size, sha256)
+    from its manifest, naming the file. A checkpoint of a phaseloop without manifests
+    is accepted when its files are all there."""
+    ckpt = Path(ckpt)
+    fix = "restore it from a copy, or start the run again in another --out (nothing was changed)"
+    if not (ckpt / MANIFEST).exists():
+        missing = [n for n in CKPT_FILES if not (ckpt / n).is_file()]
+        if missing:
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: {missing[0]} is missing; {fix}")
+        return
+    files = read_json(ckpt / MANIFEST).get("files", {})
+    for n in names:
+        path, want = ckpt / n, files.get(n)
+        if want is None:
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: its manifest lists no {n}; {fix}")
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: {n} is missing; {fix}")
+        if path.stat().st_size != want["bytes"] or file_sha256(path) != want["sha256"]:
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: {n} differs from the file written "
+                                  f"(size or sha256); {fix}")
+
+
+def remove_orphans(run_dir: Path) -> list[Path]:
+    """Remove what an interrupted write leaves in a run folder: temporary checkpoint
+    folders and files, and the previous checkpoint once the new one is in place."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    gone = [p for p in run_dir.iterdir() if p.name.startswith(TMP_PREFIX)
+            or (p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file())
+            or (p.name == OLD and (run_dir / CKPT).is_dir())]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return gone
 
 
 def _load_safetensors(path: Path) -> dict:
@@ -130,6 +200,8 @@ def _rename_legacy(state: dict) -> dict:
 
 
 def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
+    if (Path(ckpt) / "trainer.json").exists() or (Path(ckpt) / MANIFEST).exists():
+        verify_checkpoint(ckpt, ("model.safetensors",))  # a checkpoint folder, not bare weights
     state = _rename_legacy(_load_safetensors(Path(ckpt) / "model.safetensors"))
     own = model.state_dict()
     if "head.weight" in own and "embed.tok.weight" in own and \
@@ -148,6 +220,7 @@ def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
 
 
 def load_trainer_state(ckpt: Path) -> tuple[dict, dict]:
+    verify_checkpoint(ckpt, ("trainer.safetensors", "trainer.json"))
     meta = read_json(Path(ckpt) / "trainer.json")
     return meta, _load_safetensors(Path(ckpt) / "trainer.safetensors")
 
@@ -168,9 +241,12 @@ def load_run(path: str | Path, device: str | torch.device = "cpu"):
 
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{path} does not exist; pass a run folder made by `phaseloop train`")
-    run_dir = path.parent if (path / "model.safetensors").exists() else path
+        raise CheckpointError(f"{path} {why_missing(path)}; pass a run folder made by `phaseloop train`")
+    is_ckpt = (path / "model.safetensors").exists() or path.name in (CKPT, OLD)
+    run_dir = path.parent if is_ckpt else path
     run_cfg = read_json(run_dir / "config.json")
+    if not isinstance(run_cfg, dict):
+        raise CheckpointError(f"{run_dir / 'config.json'} is not a run config; restore it from the run")
     try:
         cfg = ModelConfig.from_dict(run_cfg["model"])
     except (KeyError, TypeError) as e:
@@ -178,11 +254,15 @@ def load_run(path: str | Path, device: str | torch.device = "cpu"):
                               "restore it from the run") from None
     except ConfigError as e:
         raise CheckpointError(f"{run_dir / 'config.json'}: {e}") from None
-    ckpt = path if (path / "model.safetensors").exists() else checkpoint_dir(run_dir)
+    ckpt = path if is_ckpt else checkpoint_dir(run_dir)
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no checkpoint yet; train it first (phaseloop train)")
     model = build_model(cfg)
     load_model_state(model, ckpt)
+    bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"the weights in {ckpt} hold NaN or inf ({bad[0]}): that run diverged; "
+                              "train again with a lower --lr")
     return model.to(device).eval(), run_cfg
 
 

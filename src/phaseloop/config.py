@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import ConfigError
-from .validation import check_ints, strict_from_dict
+from .validation import check_ints, check_types, strict_from_dict
 
 ARCHS = ("rope", "three_phase", "looped", "hyperloop", "mhc", "universal")
 # Fields whose None default means "derived from the other fields" (see __post_init__).
@@ -83,6 +83,7 @@ class ModelConfig:
     use_rope: bool = True  # any arch: False drops RoPE (paper-faithful UT: sinusoids only)
 
     def __post_init__(self) -> None:
+        check_types(self, "config")
         # Fields left None are derived from others; remember which, so that replace()
         # derives them again from the new values (a plain attribute: not a field).
         derived = tuple(f.name for f in fields(self) if f.name in _DERIVED and getattr(self, f.name) is None)

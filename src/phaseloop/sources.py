@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DataError
-from .files import atomic_write_bytes
+from .files import atomic_write_bytes, why_missing
 from .tokenizer import CUT_PATTERN
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -254,7 +254,7 @@ def resolve(spec: str | os.PathLike, text_column: str = "text", split: str = "tr
     else:
         p = Path(spec).expanduser()
         if not p.exists():
-            why = "is a symlink loop" if p.is_symlink() else "does not exist"
+            why = why_missing(p)
             raise DataError(f"data path {spec!r} {why}; pass --data with an existing file "
                             f"or folder, or one of: {', '.join(NAMED_SOURCES)}")
         if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):

@@ -23,6 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from .errors import ConfigError
+from .files import why_missing
 
 # Special ids of the task vocabularies (tasks/) and the encoder-decoders (seq2seq.py): one
 # convention everywhere. SEP separates a decoder-only task's prompt from its answer and is
@@ -189,6 +190,8 @@ def load_tokenizer(spec: str | os.PathLike | Tokenizer = "bytes") -> Tokenizer:
     for cand in (p, p / FILE, registry() / spec / FILE):
         if cand.is_file():
             return HFTokenizer(cand)
+    if p.is_symlink() and not p.exists():
+        raise ConfigError(f"tokenizer {spec!r} {why_missing(p)}; point --tokenizer at a tokenizer.json")
     named = sorted(f.parent.name for f in registry().glob(f"*/{FILE}"))
     raise ConfigError(f"unknown tokenizer {spec!r}: not 'bytes', a tokenizer.json, a folder holding one, "
                       f"or a trained name ({', '.join(named) or 'none trained yet'}); train one with "

@@ -37,6 +37,13 @@ def fit_vocab(cfg: ModelConfig, tokenizer, explicit: bool = False,
     return cfg.replace(vocab_size=tokenizer.vocab_size)
 
 
+def check_seq_len(seq_len: int, cfg: ModelConfig) -> None:
+    if seq_len > cfg.max_seq_len:
+        raise ConfigError(f"seq_len {seq_len} is longer than the model's max_seq_len "
+                          f"{cfg.max_seq_len}; use --seq-len {cfg.max_seq_len} or less, or build "
+                          f"the model with --set max_seq_len={seq_len}")
+
+
 @torch.no_grad()
 def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | None = None,
              batch_size: int = 16, device: torch.device | str = "cpu") -> dict:
@@ -75,18 +82,21 @@ def lm_loss(model, batch, device):
 
 def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib",
           out_dir: str | Path = "runs/run", resume: bool = False, progress: bool = True,
-          on_step: Callable[[int, dict], None] | None = None, stop_after: int | None = None) -> dict:
+          on_step: Callable[[int, dict], None] | None = None, stop_after: int | None = None,
+          log: Callable[[str], None] | None = None) -> dict:
     """Train a model on a corpus; returns the run summary (also written to ``summary.json``).
 
     ``stop_after`` ends the process-local loop after that many steps without finishing
-    the run (used to test interruption); ``on_step`` receives every logged record.
+    the run (used to test interruption); ``on_step`` receives every logged record;
+    ``log`` the notes (e.g. "nothing to resume yet; starting").
     """
     corpus = data if isinstance(data, Corpus) else load_corpus(data)
     fit_vocab(model_cfg, corpus.tokenizer, explicit=True)
     seq_len = tc.seq_len or model_cfg.max_seq_len
+    check_seq_len(seq_len, model_cfg)
     run_cfg = {"model": model_cfg.to_dict(), "train": tc.to_dict(), "data": corpus.describe(),
                "software": software_versions()}
-    run = RunFolder.open(out_dir, run_cfg, resume)
+    run = RunFolder.open(out_dir, run_cfg, resume, log)
     train_tok, val_tok = corpus.split(tc.val_fraction, seq_len + 1)
     batches = TrainBatches(train_tok, seq_len, tc.batch_size, tc.seed)
     windows = eval_windows(val_tok, seq_len, tc.eval_windows)

@@ -29,6 +29,77 @@ def strict_from_dict(cls, d: dict, what: str):
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ConfigError(f"invalid {what}: unknown field(s) {', '.join(unknown)}; "
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"invalid {what}: unknown field(s) {', '.join(unknown)}{hint}; "
                           f"known fields: {', '.join(sorted(known))}")
     return cls(**d)
+
+
+def check_floats(obj: Any, names, what: str) -> None:
+    """Each field must be a finite real number (range checks are the caller's)."""
+    import math
+
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"invalid {what}: {name}={v!r}: must be a finite number")
+
+
+_ABSENT = object()
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | None:
+    """The first place two JSON-like values differ, as (dotted path, a's, b's), or None:
+    names the one key that changed instead of showing two whole dicts."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            d = first_difference(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{path}.{k}" if path else str(k))
+            if d is not None:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = first_difference(x, y, f"{path}[{i}]")
+            if d is not None:
+                return d
+        return None
+    if a == b and isinstance(a, bool) == isinstance(b, bool):
+        return None
+    show = lambda v: "(absent)" if v is _ABSENT else repr(v)  # noqa: E731
+    return path, show(a), show(b)
+
+
+def check_types(obj: Any, what: str) -> None:
+    """Every field holds its annotated type (``int``, ``float`` (an int will do, finite),
+    ``bool``, ``str``, ``... | None``); ``object``/``list``/``dict`` fields are the
+    caller's. Runs before any field is used, so a wrong type is one ConfigError."""
+    import math
+    import types
+    import typing
+
+    for name, tp in typing.get_type_hints(type(obj)).items():
+        if name.startswith("_"):
+            continue
+        v = getattr(obj, name)
+        opts = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+        if v is None and type(None) in opts:
+            continue
+        base = next((t for t in opts if t is not type(None)), None)
+        if base is bool:
+            ok = isinstance(v, bool)
+        elif base is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif base is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        elif base is str:
+            ok = isinstance(v, str)
+        else:
+            continue
+        if not ok:
+            kind = {bool: "true or false", int: "an integer", float: "a finite number",
+                    str: "a string"}[base]
+            raise ConfigError(f"invalid {what}: {name}={v!r}: must be {kind}"
+                              + (" or null" if type(None) in opts else ""))

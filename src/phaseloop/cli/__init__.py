@@ -1,13 +1,17 @@
 """`phaseloop` command line: a thin layer over the library functions (``commands``).
 
-Bad input (PhaseloopError) prints one line `phaseloop: error: ...` and exits with 2.
+Exit status (docs/reliability.md): 0 done; 2 bad input or a refused / damaged file (one
+line `phaseloop: error: ...`, nothing changed); 3 training diverged (non-finite loss);
+130 interrupted (Ctrl-C); anything else is a bug.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
+from ..engine.trainer import DivergedError, Interrupted
 from ..errors import PhaseloopError
 from . import commands as C
 
@@ -189,14 +193,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _say(msg: str) -> None:
+    """One line on stderr, on a line of its own even after a progress bar."""
+    sys.stderr.write(("\n" if sys.stderr.isatty() else "") + msg + "\n")
+    sys.stderr.flush()
+
+
+def _interrupted(e: KeyboardInterrupt, command: str, what: str) -> str:
+    again = "rerun the same command" + (" with --resume" if command in ("train", "task", "babi") else "")
+    if isinstance(e, Interrupted):
+        if e.saved is None:
+            return f"{what} at step {e.step}, before the first checkpoint; {again} to start again"
+        return f"{what} at step {e.step}; the checkpoint of step {e.saved} is intact ({again} to continue)"
+    return f"{what}; checkpoints already written are intact ({again} to continue)"
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler preempting the job): handled as Ctrl-C, exit 143."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
         return args.func(args)
+    except DivergedError as e:
+        _say(f"phaseloop: error: {e}")
+        return 3
     except PhaseloopError as e:
-        print(f"phaseloop: error: {e}", file=sys.stderr)
+        _say(f"phaseloop: error: {e}")
         return 2
-    except KeyboardInterrupt:
-        print("phaseloop: interrupted; the last checkpoint is intact (resume with --resume)",
-              file=sys.stderr)
-        return 130
+    except OSError as e:  # the file system said no: name the file, no traceback
+        where = f"{e.filename}: " if e.filename else ""
+        _say(f"phaseloop: error: {where}{e.strerror or e}; check the path, its permissions and free space")
+        return 2
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, _Terminated) or isinstance(e.__context__, _Terminated)
+        _say(f"phaseloop: {_interrupted(e, args.command, 'terminated' if terminated else 'interrupted')}")
+        return 143 if terminated else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -4,6 +4,7 @@ prints its result. Nothing here is needed by the library, the benchmarks or the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import sys
@@ -17,7 +18,7 @@ from ..checkpoint import run_tokenizer
 from ..data import corpus_args, eval_windows, load_corpus, run_corpus
 from ..engine import TrainConfig, resolve_device
 from ..errors import PhaseloopError
-from ..train import evaluate, fit_vocab, train
+from ..train import check_seq_len, evaluate, fit_vocab, train
 
 # train options: (flag, TrainConfig field, type, help)
 TRAIN_OPTS = [
@@ -37,6 +38,8 @@ TRAIN_OPTS = [
     ("--log-every", "log_every", int, "steps between metric records"),
     ("--val-fraction", "val_fraction", float, "fraction of tokens held out"),
     ("--device", "device", str, "auto | cpu | cuda[:N]"),
+    ("--skip-nonfinite", "skip_nonfinite", int, "skip up to K steps whose loss or gradient is "
+     "NaN/inf (not applied) before stopping; default 0: stop at the first"),
 ]
 
 
@@ -81,17 +84,21 @@ def cmd_train(args) -> int:
     corpus = load_corpus(tokenizer=tok, progress=not args.quiet, **largs)
     model_cfg = fit_vocab(model_cfg, corpus.tokenizer, explicit=saved is not None or "vocab_size" in overrides,
                           log=_stderr)
-    summary = train(model_cfg, tc, corpus, out, resume=args.resume, progress=not args.quiet)
+    summary = train(model_cfg, tc, corpus, out, resume=args.resume, progress=not args.quiet, log=_stderr)
     print(json.dumps({k: summary[k] for k in ("run", "step", "params", "val_loss", "val_bpb",
                                               "val_ppl", "tok_per_s") if k in summary}, indent=2))
     return 0
 
 
 def cmd_eval(args) -> int:
+    if args.windows < 1 or (args.seq_len is not None and args.seq_len < 1):
+        raise PhaseloopError(f"--windows {args.windows}, --seq-len {args.seq_len}: both must be "
+                             "positive integers, e.g. --windows 64")
     device = resolve_device(args.device)
     model, run_cfg = load_run(args.run, device)
     corpus = run_corpus(args.run, run_cfg, args.data)
     seq_len = args.seq_len or run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
+    check_seq_len(seq_len, model.cfg)
     if args.split == "all":
         tokens = corpus.tokens
     else:
@@ -113,10 +120,16 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens < 0 or (args.top_k is not None and args.top_k < 1):
         raise PhaseloopError("--max-new-tokens must be >= 0 and --top-k >= 1")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise PhaseloopError(f"--temperature {args.temperature}: must be a finite number >= 0 "
+                             "(0 = greedy, 1 = the model's distribution)")
     device = resolve_device(args.device)
     model, run_cfg = load_run(args.run, device)
     tok = run_tokenizer(args.run, run_cfg)
     idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]
+    if idx.shape[1] + args.max_new_tokens > model.cfg.max_seq_len:
+        _stderr(f"note: prompt + new tokens ({idx.shape[1] + args.max_new_tokens}) exceed the model's "
+                f"max_seq_len {model.cfg.max_seq_len}: later positions are beyond what it was trained on")
     g = torch.Generator(device=device).manual_seed(args.seed)
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          generator=g, use_cache=not args.no_cache)
@@ -182,12 +195,7 @@ def cmd_compare(args) -> int:
                                      args.match, log=_stderr, tokenizer=args.tokenizer)
     out = args.out or f"runs/compare-{compare.slugify(recipe.name)}"
     command = " ".join(shlex.quote(a) for a in ["phaseloop", *sys.argv[1:]])
-    try:
-        s = compare.run_comparison(recipe, out, progress=not args.quiet, command=command)
-    except KeyboardInterrupt:
-        _stderr(f"phaseloop: interrupted; rerun the same command to resume ({out} keeps the "
-                "finished runs and the last checkpoints)")
-        return 130
+    s = compare.run_comparison(recipe, out, progress=not args.quiet, command=command)
     print(compare.format_table(s))
     print(f"wrote {Path(out) / 'report.md'}, summary.json and {len(s['plots'])} plots")
     return 0
@@ -272,9 +280,12 @@ def _task_out(args, kind: str) -> Path:
 
 def cmd_task(args) -> int:
     """Algorithmic task (or a JSONL file): train over seeds; table, metrics.json, plot."""
-    from ..tasks.report import format_table
+    from ..tasks.report import format_table, model_label, task_title
     from ..tasks.runner import run_task
 
+    if args.task.startswith("jsonl:") and (args.train_len or args.test_len or args.paper):
+        raise PhaseloopError("--train-len/--test-len/--paper set the lengths of algorithmic tasks; "
+                             "a JSONL task's lengths are those in its files: drop them")
     cfg, arch, tc, seeds = _task_setup(args)
     train_len = args.train_len or ("40" if args.paper else "1-20")
     test_len = args.test_len or ("400" if args.paper else "40,80")
@@ -282,13 +293,12 @@ def cmd_task(args) -> int:
         "auto" if args.paper and "universal" in (arch or cfg.arch) else "0")
     if offsets != "auto" and not offsets.isdigit():
         raise PhaseloopError(f"bad --offsets {offsets!r}; write auto or an integer >= 0")
-    out = _task_out(args, f"task-{args.task.split(':')[0]}-{arch or cfg.arch}")
+    out = _task_out(args, f"task-{args.task.split(':')[0]}-{model_label(cfg, arch)}")
     res = run_task(args.task, cfg, tc, seeds, train_len, test_len, out, n_test=args.n_test,
                    test_file=args.test_file, offsets=offsets if offsets == "auto" else int(offsets),
                    arch=arch, log=None if args.quiet else print, resume=args.resume,
                    tokenizer=args.tokenizer)
-    print(format_table(res["summary"], f"{args.task} | {arch or cfg.arch} | train {train_len} | "
-                       f"seeds {','.join(map(str, seeds))} (mean ±std over seeds)"))
+    print(format_table(res["summary"], task_title(res)))
     print(f"wrote {out / 'metrics.json'}" + (f" and {out / 'accuracy_vs_length.png'}" if res["plot"]
                                               else f" (no plot: {plots.MISSING})"))
     return 0

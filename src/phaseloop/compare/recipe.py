@@ -15,6 +15,8 @@ from .. import config
 from ..config import PRESETS, ModelConfig
 from ..engine import TrainConfig
 from ..errors import ConfigError, PhaseloopError
+from ..files import why_missing
+from ..validation import check_types
 
 MATCH_KINDS = ("none", "params", "flops", "depth")
 MATCH_BY = ("width", "depth")
@@ -122,6 +124,15 @@ class Variant:
         return v
 
 
+def _check_spec_keys(v: Variant) -> None:
+    """Refuse a variant whose KEY=VALUE or set keys are no ModelConfig field."""
+    known = [f.name for f in dataclasses.fields(ModelConfig)]
+    for k in [*parse_spec(v.spec)[2], *v.set]:
+        if k not in known:
+            raise RecipeError(f"variant {v.name!r}: unknown field {k!r}{_suggest(k, known)}; "
+                              f"fields: {', '.join(known)} (or {', '.join(KEY_ALIASES)})")
+
+
 def resolve_variant(v: Variant, scale: str, vocab_size: int | None = None):
     """Variant -> ModelConfig. Errors name the variant and the fix."""
     base, mods, overrides = parse_spec(v.spec)
@@ -185,6 +196,10 @@ class Recipe:
         self.validate()
 
     def validate(self) -> None:
+        try:
+            check_types(self, "recipe")
+        except ConfigError as e:
+            raise RecipeError(str(e)) from None
         if not self.variants:
             raise RecipeError("recipe has no variants; add e.g. variants = ['rope', 'three_phase']")
         names = [v.name for v in self.variants]
@@ -199,6 +214,7 @@ class Recipe:
             if v.match_to is not None and v.match_to not in names:
                 raise RecipeError(f"variant {v.name!r}: match_to={v.match_to!r} names no variant"
                                   f"{_suggest(v.match_to, names)}")
+            _check_spec_keys(v)  # a typo in a spec is named before anything that follows from it
         if self.reference is None:
             self.reference = names[0]
         if self.reference not in names:
@@ -320,6 +336,9 @@ def load_recipe(spec: str | os.PathLike | None = None) -> Recipe:
         return Recipe.from_dict(d, spec)
     if spec in BUILTIN_RECIPES:
         return Recipe.from_dict(_load_toml(BUILTIN_RECIPES[spec], spec), spec)
+    if p.is_dir() or p.is_symlink():
+        why = "is a folder, not a recipe file" if p.is_dir() else why_missing(p)
+        raise RecipeError(f"recipe {spec!r} {why}; pass a .toml/.json file (see recipes/)")
     raise RecipeError(f"recipe {spec!r} not found; pass a .toml/.json file (see recipes/) or "
                       f"a built-in name: {', '.join(BUILTIN_RECIPES)}")
 
@@ -346,6 +365,8 @@ def apply_overrides(recipe: Recipe, variants: list[str] | None = None,
                                   "e.g. --seeds 0,1") from None
         d["seeds"] = list(seeds)
     if steps is not None:
+        if not isinstance(steps, int) or steps < 1:
+            raise RecipeError(f"--steps {steps}: must be a positive integer")
         d["train"]["steps"] = steps
         for k in ("eval_every", "ckpt_every", "warmup_steps"):
             if d["train"][k] > max(1, steps // 5):

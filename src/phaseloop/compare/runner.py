@@ -15,8 +15,11 @@ from typing import Callable
 import torch
 
 from .. import train as lm
-from ..checkpoint import checkpoint_dir, read_json, write_json
+from ..checkpoint import checkpoint_dir, read_json, verify_checkpoint, write_json
+from ..files import check_out_dir
+from ..validation import first_difference
 from ..data import load_corpus
+from ..errors import PhaseloopError
 from ..engine import resolve_device
 from .budget import Planned, plan_variants
 from .recipe import Recipe, RecipeError, resolve_variant
@@ -33,14 +36,18 @@ def _claim_folder(out: Path, recipe: Recipe) -> None:
     want = json.loads(json.dumps(recipe.to_dict()))
     if stored.exists():
         have = read_json(stored).get("recipe", {})
-        if have != want:
-            keys = sorted(set(have) | set(want), key=str)
-            k = next(k for k in keys if have.get(k) != want.get(k))
-            raise RecipeError(f"{out} holds a different comparison ({k}: {have.get(k)!r} there, "
-                              f"{want.get(k)!r} now); rerun with the same recipe and options "
-                              "to resume it, or choose another --out")
+        try:  # through today's Recipe: fields added since are filled with their defaults
+            have = json.loads(json.dumps(Recipe.from_dict(have, str(stored)).to_dict()))
+        except PhaseloopError:
+            pass
+        diff = first_difference(have, want)
+        if diff is not None:
+            k, there, now = diff
+            raise RecipeError(f"{out} holds a different comparison ({k}: {there} there, {now} now); "
+                              "rerun with the same recipe and options to resume it, or choose another --out")
         return
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    check_out_dir(out)
+    if out.exists() and any(out.iterdir()):
         raise RecipeError(f"{out} exists and holds no comparison; choose another --out")
     write_json(stored, {"recipe": want})
 
@@ -63,7 +70,10 @@ def _steps_done(run_dir: Path, steps: int) -> int:
     if (run_dir / "summary.json").exists():
         return steps
     ckpt = checkpoint_dir(run_dir)
-    return int(read_json(ckpt / "trainer.json")["step"]) if ckpt is not None else 0
+    if ckpt is None:
+        return 0
+    verify_checkpoint(ckpt, ("trainer.json",))
+    return int(read_json(ckpt / "trainer.json")["step"])
 
 
 def devices_for(name: str) -> list[str]:

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..validation import check_ints, strict_from_dict
+from ..validation import check_floats, check_ints, check_types, strict_from_dict
 
 
 @dataclass
@@ -36,13 +36,21 @@ class TrainConfig:
     val_fraction: float = 0.1
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compile: bool = False
+    skip_nonfinite: int = 0  # non-finite steps skipped before the run stops (not applied)
 
     def __post_init__(self) -> None:
         what = "train config"
+        check_types(self, what)
         check_ints(self, ("steps", "batch_size", "grad_accum", "eval_every", "eval_windows",
                           "ckpt_every", "log_every"), what)
         check_ints(self, ("seq_len",), what, optional=True)
-        check_ints(self, ("warmup_steps", "seed"), what, minimum=0)
+        check_ints(self, ("warmup_steps", "seed", "skip_nonfinite"), what, minimum=0)
+        check_floats(self, ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip",
+                            "val_fraction"), what)
+        if not isinstance(self.device, str):
+            raise ConfigError(f"invalid train config: device={self.device!r}: use auto, cpu or cuda[:N]")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"invalid train config: compile={self.compile!r}: must be true or false")
         if not self.lr > 0:
             raise ConfigError(f"invalid train config: lr={self.lr!r}: must be > 0")
         for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2"):

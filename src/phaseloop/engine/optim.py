@@ -62,3 +62,33 @@ def software_versions() -> dict:
 
     return {"phaseloop": __version__, "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform()}
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for tensors on ``device``: CUDA's free memory, Linux's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n < 2**50 else f"{n / 2**50:,.3g} PiB"
+
+
+def check_memory(model: torch.nn.Module, device: torch.device, bytes_per_param: int, what: str) -> None:
+    """Refuse, before allocating, a model (built on the meta device) whose parameters
+    alone need more than ``device`` has: 16 bytes a parameter to train with AdamW in
+    fp32 (weights, gradients, two moments), 4 to evaluate."""
+    n = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    need, free = n * bytes_per_param, available_memory(device)
+    if free is not None and need > free:
+        raise ConfigError(f"the model has {n:,} parameters; {what} it needs at least {_gib(need)} "
+                          f"on {device} ({bytes_per_param} bytes a parameter) and {_gib(free)} are "
+                          "available; choose a smaller model (d_model, n_layers, vocab_size)")

@@ -4,43 +4,81 @@ folder renamed into place; a folder holding another run is never touched."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Callable
 
-from ..checkpoint import checkpoint_dir, read_json, write_json
-from ..files import atomic_write_bytes
+from ..checkpoint import checkpoint_dir, dumps, read_json, remove_orphans, write_json
 from ..errors import CheckpointError
+from ..files import atomic_write_bytes, check_out_dir
 
-# keys that may change between a run and its resumption (where it runs, not what)
-RESUMABLE_CHANGES = ("device", "compile")
+# keys that may change between a run and its resumption (where it runs, not what; and
+# the budget of skipped non-finite steps, so a diverged run can be resumed with one)
+RESUMABLE_CHANGES = ("device", "compile", "skip_nonfinite")
+
+
+def _defaults(section: str) -> dict:
+    """Field defaults of the config a section holds: a field added in a later version is
+    absent from an older run's config.json and means its default (the old behaviour)."""
+    from ..config import ModelConfig
+    from .config import TrainConfig
+
+    cls = {"model": ModelConfig, "train": TrainConfig}.get(section)
+    return {} if cls is None else {f.name: f.default for f in dataclasses.fields(cls)
+                                   if f.default is not dataclasses.MISSING}
 
 
 def _first_difference(saved: dict, want: dict, section: str) -> str | None:
     if section == "data":  # the same bytes and the same tokenizer, however they were named
         keys = ("fingerprint", "tokenizer_sha256")
         return next((k for k in keys if saved.get(k) != want.get(k) and (k in saved or want.get(k))), None)
+    saved = {**{k: v for k, v in _defaults(section).items() if k in want}, **saved}
     keys = sorted(set(saved) | set(want), key=str)
     return next((k for k in keys if saved.get(k) != want.get(k) and k not in RESUMABLE_CHANGES), None)
 
 
+def _records(path: Path) -> tuple[list[str], list[dict], bool]:
+    """(lines, records, torn): a last line cut short by a kill is dropped (``torn``);
+    a bad line before it is damage, refused by line number."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:
+                return lines[:-1], records, True
+            raise CheckpointError(f"{path} line {i + 1} is not valid JSON: the file is damaged; "
+                                  "restore it, or delete that line to resume") from None
+        if not isinstance(records[-1], dict):
+            raise CheckpointError(f"{path} line {i + 1} is not a metrics record; restore the file, "
+                                  "or delete that line to resume")
+    return lines, records, False
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The records of a run's metrics.jsonl (none if it has none yet)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return _records(Path(run_dir) / "metrics.jsonl")[1]
 
 
 class RunFolder:
     """The folder of one training run. ``open`` checks it before anything is written:
     a new run needs an absent or empty folder; ``resume=True`` needs the same settings
-    (every section of ``run_cfg`` but ``software``); ``start`` then writes config.json
-    (new runs) and drops metric records past the step resumed from."""
+    (every section of ``run_cfg`` but ``software``), or starts the run when the folder
+    holds none yet (so "rerun with --resume until done" works for preemptible jobs);
+    ``start`` then removes what interrupted writes left, writes config.json (new runs)
+    and drops metric records past the step resumed from."""
 
-    def __init__(self, path: str | Path, run_cfg: dict, resuming: bool):
-        self.path, self.run_cfg, self.resuming = Path(path), run_cfg, resuming
+    def __init__(self, path: str | Path, run_cfg: dict, resuming: bool,
+                 log: Callable[[str], None] | None = None):
+        self.path, self.run_cfg, self.resuming, self.log_note = Path(path), run_cfg, resuming, log
 
     @classmethod
-    def open(cls, path: str | Path, run_cfg: dict, resume: bool = False) -> "RunFolder":
+    def open(cls, path: str | Path, run_cfg: dict, resume: bool = False,
+             log: Callable[[str], None] | None = None) -> "RunFolder":
         path = Path(path)
+        check_out_dir(path)
         if (path / "config.json").exists():
             if not resume:
                 raise CheckpointError(f"{path} already holds a run; pass --resume to continue it "
@@ -64,11 +102,13 @@ class RunFolder:
                     f"{path} holds a run with a different {section} config ({k}: "
                     f"{saved.get(section, {}).get(k)!r} there, {want.get(k)!r} now); "
                     "resume with the same settings or choose another --out")
+        elif path.exists() and any(p for p in path.iterdir() if not p.name.startswith(".checkpoint.tmp-")):
+            raise CheckpointError(f"{path} exists, holds no run and is not empty; choose another --out")
         elif resume:
-            raise CheckpointError(f"{path} holds no run to resume; drop --resume to start one")
-        elif path.exists() and any(path.iterdir()):
-            raise CheckpointError(f"{path} exists and is not empty; choose another --out")
-        return cls(path, run_cfg, resume)
+            if log is not None:
+                log(f"note: {path} holds no run yet; starting it")
+            resume = False
+        return cls(path, run_cfg, resume, log)
 
     @property
     def checkpoint(self) -> Path | None:
@@ -78,19 +118,27 @@ class RunFolder:
     def metrics_path(self) -> Path:
         return self.path / "metrics.jsonl"
 
+    def check(self) -> None:
+        """Refuse damage before anything is changed: metrics.jsonl must parse."""
+        _records(self.metrics_path)
+
     def start(self, step: int) -> None:
-        """Create the folder, keep the metric records up to ``step``, write config.json."""
+        """Create the folder, remove orphans of interrupted writes, keep the metric
+        records up to ``step``, write config.json."""
+        lines, records, torn = _records(self.metrics_path)
         self.path.mkdir(parents=True, exist_ok=True)
-        if self.metrics_path.exists():  # records after the checkpoint are logged again
-            keep = [line for line in self.metrics_path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= step]
+        remove_orphans(self.path)
+        if self.resuming and step == 0 and self.log_note is not None:
+            self.log_note(f"note: {self.path} has no checkpoint yet; starting from step 0")
+        if lines or torn:  # records after the checkpoint are logged again
+            keep = [line for line, r in zip(lines, records) if r.get("step", 0) <= step]
             atomic_write_bytes(self.metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
         if not (self.path / "config.json").exists():
             write_json(self.path / "config.json", self.run_cfg)
 
     def log(self, record: dict) -> None:
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(dumps(record) + "\n")
 
     def finish(self, summary: dict) -> None:
         write_json(self.path / "summary.json", summary)

@@ -19,10 +19,24 @@ import torch
 from torch import nn
 
 from ..checkpoint import (data_state, load_model_state, load_trainer_state, optimizer_state,
-                          save_checkpoint)
+                          remove_orphans, save_checkpoint)
+from ..errors import PhaseloopError
 from .config import TrainConfig
-from .optim import autocast, lr_at, make_optimizer, peak_memory_mb, resolve_device
+from .optim import autocast, check_memory, lr_at, make_optimizer, peak_memory_mb, resolve_device
 from .run import RunFolder
+
+
+class DivergedError(PhaseloopError):
+    """A non-finite loss or gradient beyond the ``skip_nonfinite`` budget (exit 3)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM turned into it) during training: where it stopped, and the
+    step of the last checkpoint on disk (None: none was written)."""
+
+    def __init__(self, step: int, saved: int | None):
+        super().__init__(step, saved)
+        self.step, self.saved = step, saved
 
 
 class Batches(Protocol):
@@ -44,7 +58,12 @@ class Trainer:
     norm, tokens, tokens/s, training time) goes to ``records``, the run's metrics.jsonl
     and ``on_step(step, record)``; every ``eval_every`` steps ``evaluate(model)``'s dict
     is logged; every ``ckpt_every`` steps (and at the end) a checkpoint is written. With
-    ``run`` None nothing is written (an in-memory run)."""
+    ``run`` None nothing is written (an in-memory run).
+
+    A step whose loss or gradient norm is not finite is never applied: it is skipped
+    while ``tc.skip_nonfinite`` allows (counted in ``skipped_steps``), else the run stops
+    with ``DivergedError``, the last checkpoint as it was. That check costs one host
+    sync a step."""
 
     def __init__(self, build: Callable[[], nn.Module], tc: TrainConfig, batches: Batches,
                  loss_fn: Callable, *, evaluate: Callable[[nn.Module], dict] | None = None,
@@ -53,10 +72,15 @@ class Trainer:
         self.tc, self.batches, self.loss_fn, self.evaluate = tc, batches, loss_fn, evaluate
         self.run, self.progress, self.desc, self.on_step = run, progress, desc, on_step
         self.device = resolve_device(tc.device)
+        with torch.device("meta"):  # refuse what cannot fit before allocating it
+            check_memory(build(), self.device, 16, "training")
+        if run is not None:
+            run.check()
         torch.manual_seed(tc.seed)
         self.model = build().to(self.device)
         self.optimizer = make_optimizer(self.model, tc)
-        self.step, self.elapsed, self.tokens = 0, 0.0, 0
+        self.step, self.elapsed, self.tokens, self.skipped = 0, 0.0, 0, 0
+        self.saved: int | None = None  # step of the checkpoint on disk
         self.ran = 0  # steps run by this process (0 when resuming a finished run)
         self.records: list[dict] = []
         self.last_eval: dict = {}
@@ -77,11 +101,12 @@ class Trainer:
                                           for i in range(torch.cuda.device_count())])
         self.batches.set_state(data_state(tensors))
         self.step, self.elapsed = meta["step"], meta.get("elapsed", 0.0)
-        self.tokens = meta.get("tokens", 0)
+        self.tokens, self.skipped, self.saved = meta.get("tokens", 0), meta.get("skipped", 0), meta["step"]
 
     def save(self) -> None:
         save_checkpoint(self.run.path, self.model, self.optimizer, self.step, self.batches.state(),
-                        {"elapsed": self.elapsed, "tokens": self.tokens})
+                        {"elapsed": self.elapsed, "tokens": self.tokens, "skipped": self.skipped})
+        self.saved = self.step
 
     def _log(self, record: dict) -> None:
         self.records.append(record)
@@ -107,7 +132,19 @@ class Trainer:
                 aux[k] = aux.get(k, 0.0) + v.detach() / tc.grad_accum
             self.tokens += out.logits.shape[0] * out.logits.shape[1]
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
-        self.optimizer.step()
+        if bool(torch.isfinite(loss + gnorm)):  # the one host sync a step
+            self.optimizer.step()
+        elif self.skipped < tc.skip_nonfinite:
+            self.skipped += 1
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            ckpt = f"the checkpoint of step {self.saved} is intact" if self.saved is not None \
+                else "no checkpoint was written"
+            raise DivergedError(
+                f"step {self.step + 1}: loss {float(loss):.4g}, gradient norm {float(gnorm):.4g}: "
+                f"training diverged; the step was not applied and {ckpt}. Lower --lr (now "
+                f"{tc.lr:g}) or lengthen --warmup, or resume with --skip-nonfinite K to skip "
+                f"up to K such steps ({self.skipped} skipped so far)")
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"loss": loss, "lr": lr, "grad_norm": gnorm, **aux}
@@ -135,7 +172,7 @@ class Trainer:
                     self.elapsed += dt
                     rec = {"step": self.step, **{k: float(v) for k, v in rec.items()},
                            "tokens": self.tokens, "tok_per_s": (self.tokens - tok_last) / max(dt, 1e-9),
-                           "elapsed_s": self.elapsed}
+                           "elapsed_s": self.elapsed, **({"skipped_steps": self.skipped} if self.skipped else {})}
                     self._log(rec)
                     if bar is not None:
                         bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tok_per_s']:.0f}")
@@ -149,6 +186,10 @@ class Trainer:
                 if self.run is not None and (self.step % tc.ckpt_every == 0 or last):
                     self.save()
                 t_last += time.perf_counter() - t0
+        except KeyboardInterrupt:
+            if self.run is not None:
+                remove_orphans(self.run.path)
+            raise Interrupted(self.step, self.saved) from None
         finally:
             if bar is not None:
                 bar.close()
@@ -159,4 +200,5 @@ class Trainer:
                 "finished": self.step >= self.tc.steps,
                 "params": sum(p.numel() for p in self.model.parameters()),
                 "elapsed_s": self.elapsed, "tok_per_s": self.tokens / max(self.elapsed, 1e-9),
-                "peak_memory_mb": peak_memory_mb(self.device), **self.last_eval}
+                "peak_memory_mb": peak_memory_mb(self.device),
+                **({"skipped_steps": self.skipped} if self.skipped else {}), **self.last_eval}

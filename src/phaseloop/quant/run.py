@@ -12,6 +12,7 @@ from ..checkpoint import load_run, write_json
 from ..data import TrainBatches, eval_windows, run_corpus
 from ..engine import resolve_device
 from ..errors import PhaseloopError
+from ..files import check_out_dir
 from ..train import evaluate
 from .apply import quantize_model
 from .io import save_quantized
@@ -29,6 +30,8 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
         raise PhaseloopError(f"--group-size {group_size}: use a positive size or -1 (per row)")
     if windows < 1 or calib_batches < 1 or calib_batch_size < 1:
         raise PhaseloopError("--windows, --calib-batches and --calib-batch-size must be >= 1")
+    if out:
+        check_out_dir(Path(out))
     dev = resolve_device(device)
     model, run_cfg = load_run(run, dev)
     run_path = Path(run)
