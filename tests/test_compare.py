@@ -315,13 +315,3 @@ def test_cli_compare_ci_recipe_and_bad_input(tmp_path, text_file, capsys):
     assert not fresh.exists()
 
 
-def test_runs_spread_over_several_devices_match_sequential(tmp_path, text_file, monkeypatch):
-    """The several-GPU path (one run per device, threads) on two CPU 'devices'."""
-    recipe = tiny_recipe(text_file, train={**TINY_TRAIN, "steps": 4})
-    seq = run_comparison(recipe, tmp_path / "seq", progress=False, log=None)
-    monkeypatch.setattr(compare.runner, "devices_for", lambda name: ["cpu", "cpu"])
-    par = run_comparison(recipe, tmp_path / "par", progress=False, log=None)
-    for a, b in zip(seq["variants"], par["variants"]):
-        assert a["finished_seeds"] == b["finished_seeds"] == [0, 1]
-        for s in a["final"]:
-            assert b["final"][s]["val_loss"] == pytest.approx(a["final"][s]["val_loss"], abs=1e-5)

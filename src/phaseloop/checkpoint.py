@@ -76,29 +76,31 @@ def _flatten_optimizer(opt_state: dict) -> tuple[dict, dict]:
 
 
 def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
-    state = {int(idx): {k: tensors[f"optim.{idx}.{k}"] for k in keys}
+    state = {(int(idx) if idx.isdigit() else idx): {k: tensors[f"optim.{idx}.{k}"] for k in keys}
              for idx, keys in meta["state"].items()}
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer=None, step: int = 0,
-                    data_state: dict | None = None, extra: dict | None = None) -> Path:
-    """Weights, optimiser, RNG states, the data position (``data_state``: name -> tensor,
-    stored as ``data.<name>``) and ``extra`` JSON fields, swapped in atomically."""
+def save_checkpoint(run_dir: Path, model: torch.nn.Module | dict, optimizer=None, step: int = 0,
+                    data_state: dict | None = None, extra: dict | None = None,
+                    rng: dict | None = None) -> Path:
+    """Weights (a module or its full state dict), optimiser (or its state dict), RNG
+    states (``rng``: name -> tensor, stored as ``rng.<name>``; default this process's),
+    the data position (``data_state``, stored as ``data.<name>``) and ``extra`` JSON
+    fields, swapped in atomically."""
     run_dir = Path(run_dir)
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint.tmp-"))
     tmp.chmod(0o755)
     try:
-        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        full = model if isinstance(model, dict) else model.state_dict()
+        state = {k: v.detach().cpu().contiguous() for k, v in full.items()}
         save_file(_dedupe_tied(state), tmp / "model.safetensors", metadata={"step": str(step)})
-        trainer_tensors = {"rng.torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            for i, s in enumerate(torch.cuda.get_rng_state_all()):
-                trainer_tensors[f"rng.cuda.{i}"] = s
+        trainer_tensors = {f"rng.{k}": v for k, v in (rng or rng_states()).items()}
         trainer_tensors.update({f"data.{k}": v for k, v in (data_state or {}).items()})
         meta = {"step": step, **(extra or {})}
         if optimizer is not None:
-            t, m = _flatten_optimizer(optimizer.state_dict())
+            opt = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+            t, m = _flatten_optimizer(opt)
             trainer_tensors.update(t)
             meta["optimizer"] = m
         save_file(trainer_tensors, tmp / "trainer.safetensors")
@@ -117,6 +119,14 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer=None, step:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def rng_states() -> dict:
+    """This process's RNG states: torch's CPU generator and every CUDA device's."""
+    out = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return out
 
 
 def _dedupe_tied(state: dict) -> dict:
@@ -195,7 +205,7 @@ def _rename_legacy(state: dict) -> dict:
     for k, v in state.items():
         for old, new in _LEGACY_NAMES:
             k = k.replace(old, new)
-        out[k] = v
+        out[k] = v.reshape(1) if v.dim() == 0 else v  # scalars (ACT bias, horn gain) are 1-D now
     return out
 
 

@@ -79,17 +79,26 @@ def corpus_args(data: dict) -> dict:
 # ---------------------------------------------------------------------------- windows
 class TrainBatches:
     """Random contiguous windows; its generator state is the data position, saved in
-    checkpoints so a resumed run sees exactly the batches an uninterrupted one would."""
+    checkpoints so a resumed run sees exactly the batches an uninterrupted one would.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int):
+    In a world of ``world`` processes each micro-batch draws the starts of all ranks'
+    windows (``batch_size x world``) and rank ``rank`` keeps its slice: the windows a
+    single process would draw at the same global batch (torch's draws are sequential,
+    so one draw of n starts equals two of n/2), and a checkpoint resumes at any world
+    size with the same global batch."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
+                 rank: int = 0, world: int = 1):
         if len(tokens) < seq_len + 1:
             raise DataError(f"training split has {len(tokens)} tokens, fewer than seq_len+1="
                             f"{seq_len + 1}; use more data or a smaller --seq-len")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.rank, self.world = rank, world
         self.gen = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=self.gen)
+        starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size * self.world,),
+                               generator=self.gen)[self.rank * self.batch_size:][:self.batch_size]
         rows = np.stack([self.tokens[s: s + self.seq_len + 1] for s in starts.tolist()]).astype(np.int64)
         xy = torch.from_numpy(rows)
         return xy[:, :-1], xy[:, 1:]

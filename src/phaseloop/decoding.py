@@ -35,7 +35,8 @@ def decode(step: Callable, prompt_BT: torch.Tensor, max_new_tokens: int, *,
     sees every model output (e.g. ACT ponder times). With ``eos_id`` decoding stops once
     every row has produced it (later tokens of a finished row are left as generated).
     The last token is never fed back: the model runs at most ``max_new_tokens`` times."""
-    cache = KVCache() if use_cache else None
+    # keys/values of prompt + new tokens preallocated, written in place
+    cache = KVCache(capacity=prompt_BT.shape[1] + max_new_tokens) if use_cache else None
     out_BT, inp_BT = prompt_BT, prompt_BT
     done_B = torch.zeros(prompt_BT.shape[0], dtype=torch.bool, device=prompt_BT.device)
     for _ in range(max_new_tokens):

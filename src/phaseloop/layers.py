@@ -104,14 +104,34 @@ class KVCache:
 
     entries: dict = field(default_factory=dict)
     pos: int = 0
+    # positions to preallocate per slot: keys/values are then written in place into one
+    # buffer (``entries`` holds views of its filled part) instead of grown by torch.cat;
+    # None: grown. A slot that outgrows it doubles its buffer.
+    capacity: int | None = None
+    buffers: dict = field(default_factory=dict)
 
     def update(self, slot, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor):
-        if slot in self.entries:
-            k_old, v_old = self.entries[slot]
-            k_BKTE = torch.cat([k_old, k_BKTE], dim=2)
-            v_BKTE = torch.cat([v_old, v_BKTE], dim=2)
-        self.entries[slot] = (k_BKTE, v_BKTE)
-        return k_BKTE, v_BKTE
+        if self.capacity is None:
+            if slot in self.entries:
+                k_old, v_old = self.entries[slot]
+                k_BKTE = torch.cat([k_old, k_BKTE], dim=2)
+                v_BKTE = torch.cat([v_old, v_BKTE], dim=2)
+            self.entries[slot] = (k_BKTE, v_BKTE)
+            return k_BKTE, v_BKTE
+        n = self.entries[slot][0].shape[2] if slot in self.entries else 0
+        T = k_BKTE.shape[2]
+        buf = self.buffers.get(slot)
+        if buf is None or n + T > buf[0].shape[2]:
+            size = max(self.capacity, 2 * (n + T)) if buf is not None else max(self.capacity, T)
+            B, K, _, E = k_BKTE.shape
+            new = (k_BKTE.new_empty(B, K, size, E), v_BKTE.new_empty(B, K, size, E))
+            if n:
+                new[0][:, :, :n], new[1][:, :, :n] = self.entries[slot]
+            buf = self.buffers[slot] = new
+        buf[0][:, :, n:n + T] = k_BKTE
+        buf[1][:, :, n:n + T] = v_BKTE
+        self.entries[slot] = (buf[0][:, :, :n + T], buf[1][:, :, :n + T])
+        return self.entries[slot]
 
 
 @dataclass

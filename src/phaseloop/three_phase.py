@@ -103,7 +103,7 @@ class HornInjection(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(())) if cfg.learnable_horn else None
+        self.gain = nn.Parameter(torch.ones(1)) if cfg.learnable_horn else None  # 1-D: FSDP2 shards no scalars
 
     def forward(self, x_BTD: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         T = x_BTD.shape[1]

@@ -14,7 +14,7 @@ import torch
 from .checkpoint import TOKENIZER_COPY, read_json
 from .config import ModelConfig
 from .data import Corpus, TrainBatches, eval_windows, load_corpus
-from .engine import RunFolder, TrainConfig, Trainer, autocast, software_versions
+from .engine import RunFolder, TrainConfig, Trainer, autocast, dist, software_versions
 from .errors import ConfigError
 from .files import atomic_write_bytes
 from .model import DecoderLM, build_model
@@ -37,6 +37,17 @@ def fit_vocab(cfg: ModelConfig, tokenizer, explicit: bool = False,
     return cfg.replace(vocab_size=tokenizer.vocab_size)
 
 
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int | None:
+    """Forward FLOPs per token (``params.count_params`` on the meta device; None where a
+    trunk cannot trace there, e.g. ACT's data-dependent halting)."""
+    from .params import count_params
+
+    try:
+        return count_params(cfg, seq_len)["flops_per_token"]
+    except Exception:  # noqa: BLE001 — MFU is then not reported
+        return None
+
+
 def check_seq_len(seq_len: int, cfg: ModelConfig) -> None:
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"seq_len {seq_len} is longer than the model's max_seq_len "
@@ -55,15 +66,27 @@ def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | Non
     device = torch.device(device)
     was_training = model.training
     model.eval()
-    nll, n_tok = 0.0, 0
+    # in a world, rank r evaluates windows r, r + W, ... (as many batches on every rank,
+    # the last padded with window 0 and not counted: FSDP2's forward is a collective)
+    w_ = dist.world()
     n_bytes = int(tokenizer.window_bytes(windows[:, 1:].numpy()).sum())
-    for i in range(0, len(windows), batch_size):
-        w = windows[i: i + batch_size].to(device)
+    mine = windows[w_.rank::w_.size]
+    per_rank = -(-len(windows) // w_.size)
+    nll, n_tok = 0.0, 0
+    for i in range(0, per_rank, batch_size):
+        w = mine[i: i + batch_size]
+        real = len(w)
+        want = min(batch_size, per_rank - i)
+        if real < want:
+            w = torch.cat([w, windows[:1].expand(want - real, -1)])
+        w = w.to(device)
         x, y = w[:, :-1], w[:, 1:]
         with autocast(device):
-            logits = model(x).logits.float()
-        nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-        n_tok += y.numel()
+            logits = model(x).logits.float()[:real]
+        nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[:real].flatten(), reduction="sum").item()
+        n_tok += y[:real].numel()
+    nll, n_tok = (float(v) for v in dist.all_sum(nll, n_tok))
+    n_tok = int(n_tok)
     model.train(was_training)
     loss = nll / n_tok
     out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
@@ -95,19 +118,23 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     seq_len = tc.seq_len or model_cfg.max_seq_len
     check_seq_len(seq_len, model_cfg)
     run_cfg = {"model": model_cfg.to_dict(), "train": tc.to_dict(), "data": corpus.describe(),
-               "software": software_versions()}
-    run = RunFolder.open(out_dir, run_cfg, resume, log)
+               "parallel": {"world_size": dist.world().size}, "software": software_versions()}
+    run = RunFolder.open(out_dir, run_cfg, resume, log if dist.world().main else None)
+    dist.barrier()  # every rank has checked the folder before rank 0 writes to it
     train_tok, val_tok = corpus.split(tc.val_fraction, seq_len + 1)
-    batches = TrainBatches(train_tok, seq_len, tc.batch_size, tc.seed)
+    w = dist.world()
+    batches = TrainBatches(train_tok, seq_len, tc.batch_size, tc.seed, w.rank, w.size)
     windows = eval_windows(val_tok, seq_len, tc.eval_windows)
     trainer = Trainer(lambda: build_model(model_cfg), tc, batches, lm_loss,
                       evaluate=lambda m: evaluate(m, windows, corpus.tokenizer, tc.batch_size, trainer.device),
-                      run=run, progress=progress, desc=run.path.name, on_step=on_step)
-    if corpus.tokenizer.path is not None and not (run.path / TOKENIZER_COPY).exists():
+                      run=run, progress=progress, desc=run.path.name, on_step=on_step,
+                      flops_per_token=flops_per_token(model_cfg, seq_len))
+    if w.main and corpus.tokenizer.path is not None and not (run.path / TOKENIZER_COPY).exists():
         atomic_write_bytes(run.path / TOKENIZER_COPY, corpus.tokenizer.path.read_bytes())
-    summary = {**trainer.fit(stop_after), "data": corpus.describe()}
+    summary = {**trainer.fit(stop_after), "data": corpus.describe(), **({"world_size": w.size} if w.size > 1 else {})}
     if summary["finished"] and trainer.ran == 0 and (run.path / "summary.json").exists():
         return read_json(run.path / "summary.json")  # resumed a finished run: nothing new
-    if summary["finished"]:
+    if summary["finished"] and w.main:
         run.finish(summary)
+    dist.barrier()
     return summary

@@ -105,7 +105,7 @@ class HaltingUnit(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(cfg.d_model) * cfg.init_std)
-        self.bias = nn.Parameter(torch.full((), float(cfg.act_halting_bias_init)))
+        self.bias = nn.Parameter(torch.full((1,), float(cfg.act_halting_bias_init)))  # 1-D: FSDP2 shards no scalars
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(torch.promote_types(h_BTD.dtype, self.weight.dtype))
@@ -134,6 +134,9 @@ class UniversalTrunk(nn.Module):
         self.signal = CoordinateSignal(cfg, self.trained_steps)
         self.halting = HaltingUnit(cfg) if cfg.act else None
         self.depth = cfg.n_steps  # nominal residual layer applications (init scaling)
+        # ACT may stop once every position halted (same output); FSDP2 turns it off, as
+        # its block all-gathers need every rank to apply the block equally often
+        self.early_exit = cfg.act_early_exit
 
     def set_steps(self, steps: int) -> None:
         """Depth extrapolation: run ``steps`` applications (ACT: max steps) from now on."""
@@ -154,7 +157,7 @@ class UniversalTrunk(nn.Module):
         cfg = self.cfg
         threshold = 1.0 - cfg.act_epsilon
         # meta tensors (``phaseloop params``) cannot be read: count all max steps
-        early_exit = cfg.act_early_exit and x_BTD.device.type != "meta"
+        early_exit = self.early_exit and x_BTD.device.type != "meta"
         cache, end = ctx.cache, ctx.start_pos + x_BTD.shape[1]
         state: ACTState | None = None
         out_BTD = torch.zeros_like(x_BTD)  # previous_state
@@ -175,7 +178,9 @@ class UniversalTrunk(nn.Module):
             y_BND = self.block(h_BND, ctx_t, ("ut", t))  # transformed = next step input
             out_BTD = combine(out_BTD, y_BND[:, new], w_BT.to(x_BTD.dtype), cfg.act_type)
             probs.append(p_BT.detach())
-            if early_exit and not bool(state.running(threshold, steps).any()):
+            # the early exit reads a tensor on the host: compiled, every step runs (a halted
+            # position's weights are 0 from then on, so the output is the same)
+            if early_exit and not torch.compiler.is_compiling() and not bool(state.running(threshold, steps).any()):
                 break
         if cache is not None:  # step t+1 inputs of [lo, end) wait for a token that needs it
             cache.entries.setdefault(("ut_in", t + 1), []).append(y_BND)

@@ -2,16 +2,21 @@
 
 Exit status (docs/reliability.md): 0 done; 2 bad input or a refused / damaged file (one
 line `phaseloop: error: ...`, nothing changed); 3 training diverged (non-finite loss);
-130 interrupted (Ctrl-C); anything else is a bug.
+4 another process of a torchrun world failed; 130 interrupted (Ctrl-C), 143 terminated
+(SIGTERM); anything else is a bug.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
-from ..engine.trainer import DivergedError, Interrupted
+from ..engine import dist
+from ..engine.trainer import DivergedError, Interrupted, PeerFailed
+
+DISTRIBUTED = ("train", "compare")  # the commands that run across torchrun's processes
 from ..errors import PhaseloopError
 from . import commands as C
 
@@ -59,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run folder (default runs/PRESET-TIMESTAMP)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
+    t.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     for flag, field, typ, hlp in C.TRAIN_OPTS:
         t.add_argument(flag, dest=field, type=typ, default=None, help=hlp)
@@ -194,7 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _say(msg: str) -> None:
-    """One line on stderr, on a line of its own even after a progress bar."""
+    """One line on stderr, on a line of its own even after a progress bar (rank 0 of a
+    torchrun world only: every rank meets the same error)."""
+    if not dist.world().main:
+        return
     sys.stderr.write(("\n" if sys.stderr.isatty() else "") + msg + "\n")
     sys.stderr.flush()
 
@@ -222,11 +232,18 @@ def main(argv: list[str] | None = None) -> int:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread: leave signals alone
         previous = None
+    stdout = sys.stdout
     try:
+        if dist.launched() and args.command in DISTRIBUTED:
+            if not dist.init(getattr(args, "device", None) or "auto").main:
+                sys.stdout = open(os.devnull, "w")  # rank 0 reports
         return args.func(args)
     except DivergedError as e:
         _say(f"phaseloop: error: {e}")
         return 3
+    except PeerFailed as e:
+        _say(f"phaseloop: error: {e}")
+        return 4
     except PhaseloopError as e:
         _say(f"phaseloop: error: {e}")
         return 2
@@ -241,3 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if sys.stdout is not stdout:
+            sys.stdout.close()
+            sys.stdout = stdout
+        dist.close()

@@ -16,7 +16,7 @@ from ..checkpoint import load_run, read_json, write_json
 from ..config import ModelConfig
 from ..checkpoint import run_tokenizer
 from ..data import corpus_args, eval_windows, load_corpus, run_corpus
-from ..engine import TrainConfig, resolve_device
+from ..engine import TrainConfig, dist, resolve_device
 from ..errors import PhaseloopError
 from ..train import check_seq_len, evaluate, fit_vocab, train
 
@@ -38,6 +38,8 @@ TRAIN_OPTS = [
     ("--log-every", "log_every", int, "steps between metric records"),
     ("--val-fraction", "val_fraction", float, "fraction of tokens held out"),
     ("--device", "device", str, "auto | cpu | cuda[:N]"),
+    ("--parallel", "parallel", str, "under torchrun: ddp (default) or fsdp (FSDP2, sharded per block)"),
+    ("--peak-tflops", "peak_tflops", float, "peak TFLOP/s of one device, for MFU (default: known GPUs)"),
     ("--skip-nonfinite", "skip_nonfinite", int, "skip up to K steps whose loss or gradient is "
      "NaN/inf (not applied) before stopping; default 0: stop at the first"),
 ]
@@ -58,7 +60,8 @@ def parse_overrides(items: list[str] | None) -> dict:
 
 
 def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    if dist.world().main:  # one voice in a torchrun world
+        print(msg, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- LM runs
@@ -73,6 +76,8 @@ def cmd_train(args) -> int:
     explicit = {field: getattr(args, field) for _, field, _, _ in TRAIN_OPTS if getattr(args, field) is not None}
     if args.compile:
         explicit["compile"] = True
+    if args.checkpoint_activations:
+        explicit["checkpoint_activations"] = True
     tc = TrainConfig.from_dict({**(saved["train"] if saved else {}), **explicit})
     if saved is not None:  # the run's data and its copy of the tokenizer, unless given again
         largs = {**corpus_args(saved["data"]), **({"spec": args.data} if args.data else {})}
@@ -81,7 +86,8 @@ def cmd_train(args) -> int:
         largs = dict(spec=args.data or "stdlib", text_column=args.text_column, split=args.data_split,
                      streaming=args.streaming)
         tok = args.tokenizer or "bytes"
-    corpus = load_corpus(tokenizer=tok, progress=not args.quiet, **largs)
+    with dist.main_first():  # rank 0 builds the token store, the others then read it
+        corpus = load_corpus(tokenizer=tok, progress=not args.quiet and dist.world().main, **largs)
     model_cfg = fit_vocab(model_cfg, corpus.tokenizer, explicit=saved is not None or "vocab_size" in overrides,
                           log=_stderr)
     summary = train(model_cfg, tc, corpus, out, resume=args.resume, progress=not args.quiet, log=_stderr)
@@ -196,6 +202,8 @@ def cmd_compare(args) -> int:
     out = args.out or f"runs/compare-{compare.slugify(recipe.name)}"
     command = " ".join(shlex.quote(a) for a in ["phaseloop", *sys.argv[1:]])
     s = compare.run_comparison(recipe, out, progress=not args.quiet, command=command)
+    if not s:  # a rank other than 0 of a torchrun world: rank 0 reports
+        return 0
     print(compare.format_table(s))
     print(f"wrote {Path(out) / 'report.md'}, summary.json and {len(s['plots'])} plots")
     return 0

@@ -52,7 +52,7 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
         at_step = first_reach(mc["step"], mc["val_loss"], target)
         at_time = first_reach(mc["elapsed_s"], mc["val_loss"], target)
         stat = {}
-        for k in ("val_loss", "val_bpb", "val_ppl", "tok_per_s", "peak_memory_mb", "elapsed_s"):
+        for k in ("val_loss", "val_bpb", "val_ppl", "tok_per_s", "mfu", "peak_memory_mb", "elapsed_s"):
             m, sd = mean_std([s.get(k) for s in r["summaries"]])
             stat[k] = {"mean": m, "std": sd}
         paired = [s for s in r["seeds"] if s in ref_final]
@@ -107,18 +107,22 @@ def _verdict(t: dict | None) -> str:
 
 
 def format_table(summary: dict) -> str:
-    head = ("| variant | params | depth | MFLOP/tok | tok/s | peak MB | val loss | BPB | PPL "
-            "| step speedup | wall speedup | vs reference |")
-    lines = [head, "|" + "---|" * 12]
+    """The comparison table; an MFU column when any run knew its device's peak (GPUs,
+    or ``peak_tflops``)."""
+    mfu = any((v.get("mfu") or {}).get("mean") is not None for v in summary["variants"])
+    head = ("| variant | params | depth | MFLOP/tok | tok/s | " + ("MFU | " if mfu else "")
+            + "peak MB | val loss | BPB | PPL | step speedup | wall speedup | vs reference |")
+    lines = [head, "|" + "---|" * (12 + mfu)]
     for v in summary["variants"]:
         if not v["finished_seeds"]:
-            lines.append(f"| {v['name']} | not run |" + " |" * 10)
+            lines.append(f"| {v['name']} | not run |" + " |" * (10 + mfu))
             continue
         fl = v["flops_per_token"]
         lines.append(
             f"| {v['name']} | {format_count(v['params'])} | {v['depth']} | "
             f"{'n/a' if fl is None else f'{fl / 1e6:.2f}'} | "
             f"{_fmt(v['tok_per_s']['mean'], None, 0)} | "
+            + (f"{_fmt(v['mfu']['mean'], None, 3)} | " if mfu else "") +
             f"{_fmt(v['peak_memory_mb']['mean'], None, 0)} | "
             f"{_fmt(v['val_loss']['mean'], v['val_loss']['std'])} | "
             f"{_fmt(v['val_bpb']['mean'], v['val_bpb']['std'])} | "

@@ -6,10 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from queue import Queue
 from typing import Callable
 
 import torch
@@ -20,7 +17,7 @@ from ..files import check_out_dir
 from ..validation import first_difference
 from ..data import load_corpus
 from ..errors import PhaseloopError
-from ..engine import resolve_device
+from ..engine import dist, resolve_device
 from .budget import Planned, plan_variants
 from .recipe import Recipe, RecipeError, resolve_variant
 from .report import write_report
@@ -77,11 +74,19 @@ def _steps_done(run_dir: Path, steps: int) -> int:
 
 
 def devices_for(name: str) -> list[str]:
-    """Devices to spread runs over: every GPU when there are several (device auto or
-    cuda), else just the recipe's device."""
-    if name in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
-        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    """The device this process trains on: its own GPU under torchrun, else the recipe's
+    (several GPUs without torchrun: say how to use them all)."""
+    w = dist.world()
+    if w.size > 1:
+        return [dist.local_device(name, w)]
     return [name]
+
+
+def _launch_hint(name: str, log) -> None:
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if log and n > 1 and name in ("auto", "cuda") and dist.world().size == 1:
+        log(f"note: {n} GPUs here and this comparison uses one; to train each run on all of them, "
+            f"launch it with `torchrun --nproc-per-node {n} -m phaseloop compare ...`")
 
 
 def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True,
@@ -91,18 +96,22 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     """Train every (variant, seed) run not yet finished, then write the report.
 
     Runs go seed-major (every variant of seed 0, then seed 1, ...), so an interrupted
-    comparison already holds complete pairs; one at a time, or one per device when
-    there are several GPUs. ``on_step(run_name, step, record)`` receives every logged
-    record (tests interrupt through it)."""
+    comparison already holds complete pairs, one after another; under torchrun every
+    run uses all the processes (rank 0 writes). ``on_step(run_name, step, record)``
+    receives every logged record (tests interrupt through it)."""
     out = Path(out_dir)
+    w = dist.world()
+    log = log if w.main else None
     for v in recipe.variants:  # cheap spec check before the data is read
         resolve_variant(v, recipe.scale)
-    corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column)
+    with dist.main_first():  # rank 0 builds the token store, then the others read it
+        corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column)
     plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
-    devices = devices_for(recipe.train["device"])
-    for d in devices:
-        resolve_device(d)
-    _claim_folder(out, recipe)
+    device = devices_for(recipe.train["device"])[0]
+    resolve_device(device)
+    _launch_hint(recipe.train["device"], log)
+    with dist.main_first():  # rank 0 stores the recipe; the others then find it there
+        _claim_folder(out, recipe)
 
     steps = recipe.train["steps"]
     runs = [(p, seed, out / "runs" / f"{p.variant.slug}-s{seed}")
@@ -111,77 +120,39 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     if log and len(pending) < len(runs):
         log(f"{out}: {len(runs) - len(pending)} of {len(runs)} runs already finished; continuing")
     bar = None
-    if progress:
+    if progress and w.main:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps * len(runs), initial=sum(_steps_done(d, steps) for *_, d in runs),
                    unit="step", dynamic_ncols=True, desc=f"compare {recipe.name}")
-    lock, stop = threading.Lock(), threading.Event()
-    # train() seeds torch's global RNG, then initialises the model from it: concurrent
-    # runs take turns from the seed to their first logged step, so inits stay per-seed.
-    init_lock = threading.Lock()
 
-    def one(p: Planned, seed: int, run_dir: Path, device: str) -> None:
+    def one(p: Planned, seed: int, run_dir: Path) -> None:
         last = [_steps_done(run_dir, steps)]
 
         def _on_step(step: int, rec: dict) -> None:
-            if init_lock.locked() and holding[0]:
-                holding[0] = False
-                init_lock.release()
-            if stop.is_set():  # another run failed or was interrupted
-                raise KeyboardInterrupt
-            with lock:
-                if bar is not None and step > last[0]:
-                    bar.update(step - last[0])
-                    if "loss" in rec:
-                        bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
-                last[0] = max(last[0], step)
+            if bar is not None and step > last[0]:
+                bar.update(step - last[0])
+                if "loss" in rec:
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+            last[0] = max(last[0], step)
             if on_step is not None:
                 on_step(run_dir.name, step, rec)
 
-        if bar is not None and len(devices) == 1:
+        if bar is not None:
             bar.set_description(run_dir.name)
         if not _reset_peak_memory(resolve_device(device)) and log:
             log("note: cannot reset peak memory between runs; it is the process peak")
         tc = dataclasses.replace(recipe.train_config(seed), device=device)
-        holding = [len(devices) > 1]
-        if holding[0]:
-            init_lock.acquire()
-        try:
-            lm.train(p.cfg, tc, corpus, run_dir, resume=(run_dir / "config.json").exists(),
-                  progress=False, on_step=_on_step)
-        finally:
-            if holding[0]:
-                init_lock.release()
+        resume = (run_dir / "config.json").exists()
+        dist.barrier()  # every rank has looked before rank 0 writes this run's config.json
+        lm.train(p.cfg, tc, corpus, run_dir, resume=resume, progress=False, on_step=_on_step)
 
     try:
-        if len(devices) == 1:
-            for r in pending:
-                one(*r, devices[0])
-        else:
-            free: Queue = Queue()
-            for d in devices:
-                free.put(d)
-
-            def worker(r) -> None:
-                d = free.get()
-                try:
-                    if not stop.is_set():
-                        one(*r, d)
-                finally:
-                    free.put(d)
-
-            with ThreadPoolExecutor(len(devices)) as ex:
-                futures = [ex.submit(worker, r) for r in pending]
-                try:
-                    for f in as_completed(futures):
-                        f.result()  # re-raises the first failure or interruption
-                except BaseException:
-                    stop.set()  # running workers stop at their next logged step
-                    for f in futures:
-                        f.cancel()
-                    raise
+        for r in pending:
+            one(*r)
     finally:
         if bar is not None:
             bar.close()
+    if not w.main:
+        return {}
     return write_report(out, recipe, plan, corpus.describe(), command, log)

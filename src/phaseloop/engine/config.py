@@ -37,6 +37,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compile: bool = False
     skip_nonfinite: int = 0  # non-finite steps skipped before the run stops (not applied)
+    parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2 fully_shard per block, root last)
+    checkpoint_activations: bool = False  # recompute each block's activations in backward
+    peak_tflops: float | None = None  # per device, for MFU (default: known GPUs' bf16 peak)
 
     def __post_init__(self) -> None:
         what = "train config"
@@ -60,6 +63,10 @@ class TrainConfig:
             raise ConfigError(f"invalid train config: val_fraction={self.val_fraction!r}: must be in (0, 1)")
         if not self.grad_clip > 0:
             raise ConfigError(f"invalid train config: grad_clip={self.grad_clip!r}: must be > 0")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"invalid train config: peak_tflops={self.peak_tflops!r}: must be > 0")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ConfigError(f"invalid train config: parallel={self.parallel!r}: choose ddp or fsdp")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError(f"invalid train config: device={self.device!r}: use auto, cpu or cuda[:N]")
 

@@ -31,15 +31,19 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": tc.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    cuda = any(p.is_cuda for p in params)  # fused on CUDA, foreach (multi-tensor) elsewhere
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=1e-8,
-                             foreach=True)
+                             **({"fused": True} if cuda else {"foreach": True}))
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"invalid train config: device={name!r}: no CUDA device here; use --device cpu")
+    if name.startswith("cuda"):  # TF32 for the fp32 matmuls autocast leaves (Ampere and later)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     return torch.device(name)
 
 

@@ -15,7 +15,17 @@ from ..files import atomic_write_bytes, check_out_dir
 
 # keys that may change between a run and its resumption (where it runs, not what; and
 # the budget of skipped non-finite steps, so a diverged run can be resumed with one)
-RESUMABLE_CHANGES = ("device", "compile", "skip_nonfinite")
+RESUMABLE_CHANGES = ("device", "compile", "skip_nonfinite", "parallel", "checkpoint_activations", "peak_tflops",
+                     "batch_size", "grad_accum")  # these two as long as the global batch holds
+
+
+def _global_batch(cfg: dict) -> int | None:
+    """batch_size x grad_accum x world size of a run config (world: its ``parallel``
+    section, 1 when absent)."""
+    train = cfg.get("train", {})
+    if "batch_size" not in train:
+        return None
+    return train["batch_size"] * train.get("grad_accum", 1) * cfg.get("parallel", {}).get("world_size", 1)
 
 
 def _defaults(section: str) -> dict:
@@ -84,8 +94,17 @@ class RunFolder:
                 raise CheckpointError(f"{path} already holds a run; pass --resume to continue it "
                                       "or choose another --out")
             saved = read_json(path / "config.json")
+            there, now = _global_batch(saved), _global_batch(run_cfg)
+            if there != now:
+                world = run_cfg.get("parallel", {}).get("world_size", 1)
+                accum = run_cfg["train"].get("grad_accum", 1)
+                fix = (f"--batch-size {there // (accum * world)}" if there and there % (accum * world) == 0
+                       else "--batch-size / --grad-accum to match")
+                raise CheckpointError(f"{path} was trained at a global batch (batch_size x grad_accum x "
+                                      f"processes) of {there}, and this run would use {now}; resume with {fix} "
+                                      f"for {world} process(es), or choose another --out")
             for section, want in run_cfg.items():
-                if section == "software":
+                if section in ("software", "parallel"):
                     continue
                 k = _first_difference(saved.get(section, {}), want, section)
                 if k is None:

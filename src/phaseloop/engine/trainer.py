@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from ..checkpoint import (data_state, load_model_state, load_trainer_state, optimizer_state,
-                          remove_orphans, save_checkpoint)
+                          remove_orphans, rng_states, save_checkpoint)
 from ..errors import PhaseloopError
+from . import dist
 from .config import TrainConfig
 from .optim import autocast, check_memory, lr_at, make_optimizer, peak_memory_mb, resolve_device
 from .run import RunFolder
@@ -28,6 +29,10 @@ from .run import RunFolder
 
 class DivergedError(PhaseloopError):
     """A non-finite loss or gradient beyond the ``skip_nonfinite`` budget (exit 3)."""
+
+
+class PeerFailed(PhaseloopError):
+    """Another process of the torchrun world died or failed mid-collective (exit 4)."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -68,49 +73,97 @@ class Trainer:
     def __init__(self, build: Callable[[], nn.Module], tc: TrainConfig, batches: Batches,
                  loss_fn: Callable, *, evaluate: Callable[[nn.Module], dict] | None = None,
                  run: RunFolder | None = None, progress: bool = False, desc: str = "train",
-                 on_step: Callable[[int, dict], None] | None = None):
+                 on_step: Callable[[int, dict], None] | None = None,
+                 flops_per_token: float | None = None):
         self.tc, self.batches, self.loss_fn, self.evaluate = tc, batches, loss_fn, evaluate
+        self.flops_per_token = flops_per_token  # forward, for MFU
         self.run, self.progress, self.desc, self.on_step = run, progress, desc, on_step
-        self.device = resolve_device(tc.device)
+        self.world = dist.world()
+        self.device = resolve_device(dist.local_device(tc.device, self.world))
         with torch.device("meta"):  # refuse what cannot fit before allocating it
             check_memory(build(), self.device, 16, "training")
         if run is not None:
             run.check()
-        torch.manual_seed(tc.seed)
+        torch.manual_seed(tc.seed)  # the same initial weights on every rank
         self.model = build().to(self.device)
-        self.optimizer = make_optimizer(self.model, tc)
+        if self.world.rank > 0:  # dropout masks differ between ranks
+            torch.manual_seed(tc.seed + 7919 * self.world.rank)
         self.step, self.elapsed, self.tokens, self.skipped = 0, 0.0, 0, 0
         self.saved: int | None = None  # step of the checkpoint on disk
         self.ran = 0  # steps run by this process (0 when resuming a finished run)
         self.records: list[dict] = []
         self.last_eval: dict = {}
         ckpt = run.checkpoint if run is not None else None
-        if ckpt is not None:
-            self._restore(ckpt)
-        if run is not None:
+        restored = self._restore_model(ckpt) if ckpt is not None else None
+        if tc.checkpoint_activations:  # before FSDP2 wraps the blocks, as torchtitan does
+            dist.checkpoint_activations(self.model)
+        self.fwd = dist.parallelize(self.model, tc.parallel, self.device)  # from outside the model
+        self.peak = dist.peak_flops(self.device, tc.peak_tflops)
+        self.optimizer = make_optimizer(self.model, tc)  # after FSDP2 made its parameters DTensors
+        if restored is not None:
+            self._restore(*restored)
+        if run is not None and self.world.main:
             run.start(self.step)
+        dist.barrier()
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the run's files (rank 0 of a world)."""
+        return self.run is not None and self.world.main
 
     # ------------------------------------------------------------------ checkpoints
-    def _restore(self, ckpt) -> None:
+    def _restore_model(self, ckpt):
         meta, tensors = load_trainer_state(ckpt)
-        load_model_state(self.model, ckpt)
-        self.optimizer.load_state_dict(optimizer_state(meta, tensors))
-        torch.set_rng_state(tensors["rng.torch"])
-        if torch.cuda.is_available() and "rng.cuda.0" in tensors:
-            torch.cuda.set_rng_state_all([tensors[f"rng.cuda.{i}"]
-                                          for i in range(torch.cuda.device_count())])
+        load_model_state(self.model, ckpt)  # into the whole model, before any sharding
+        return meta, tensors
+
+    def _restore(self, meta: dict, tensors: dict) -> None:
+        dist.load_optimizer(self.model, self.optimizer, optimizer_state(meta, tensors), self.tc.parallel)
+        r = self.world.rank
+        cpu = tensors.get(f"rng.torch.r{r}", tensors["rng.torch"] if r == 0 else None)
+        if cpu is not None:
+            torch.set_rng_state(cpu)
+        else:  # resumed in a larger world: a fresh stream for this rank
+            torch.manual_seed(self.tc.seed + 7919 * r + meta["step"])
+        if self.device.type == "cuda":
+            mine = tensors.get(f"rng.cuda.r{r}")
+            if mine is not None:
+                torch.cuda.set_rng_state(mine, self.device)
+            elif self.world.size == 1 and "rng.cuda.0" in tensors:
+                torch.cuda.set_rng_state_all([tensors[f"rng.cuda.{i}"]
+                                              for i in range(torch.cuda.device_count()) if f"rng.cuda.{i}" in tensors])
         self.batches.set_state(data_state(tensors))
         self.step, self.elapsed = meta["step"], meta.get("elapsed", 0.0)
         self.tokens, self.skipped, self.saved = meta.get("tokens", 0), meta.get("skipped", 0), meta["step"]
 
+    def _rng(self) -> dict:
+        """Every rank's RNG states (a collective in a world): rank 0's under the names
+        one process uses, the others' as ``torch.r<rank>`` / ``cuda.r<rank>``."""
+        if self.world.size == 1:
+            return rng_states()
+        mine = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            mine["cuda"] = torch.cuda.get_rng_state(self.device)
+        out = {}
+        for r, states in enumerate(dist.gather_objects(mine)):
+            out["torch" if r == 0 else f"torch.r{r}"] = states["torch"]
+            if "cuda" in states:
+                out[f"cuda.r{r}"] = states["cuda"]
+        return out
+
     def save(self) -> None:
-        save_checkpoint(self.run.path, self.model, self.optimizer, self.step, self.batches.state(),
-                        {"elapsed": self.elapsed, "tokens": self.tokens, "skipped": self.skipped})
+        model_state, optim_state = dist.full_state(self.model, self.optimizer, self.tc.parallel)
+        rng = self._rng()
+        if self.world.main:
+            save_checkpoint(self.run.path, model_state, optim_state, self.step, self.batches.state(),
+                            {"elapsed": self.elapsed, "tokens": self.tokens, "skipped": self.skipped,
+                             "world_size": self.world.size}, rng=rng)
+        dist.barrier()
         self.saved = self.step
 
     def _log(self, record: dict) -> None:
         self.records.append(record)
-        if self.run is not None:
+        if self.writes:
             self.run.log(record)
         if self.on_step is not None:
             self.on_step(record["step"], record)
@@ -123,16 +176,23 @@ class Trainer:
             g["lr"] = lr
         loss: torch.Tensor | float = 0.0
         aux: dict[str, torch.Tensor] = {}
-        for _ in range(tc.grad_accum):
-            with autocast(dev):
+        for i in range(tc.grad_accum):
+            with dist.no_sync(fwd, sync=i == tc.grad_accum - 1), autocast(dev):
                 out = self.loss_fn(fwd, self.batches.next(), dev)
-            (out.loss / tc.grad_accum).backward()
+            with dist.no_sync(fwd, sync=i == tc.grad_accum - 1):
+                (out.loss / tc.grad_accum).backward()
             loss = loss + out.ce_loss.detach() / tc.grad_accum  # no host sync until a log step
             for k, v in out.aux_losses.items():
                 aux[k] = aux.get(k, 0.0) + v.detach() / tc.grad_accum
-            self.tokens += out.logits.shape[0] * out.logits.shape[1]
+            self.tokens += out.logits.shape[0] * out.logits.shape[1] * self.world.size
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
-        if bool(torch.isfinite(loss + gnorm)):  # the one host sync a step
+        if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor of the global norm
+            gnorm = gnorm.full_tensor()
+        if self.world.size > 1:  # the mean over ranks: every rank decides alike below
+            sums = dist.all_sum(loss, *aux.values())
+            loss = (sums[0] / self.world.size).to(torch.float32)
+            aux = {k: (v / self.world.size).to(torch.float32) for k, v in zip(aux, sums[1:])}
+        if bool(torch.isfinite(loss.to(gnorm.device) + gnorm)):  # the one host sync a step
             self.optimizer.step()
         elif self.skipped < tc.skip_nonfinite:
             self.skipped += 1
@@ -153,9 +213,9 @@ class Trainer:
         """Run to ``tc.steps`` (or ``stop_after`` more steps, leaving the run unfinished:
         used to test interruption); returns the summary (also summary.json when done)."""
         tc = self.tc
-        fwd = torch.compile(self.model) if tc.compile else self.model
+        fwd = torch.compile(self.fwd) if tc.compile else self.fwd
         bar = None
-        if self.progress:
+        if self.progress and self.world.main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=tc.steps, initial=self.step, desc=self.desc, unit="step",
@@ -170,8 +230,10 @@ class Trainer:
                 if self.step % tc.log_every == 0 or last:
                     dt = time.perf_counter() - t_last
                     self.elapsed += dt
+                    tps = (self.tokens - tok_last) / max(dt, 1e-9)
+                    util = dist.mfu(tps, self.flops_per_token, self.peak, self.world.size)
                     rec = {"step": self.step, **{k: float(v) for k, v in rec.items()},
-                           "tokens": self.tokens, "tok_per_s": (self.tokens - tok_last) / max(dt, 1e-9),
+                           "tokens": self.tokens, "tok_per_s": tps, **({"mfu": util} if util is not None else {}),
                            "elapsed_s": self.elapsed, **({"skipped_steps": self.skipped} if self.skipped else {})}
                     self._log(rec)
                     if bar is not None:
@@ -184,12 +246,22 @@ class Trainer:
                     self.last_eval = self.evaluate(self.model)
                     self._log({"step": self.step, **self.last_eval, "elapsed_s": self.elapsed})
                 if self.run is not None and (self.step % tc.ckpt_every == 0 or last):
-                    self.save()
+                    self.save()  # every rank: gathering the state is a collective
                 t_last += time.perf_counter() - t0
         except KeyboardInterrupt:
-            if self.run is not None:
+            if self.writes:
                 remove_orphans(self.run.path)
             raise Interrupted(self.step, self.saved) from None
+        except RuntimeError as e:  # gloo / NCCL: a peer process is gone
+            if self.world.size == 1 or not dist.is_peer_failure(e):
+                raise
+            if self.writes:
+                remove_orphans(self.run.path)
+            ckpt = f"the checkpoint of step {self.saved} is intact" if self.saved is not None \
+                else "no checkpoint was written"
+            raise PeerFailed(f"another process of this {self.world.size}-process run failed at step "
+                             f"{self.step + 1} ({str(e).splitlines()[0][-90:]}); {ckpt}: see that process's "
+                             "error, then rerun the torchrun command with --resume") from None
         finally:
             if bar is not None:
                 bar.close()
@@ -200,5 +272,7 @@ class Trainer:
                 "finished": self.step >= self.tc.steps,
                 "params": sum(p.numel() for p in self.model.parameters()),
                 "elapsed_s": self.elapsed, "tok_per_s": self.tokens / max(self.elapsed, 1e-9),
+                **({"mfu": u} if (u := dist.mfu(self.tokens / max(self.elapsed, 1e-9), self.flops_per_token,
+                                               self.peak, self.world.size)) is not None else {}),
                 "peak_memory_mb": peak_memory_mb(self.device),
                 **({"skipped_steps": self.skipped} if self.skipped else {}), **self.last_eval}
