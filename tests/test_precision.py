@@ -86,19 +86,11 @@ def pieces(m, idx, cuts=(6, 7, 8, 9, 12)):
 
 # ---------------------------------------------------------------------------- (a) 3PT in float64
 def givens_float64(x, theta, N):
-    """Independent rotation: for phase i and pair k, a hand-written 2x2 Givens rotation by
-    theta_k + 2*pi*k'/N with cos/sin from ``math`` (float64), pair by pair."""
-    D = x.shape[-1]
-    dp = D // N
-    y = x.clone()
-    for i in range(N):
-        for k in range(dp // 2):
-            a = theta[k] + 2 * math.pi * i / N
-            c, s = math.cos(a), math.sin(a)
-            j = i * dp + 2 * k
-            x0, x1 = x[..., j], x[..., j + 1]
-            y[..., j], y[..., j + 1] = c * x0 - s * x1, s * x0 + c * x1
-    return y
+    """Independent rotation (test_three_phase's per-pair loop, cos/sin from ``math`` in
+    float64, each pair by a hand-written 2x2 Givens matrix in x's dtype)."""
+    from test_three_phase import givens_reference
+
+    return givens_reference(x, theta, N)
 
 
 def rotation64(N, residual=False):

@@ -25,7 +25,7 @@ def givens_reference(x, theta, N):
         for k in range(dp // 2):
             a = theta[k] + 2 * math.pi * i / N
             c0, c1 = i * dp + 2 * k, i * dp + 2 * k + 1
-            R = torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+            R = torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]], dtype=x.dtype)
             y[..., [c0, c1]] = x[..., [c0, c1]] @ R.T
     return y
 
