@@ -94,6 +94,20 @@ def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path, text_file, ho
     assert json.loads((out / "summary.json").read_text())["step"] == 12
 
 
+def test_a_two_process_checkpoint_resumes_in_four(tmp_path, text_file):
+    """World 2 -> 4 at the same global batch (4 x 1): the uninterrupted run's records."""
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    _run(ref, text_file, 4, "--preset", "rope-tiny", steps=9)
+    cmd, env = _train(out, text_file, 2, "--preset", "rope-tiny", nproc=2, steps=9)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert _wait_for_checkpoint(proc, out)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert not (out / "summary.json").exists()
+    _run(out, text_file, 1, "--preset", "rope-tiny", "--resume", nproc=4, steps=9)
+    _assert_close(_records(ref), _records(out))
+
+
 def test_a_killed_rank_ends_the_run_and_keeps_the_checkpoint(tmp_path, text_file):
     out = tmp_path / "run"
     cmd, env = _train(out, text_file, 2, "--preset", "rope-tiny", nproc=2, steps=400)

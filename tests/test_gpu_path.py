@@ -119,3 +119,15 @@ def test_compare_table_shows_mfu_only_when_measured():
     table = format_table({"variants": [{**v, "mfu": {"mean": 0.42, "std": None}}]})
     head, _, row = table.splitlines()
     assert "| MFU |" in head and "| 0.420 |" in row and head.count("|") == row.count("|")
+
+
+@pytest.mark.parametrize("preset", ["rope-tiny", "universal-act-tiny"])
+def test_compiled_decoding_with_the_preallocated_cache_equals_eager(preset):
+    from phaseloop.decoding import decode
+
+    torch._dynamo.reset()
+    m = _model(preset, {})
+    x = torch.randint(0, 256, (2, 5))
+    compiled = torch.compile(m, backend="eager", dynamic=True)
+    out = decode(lambda inp, cache: compiled(inp, cache=cache), x, 5, temperature=0)
+    assert torch.equal(out, m.generate(x, 5, temperature=0))
