@@ -19,3 +19,11 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path, one_thread):
         ("rope-tiny", "eager"), ("rope-tiny", "compiled"), ("3pt-tiny", "eager"), ("3pt-tiny", "compiled")]
     assert set(res["ratios"]) == {"3pt/rope N=3", "3pt/rope N=12", "hyperloop/looped", "mhc/transformer"}
     assert res["generate_tok_per_s"] > 0 and res["loss_check"]["tracks"]
+
+
+def test_bench_step_runs(capsys, one_thread):
+    import bench_step
+
+    assert bench_step.main(["--shapes", "nanogpt", "--archs", "rope", "--rounds", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "nanogpt    rope" in out and "rope/gpt2 step" in out
