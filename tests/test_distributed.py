@@ -64,6 +64,11 @@ def test_two_processes_equal_one_at_the_same_global_batch(tmp_path, text_file, p
     assert cfg["parallel"] == {"world_size": 2} and cfg["train"]["parallel"] == how
     verify_checkpoint(two / "checkpoint")  # one consolidated checkpoint, rank 0's
     assert not any(p.name.startswith(".") for p in two.iterdir())
+    r = subprocess.run([sys.executable, "-m", "phaseloop", "eval", str(two), "--json", "--windows", "4"],
+                       capture_output=True, text=True)  # read back in one process
+    assert r.returncode == 0, r.stderr
+    val = json.loads(r.stdout)["val_loss"]
+    assert abs(val - _records(two)[-1]["val_loss"]) <= 1e-5 * val
 
 
 def _wait_for_checkpoint(proc, out, timeout=300):
