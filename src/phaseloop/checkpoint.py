@@ -89,7 +89,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module | dict, optimizer=None
     the data position (``data_state``, stored as ``data.<name>``) and ``extra`` JSON
     fields, swapped in atomically."""
     run_dir = Path(run_dir)
-    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint.tmp-"))
+    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=TMP_PREFIX))
     tmp.chmod(0o755)
     try:
         full = model if isinstance(model, dict) else model.state_dict()

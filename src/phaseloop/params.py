@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .config import ModelConfig
+from .errors import PhaseloopError
 from .model import build_model
 
 
@@ -28,6 +29,20 @@ def count_params(cfg: ModelConfig, seq_len: int | None = None) -> dict:
             "unembedding": int(unembedding), "non_embedding": int(total - embedding - unembedding),
             "flops_per_token": int(fc.get_total_flops() // T), "seq_len": T,
             "depth": int(getattr(model.trunk, "depth", cfg.n_layers))}
+
+
+def measure(cfg, seq_len: int) -> dict:
+    """count_params on the meta device; FLOPs None when an arch cannot trace on meta."""
+    try:
+        return count_params(cfg, seq_len)
+    except PhaseloopError:
+        raise
+    except Exception as e:  # e.g. data-dependent halting loops on meta tensors
+        model = build_model(cfg, device="meta")
+        total = sum(p.numel() for p in model.parameters())
+        return {"arch": cfg.arch, "total": int(total), "flops_per_token": None, "seq_len": seq_len,
+                "depth": int(getattr(model.trunk, "depth", cfg.n_layers)),
+                "flops_error": f"{e.__class__.__name__}: {str(e)[:120]}"}
 
 
 def format_count(n: int) -> str:

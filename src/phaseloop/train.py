@@ -18,6 +18,7 @@ from .engine import RunFolder, TrainConfig, Trainer, autocast, dist, software_ve
 from .errors import ConfigError
 from .files import atomic_write_bytes
 from .model import DecoderLM, build_model
+from .params import measure
 from .tokenizer import ByteTokenizer, Tokenizer
 
 
@@ -35,17 +36,6 @@ def fit_vocab(cfg: ModelConfig, tokenizer, explicit: bool = False,
         log(f"note: vocab_size {cfg.vocab_size} -> {tokenizer.vocab_size} to match the "
             f"{tokenizer.name} tokenizer")
     return cfg.replace(vocab_size=tokenizer.vocab_size)
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> int | None:
-    """Forward FLOPs per token (``params.count_params`` on the meta device; None where a
-    trunk cannot trace there, e.g. ACT's data-dependent halting)."""
-    from .params import count_params
-
-    try:
-        return count_params(cfg, seq_len)["flops_per_token"]
-    except Exception:  # noqa: BLE001 — MFU is then not reported
-        return None
 
 
 def check_seq_len(seq_len: int, cfg: ModelConfig) -> None:
@@ -128,7 +118,7 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     trainer = Trainer(lambda: build_model(model_cfg), tc, batches, lm_loss,
                       evaluate=lambda m: evaluate(m, windows, corpus.tokenizer, tc.batch_size, trainer.device),
                       run=run, progress=progress, desc=run.path.name, on_step=on_step,
-                      flops_per_token=flops_per_token(model_cfg, seq_len))
+                      flops_per_token=measure(model_cfg, seq_len)["flops_per_token"])  # None: no MFU
     if w.main and corpus.tokenizer.path is not None and not (run.path / TOKENIZER_COPY).exists():
         atomic_write_bytes(run.path / TOKENIZER_COPY, corpus.tokenizer.path.read_bytes())
     summary = {**trainer.fit(stop_after), "data": corpus.describe(), **({"world_size": w.size} if w.size > 1 else {})}

@@ -38,16 +38,6 @@ def strict_from_dict(cls, d: dict, what: str):
     return cls(**d)
 
 
-def check_floats(obj: Any, names, what: str) -> None:
-    """Each field must be a finite real number (range checks are the caller's)."""
-    import math
-
-    for name in names:
-        v = getattr(obj, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ConfigError(f"invalid {what}: {name}={v!r}: must be a finite number")
-
-
 _ABSENT = object()
 
 

@@ -8,9 +8,9 @@ from math import lcm
 from typing import Callable
 
 from ..config import ModelConfig
-from ..errors import ConfigError, PhaseloopError
+from ..errors import ConfigError
 from ..model import build_model
-from ..params import count_params
+from ..params import measure
 from .recipe import Recipe, RecipeError, Variant, resolve_variant
 
 
@@ -24,20 +24,6 @@ class Planned:
     @property
     def name(self) -> str:
         return self.variant.name
-
-
-def measure(cfg, seq_len: int) -> dict:
-    """count_params on the meta device; FLOPs None when an arch cannot trace on meta."""
-    try:
-        return count_params(cfg, seq_len)
-    except PhaseloopError:
-        raise
-    except Exception as e:  # e.g. data-dependent halting loops on meta tensors
-        model = build_model(cfg, device="meta")
-        total = sum(p.numel() for p in model.parameters())
-        return {"arch": cfg.arch, "total": int(total), "flops_per_token": None, "seq_len": seq_len,
-                "depth": int(getattr(model.trunk, "depth", cfg.n_layers)),
-                "flops_error": f"{e.__class__.__name__}: {str(e)[:120]}"}
 
 
 def _metric(counts: dict, kind: str):

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..validation import check_floats, check_ints, check_types, strict_from_dict
+from ..validation import check_ints, check_types, strict_from_dict
 
 
 @dataclass
@@ -48,12 +48,6 @@ class TrainConfig:
                           "ckpt_every", "log_every"), what)
         check_ints(self, ("seq_len",), what, optional=True)
         check_ints(self, ("warmup_steps", "seed", "skip_nonfinite"), what, minimum=0)
-        check_floats(self, ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip",
-                            "val_fraction"), what)
-        if not isinstance(self.device, str):
-            raise ConfigError(f"invalid train config: device={self.device!r}: use auto, cpu or cuda[:N]")
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"invalid train config: compile={self.compile!r}: must be true or false")
         if not self.lr > 0:
             raise ConfigError(f"invalid train config: lr={self.lr!r}: must be > 0")
         for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2"):

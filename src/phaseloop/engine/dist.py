@@ -19,10 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
-
-PARALLEL = ("ddp", "fsdp")
-
 
 @dataclass(frozen=True)
 class World:
@@ -132,8 +128,6 @@ def parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
     w = world()
     if w.size == 1:
         return model
-    if how not in PARALLEL:
-        raise ConfigError(f"invalid train config: parallel={how!r}: choose ddp or fsdp")
     if how == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..checkpoint import checkpoint_dir, dumps, read_json, remove_orphans, write_json
+from ..checkpoint import TMP_PREFIX, checkpoint_dir, dumps, read_json, remove_orphans, write_json
 from ..errors import CheckpointError
 from ..files import atomic_write_bytes, check_out_dir
 
@@ -121,7 +121,7 @@ class RunFolder:
                     f"{path} holds a run with a different {section} config ({k}: "
                     f"{saved.get(section, {}).get(k)!r} there, {want.get(k)!r} now); "
                     "resume with the same settings or choose another --out")
-        elif path.exists() and any(p for p in path.iterdir() if not p.name.startswith(".checkpoint.tmp-")):
+        elif path.exists() and any(p for p in path.iterdir() if not p.name.startswith(TMP_PREFIX)):
             raise CheckpointError(f"{path} exists, holds no run and is not empty; choose another --out")
         elif resume:
             if log is not None:

@@ -87,7 +87,7 @@ class Trainer:
         torch.manual_seed(tc.seed)  # the same initial weights on every rank
         self.model = build().to(self.device)
         if self.world.rank > 0:  # dropout masks differ between ranks
-            torch.manual_seed(tc.seed + 7919 * self.world.rank)
+            self._seed_rank(0)
         self.step, self.elapsed, self.tokens, self.skipped = 0, 0.0, 0, 0
         self.saved: int | None = None  # step of the checkpoint on disk
         self.ran = 0  # steps run by this process (0 when resuming a finished run)
@@ -124,7 +124,7 @@ class Trainer:
         if cpu is not None:
             torch.set_rng_state(cpu)
         else:  # resumed in a larger world: a fresh stream for this rank
-            torch.manual_seed(self.tc.seed + 7919 * r + meta["step"])
+            self._seed_rank(meta["step"])
         if self.device.type == "cuda":
             mine = tensors.get(f"rng.cuda.r{r}")
             if mine is not None:
@@ -135,6 +135,10 @@ class Trainer:
         self.batches.set_state(data_state(tensors))
         self.step, self.elapsed = meta["step"], meta.get("elapsed", 0.0)
         self.tokens, self.skipped, self.saved = meta.get("tokens", 0), meta.get("skipped", 0), meta["step"]
+
+    def _seed_rank(self, step: int) -> None:
+        """A rank's own RNG stream (ranks > 0, or a rank new to a resumed run)."""
+        torch.manual_seed(self.tc.seed + 7919 * self.world.rank + step)
 
     def _rng(self) -> dict:
         """Every rank's RNG states (a collective in a world): rank 0's under the names
