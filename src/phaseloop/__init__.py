@@ -6,6 +6,9 @@ from .model import DecoderLM, ModelOutput, build_model
 
 # Each architecture module registers its trunk, block options and presets on import.
 from . import three_phase, universal, hyperloop  # noqa: E402,F401  isort: skip
+from . import hf as _hf  # noqa: E402  isort: skip
+
+_hf.register_when_imported()  # Auto classes know model_type "phaseloop" (hf/__init__.py)
 
 __version__ = "0.1.0"
 __all__ = ["ModelConfig", "PRESETS", "build_model", "DecoderLM", "ModelOutput",

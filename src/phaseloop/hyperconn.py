@@ -106,6 +106,11 @@ class HyperConnection(nn.Module):
                              persistent=False)
         self.e = nn.Parameter(torch.zeros(D)) if loop_embedding else None
 
+    def reset_buffers(self) -> None:
+        """Recompute the derived buffer (a model loaded onto the meta device first)."""
+        n, n_res = self.n, len(self.alpha_idx) - 2 * self.n
+        self.alpha_idx.copy_(torch.tensor([0] * n + [1] * n + [2] * n_res))
+
     def coefficients(self, y_BTnD: torch.Tensor):
         """-> H_pre [B,T,n], H_post [B,T,n], H_res: its diagonal [B,T,n] (hc_res=diagonal),
         the matrix [B,T,n,n] (sinkhorn) or None (identity)."""

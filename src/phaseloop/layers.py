@@ -133,6 +133,16 @@ class KVCache:
         self.entries[slot] = (buf[0][:, :, :n + T], buf[1][:, :, :n + T])
         return self.entries[slot]
 
+    def select_rows(self, idx_R: torch.Tensor) -> None:
+        """Keep rows ``idx_R`` of every entry, in that order (beam search reorders)."""
+        self.buffers = {s: tuple(t.index_select(0, idx_R) for t in buf) for s, buf in self.buffers.items()}
+        for slot, entry in self.entries.items():
+            if slot in self.buffers:
+                n = entry[0].shape[2]
+                self.entries[slot] = tuple(t[:, :, :n] for t in self.buffers[slot])
+            else:  # (keys, values), or a list of pending ACT step inputs
+                self.entries[slot] = type(entry)(t.index_select(0, idx_R) for t in entry)
+
 
 @dataclass
 class Memory:

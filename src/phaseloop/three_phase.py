@@ -44,11 +44,15 @@ class PhaseRotation(nn.Module):
         self.residual = cfg.residual_rotation
         self.layer_idx, self.n_layers = layer_idx, n_layers
         self.theta = nn.Parameter(torch.full((cfg.d_phase // 2,), self.init_angle(layer_idx, n_layers)))
-        offsets = phase_offsets(cfg.n_phases, torch.float32)
-        if cfg.learnable_offsets:
-            self.offsets = nn.Parameter(offsets)
+        if cfg.learnable_offsets:  # default dtype: a model built in bf16 holds them in bf16
+            self.offsets = nn.Parameter(phase_offsets(cfg.n_phases, torch.get_default_dtype()))
         else:  # the fp32 values, for inspection; forward rebuilds them in its compute dtype
-            self.register_buffer("offsets", offsets, persistent=False)
+            self.register_buffer("offsets", phase_offsets(cfg.n_phases, torch.float32), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the derived buffer (a model loaded onto the meta device first)."""
+        if not isinstance(self.offsets, nn.Parameter):
+            self.offsets.copy_(phase_offsets(self.n_phases, torch.float32))
 
     @staticmethod
     def init_angle(layer_idx: int, n_layers: int) -> float:

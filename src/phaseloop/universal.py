@@ -79,6 +79,11 @@ class CoordinateSignal(nn.Module):
             self.register_buffer("step_sinusoid", timing_signal(torch.arange(trained_steps), cfg.d_model),
                                  persistent=False)
 
+    def reset_buffers(self) -> None:
+        """Recompute the derived buffer (a model loaded onto the meta device first)."""
+        if self.step_table is None:
+            self.step_sinusoid.copy_(timing_signal(torch.arange(len(self.step_sinusoid)), self.d_model))
+
     def position(self, start: int, T: int, device) -> torch.Tensor:
         return timing_signal(torch.arange(start, start + T, device=device), self.d_model)
 

@@ -166,6 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
     q.add_argument("--out", help="folder for the weights and report (default: the run folder)")
 
+    x = _on_a_run(sub, "export", "a run as a Hugging Face folder (AutoModelForCausalLM.from_pretrained)",
+                  C.cmd_export, data=False, device=False)
+    x.add_argument("--out", required=True, help="new (or empty) folder to write")
+    x.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    x.add_argument("--quantized", metavar="FILE", help="a quant-*.safetensors of `phaseloop quantize`: "
+                   "export its dequantised weights (the function the quantised model computes)")
+
+    v = _on_a_run(sub, "lm-eval", "lm-evaluation-harness on a run (local: lambada_local, "
+                  "wikitext2_local)", C.cmd_lm_eval, data=False)
+    v.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    v.add_argument("--include-path", help="a folder of extra lm-eval task YAMLs")
+    v.add_argument("--limit", type=float, help="examples per task (a fraction if < 1)")
+    v.add_argument("--batch-size", type=int, default=8)
+    v.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    v.add_argument("--data-dir", help="folder holding lambada/ and wikitext-2/ (default $PHASELOOP_DATA_DIR)")
+
     k = sub.add_parser("tokenizer", help="train a BPE / word-level tokenizer; encode, decode, stats")
     ks = k.add_subparsers(dest="action", required=True, parser_class=_Parser)
     kt = ks.add_parser("train", help="train on a data source, write DIR/tokenizer.json")

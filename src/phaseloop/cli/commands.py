@@ -224,6 +224,38 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- Hugging Face
+def cmd_export(args) -> int:
+    """A run as a Hugging Face folder (``hf.export_run``)."""
+    from .. import hf
+
+    hf.require()
+    out = hf.export_run(args.run, args.out, dtype=args.dtype, quantized=args.quantized)
+    print(f"exported {args.run} -> {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}) "
+          "after `import phaseloop`, or with trust_remote_code=True)")
+    return 0
+
+
+def cmd_lm_eval(args) -> int:
+    """lm-evaluation-harness on a run (``hf.harness.lm_eval_run``)."""
+    from .. import hf
+
+    hf.require("transformers", "lm_eval")
+    from ..hf.harness import lm_eval_run
+
+    tasks = [t.strip() for t in args.tasks.split(",")]
+    res = lm_eval_run(args.run, tasks, include_path=args.include_path, limit=args.limit,
+                      batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                      data=args.data_dir)
+    from lm_eval.utils import make_table
+
+    print(make_table(res))
+    run = Path(args.run)
+    run_dir = run.parent if (run / "model.safetensors").exists() else run
+    print(f"results: {run_dir / 'lm_eval' / 'results.json'} (table: results.md)")
+    return 0
+
+
 # ---------------------------------------------------------------------------- 3PT analysis
 def cmd_angles(args) -> int:
     """3PT: per-layer |θ_final − θ_init| of a trained run, printed and plotted."""

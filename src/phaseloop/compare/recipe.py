@@ -191,6 +191,10 @@ class Recipe:
     match_tolerance: float = 0.1  # largest relative miss of a matched budget
     alpha: float = 0.05  # significance level of the paired t-test
     train: dict = field(default_factory=dict)  # TrainConfig fields (all but seed)
+    # lm-eval tasks scored on every finished run (the hf extra), e.g. ["lambada_local"];
+    # eval_limit: examples per task (None: all)
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_limit: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -240,6 +244,11 @@ class Recipe:
                                   "stdlib, shakespeare or hf:NAME; tokenizer: bytes or a tokenizer)")
         if not isinstance(self.train, dict):
             raise RecipeError("train must be a table of TrainConfig fields")
+        if not isinstance(self.eval_tasks, list) or any(not isinstance(t, str) or not t for t in self.eval_tasks):
+            raise RecipeError(f"eval_tasks={self.eval_tasks!r}: must be a list of lm-eval task names, "
+                              "e.g. ['lambada_local', 'wikitext2_local']")
+        if self.eval_limit is not None and (not isinstance(self.eval_limit, int) or self.eval_limit < 1):
+            raise RecipeError(f"eval_limit={self.eval_limit!r}: must be a positive integer (examples per task)")
         if "seed" in self.train:
             raise RecipeError("train.seed is set per run from seeds; use seeds = [...] instead")
         try:

@@ -59,8 +59,11 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
         test = (None if p.name == recipe.reference else paired_t_test(
             [ref_final[s] for s in paired],
             [r["summaries"][r["seeds"].index(s)]["val_loss"] for s in paired], recipe.alpha))
+        evals = [lm_eval_scores(out / "runs" / f"{p.variant.slug}-s{s}") for s in r["seeds"]]
+        lm_eval = {k: dict(zip(("mean", "std"), mean_std([e.get(k) for e in evals])))
+                   for k in sorted({k for e in evals for k in e})}
         variants.append({
-            "name": p.name, "spec": p.variant.spec, "slug": p.variant.slug,
+            "name": p.name, "spec": p.variant.spec, "slug": p.variant.slug, "lm_eval": lm_eval,
             "model": p.cfg.to_dict(), "matched": p.matched,
             "params": p.counts["total"], "non_embedding_params": p.counts.get("non_embedding"),
             "depth": p.counts["depth"], "flops_per_token": p.counts["flops_per_token"],
@@ -76,6 +79,16 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
     total = sum(x.get("elapsed_s", 0.0) for r in rows.values() for x in r["summaries"])
     return {"reference": recipe.reference, "target_val_loss": target,
             "train_time_s": total, "variants": variants}
+
+
+def lm_eval_scores(run_dir: Path) -> dict:
+    """{task/metric: value} of a run's lm-eval results (empty when it has none)."""
+    path = run_dir / "lm_eval" / "results.json"
+    if not path.exists():
+        return {}
+    from ..hf.harness import scores
+
+    return scores(read_json(path))
 
 
 def _machine(device) -> dict:
@@ -110,13 +123,17 @@ def format_table(summary: dict) -> str:
     """The comparison table; an MFU column when any run knew its device's peak (GPUs,
     or ``peak_tflops``)."""
     mfu = any((v.get("mfu") or {}).get("mean") is not None for v in summary["variants"])
+    evals = sorted({k for v in summary["variants"] for k in v.get("lm_eval", {})})
     head = ("| variant | params | depth | MFLOP/tok | tok/s | " + ("MFU | " if mfu else "")
-            + "peak MB | val loss | BPB | PPL | step speedup | wall speedup | vs reference |")
-    lines = [head, "|" + "---|" * (12 + mfu)]
+            + "peak MB | val loss | BPB | PPL | step speedup | wall speedup | vs reference |"
+            + "".join(f" {k} |" for k in evals))
+    lines = [head, "|" + "---|" * (12 + mfu + len(evals))]
     for v in summary["variants"]:
         if not v["finished_seeds"]:
-            lines.append(f"| {v['name']} | not run |" + " |" * (10 + mfu))
+            lines.append(f"| {v['name']} | not run |" + " |" * (10 + mfu + len(evals)))
             continue
+        ev = v.get("lm_eval", {})
+        cells = "".join(f" {_fmt(ev[k]['mean'], ev[k]['std'], 4) if k in ev else 'n/a'} |" for k in evals)
         fl = v["flops_per_token"]
         lines.append(
             f"| {v['name']} | {format_count(v['params'])} | {v['depth']} | "
@@ -128,7 +145,7 @@ def format_table(summary: dict) -> str:
             f"{_fmt(v['val_bpb']['mean'], v['val_bpb']['std'])} | "
             f"{_fmt(v['val_ppl']['mean'], v['val_ppl']['std'], 2)} | "
             f"{_speed(v['step_speedup'])} | {_speed(v['wallclock_speedup'])} | "
-            f"{_verdict(v['vs_reference'])} |")
+            f"{_verdict(v['vs_reference'])} |" + cells)
     return "\n".join(lines)
 
 
@@ -211,6 +228,11 @@ def write_report(out: Path, recipe: Recipe, plan: list[Planned], data: dict,
           f"(alpha={recipe.alpha}); better / worse = lower / higher loss beyond seed noise."]
     if any(t.get("note") for t in tests):
         md.append(f"- Note: {next(t['note'] for t in tests if t.get('note'))}.")
+    if recipe.eval_tasks:
+        md.append(f"- lm-eval columns (task/metric, mean ± std over seeds): `phaseloop lm-eval` on each "
+                  f"finished run, tasks {', '.join(recipe.eval_tasks)}"
+                  + (f", the first {recipe.eval_limit} examples of each" if recipe.eval_limit else "")
+                  + "; each run's results are in its lm_eval/results.json.")
     md.append("- Peak memory: the run's peak RSS (CPU; reset between runs) or peak CUDA "
               "allocation; MFLOP/tok: forward FLOPs per token at the training length.")
     if notes:

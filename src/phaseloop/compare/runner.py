@@ -89,6 +89,20 @@ def _launch_hint(name: str, log) -> None:
             f"launch it with `torchrun --nproc-per-node {n} -m phaseloop compare ...`")
 
 
+def _lm_eval(recipe: Recipe, run_dir: Path, device: str, log) -> None:
+    """Score a finished run on the recipe's lm-eval tasks once (RUN/lm_eval/results.json)."""
+    if not recipe.eval_tasks or not (run_dir / "summary.json").exists():
+        return
+    done = run_dir / "lm_eval" / "results.json"
+    if done.exists() and sorted(read_json(done).get("results", {})) == sorted(recipe.eval_tasks):
+        return
+    from ..hf.harness import lm_eval_run
+
+    if log:
+        log(f"lm-eval {','.join(recipe.eval_tasks)} on {run_dir.name}")
+    lm_eval_run(run_dir, recipe.eval_tasks, limit=recipe.eval_limit, device=device)
+
+
 def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True,
                    on_step: Callable[[str, int, dict], None] | None = None,
                    log: Callable[[str], None] | None = _stderr,
@@ -147,6 +161,10 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
         dist.barrier()  # every rank has looked before rank 0 writes this run's config.json
         lm.train(p.cfg, tc, corpus, run_dir, resume=resume, progress=False, on_step=_on_step)
 
+    if recipe.eval_tasks:  # refused before any training when the extra is missing
+        from .. import hf
+
+        hf.require("transformers", "lm_eval")
     try:
         for r in pending:
             one(*r)
@@ -155,4 +173,6 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
             bar.close()
     if not w.main:
         return {}
+    for _, _, run_dir in runs:  # also runs finished before an interruption
+        _lm_eval(recipe, run_dir, device, log)
     return write_report(out, recipe, plan, corpus.describe(), command, log)

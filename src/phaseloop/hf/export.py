@@ -1,0 +1,130 @@
+"""A run as a ``transformers`` model: in memory (``from_run``) or as a
+``save_pretrained`` folder (``export_run``, ``phaseloop export``).
+
+The folder holds config.json (the whole ``ModelConfig`` under ``phaseloop``, and an
+``auto_map`` for ``trust_remote_code=True``), model.safetensors (one copy of every
+weight: a weight-shared block is one module; a tied head is declared tied and stored
+once), generation_config.json, the run's tokenizer (tokenizer.json and
+tokenizer_config.json, the byte tokenizer included), the two small remote-code files
+(they import phaseloop, which must be installed) and a model card. It is written into a
+temporary folder beside ``out`` and renamed, so ``out`` is never half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import checkpoint_dir, dumps, file_sha256, load_run, read_json, run_tokenizer
+from ..errors import CheckpointError, PhaseloopError
+from ..files import check_out_dir
+from .modeling import PhaseloopForCausalLM
+from .tokenizer import hf_tokenizer
+
+REMOTE_CODE = {
+    "configuration_phaseloop.py": "PhaseloopConfig",
+    "modeling_phaseloop.py": "PhaseloopForCausalLM",
+}
+AUTO_MAP = {"AutoConfig": "configuration_phaseloop.PhaseloopConfig",
+            "AutoModelForCausalLM": "modeling_phaseloop.PhaseloopForCausalLM"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _quantized_weights(model, path: Path) -> dict:
+    """Load a ``phaseloop quantize`` output into ``model`` (dequantised: the function the
+    quantised model computes) and return what to record about it."""
+    from ..quant.io import load_quantized_state_dict
+
+    if not path.is_file():
+        raise PhaseloopError(f"--quantized {path}: no such file; pass the quant-*.safetensors "
+                             "that `phaseloop quantize` wrote")
+    try:
+        load_quantized_state_dict(path, model)
+    except RuntimeError as e:
+        raise CheckpointError(f"--quantized {path} does not fit this run's model ({str(e)[:80]}); "
+                              "pass the file quantised from this run") from None
+    report = path.with_suffix(".json")
+    info = read_json(report) if report.is_file() else {}
+    return {"file": path.name, "sha256": file_sha256(path),
+            **{k: info[k] for k in ("bits", "group_size", "method") if k in info}}
+
+
+def from_run(run: str | Path, device: str | torch.device = "cpu", dtype: str = "float32",
+             quantized: str | Path | None = None):
+    """(PhaseloopForCausalLM, PreTrainedTokenizerFast, run config, phaseloop tokenizer)
+    for a run folder or its checkpoint folder; the model in eval mode."""
+    if dtype not in DTYPES:
+        raise PhaseloopError(f"--dtype {dtype}: choose {' or '.join(DTYPES)}")
+    model, run_cfg = load_run(run, "cpu")
+    quant = _quantized_weights(model, Path(quantized)) if quantized else None
+    hf = PhaseloopForCausalLM.from_decoder(model.to(device=device, dtype=DTYPES[dtype]))
+    if quant:
+        hf.config.phaseloop_quantization = quant
+    tok = run_tokenizer(run, run_cfg)
+    return hf, hf_tokenizer(tok), run_cfg, tok
+
+
+def _card(hf, run: Path, run_cfg: dict, summary: dict) -> str:
+    cfg = hf.model.cfg
+    metrics = {k: summary[k] for k in ("val_loss", "val_bpb", "step") if k in summary}
+    return f"""---
+library_name: transformers
+tags: [phaseloop, {cfg.arch}]
+---
+# {run.name}
+
+A phaseloop model (arch `{cfg.arch}`, {sum(p.numel() for p in hf.model.parameters()):,} parameters), exported from
+the run folder `{run.name}` with `phaseloop export`. Final metrics of the run: {json.dumps(metrics)}.
+
+```python
+import phaseloop  # registers model_type "phaseloop" (or pass trust_remote_code=True)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("PATH")
+tok = AutoTokenizer.from_pretrained("PATH")
+ids = tok("To be, or not", return_tensors="pt").input_ids
+print(tok.decode(model.generate(ids, max_new_tokens=40, do_sample=False)[0]))
+```
+
+Needs `pip install 'phaseloop[hf]'`. Training configuration: see `phaseloop.json`.
+"""
+
+
+def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
+               quantized: str | Path | None = None) -> Path:
+    """Write the run as a Hugging Face folder at ``out`` (absent or empty); returns it."""
+    out = Path(out)
+    check_out_dir(out)
+    if out.is_dir() and any(out.iterdir()):
+        raise PhaseloopError(f"--out {out} is not empty; choose a new folder (nothing was written)")
+    hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized)
+    run = Path(run)
+    run_dir = run.parent if (run / "model.safetensors").exists() else run
+    ckpt = checkpoint_dir(run_dir) if run_dir == run else run
+    summary = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        hf.config.auto_map = dict(AUTO_MAP)
+        hf.save_pretrained(tmp)
+        fast.save_pretrained(tmp)
+        for name, cls in REMOTE_CODE.items():
+            (tmp / name).write_text(f'"""phaseloop\'s {cls} for trust_remote_code=True (needs '
+                                    f'`pip install phaseloop`)."""\n\nfrom phaseloop.hf.modeling '
+                                    f'import {cls}  # noqa: F401\n')
+        (tmp / "phaseloop.json").write_text(dumps({
+            "run": str(run_dir.resolve()), "checkpoint_sha256": file_sha256(ckpt / "model.safetensors"),
+            "quantization": getattr(hf.config, "phaseloop_quantization", None), "dtype": dtype,
+            "train": run_cfg.get("train"), "data": run_cfg.get("data"), "summary": summary}, indent=2))
+        (tmp / "README.md").write_text(_card(hf, run_dir, run_cfg, summary))
+        if out.is_dir():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

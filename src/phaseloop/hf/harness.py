@@ -1,0 +1,166 @@
+"""lm-evaluation-harness on a phaseloop run (``phaseloop lm-eval``), with local tasks.
+
+The run is wrapped in memory (``from_run``: no export) and handed to lm-eval's ``HFLM``.
+Local task definitions for what ``$PHASELOOP_DATA_DIR`` holds offline, written next to
+the results (``RUN/lm_eval/tasks``) with the data paths filled in:
+
+* ``lambada_local``: LAMBADA test (``lambada/lambada_test.jsonl``, 5,153 passages), the
+  UT paper's last-word task, exactly as lm-eval's ``lambada_openai``: context = all but
+  the last space-separated word, target = " " + that word; accuracy (the word is the
+  greedy continuation) and perplexity.
+* ``wikitext2_local``: WikiText-2 test (``wikitext-2/wiki.test.raw``) cut into its
+  articles (phaseloop's WikiText reader: 62 documents), scored as lm-eval's ``wikitext``
+  (rolling loglikelihood over max_length windows of the detokenised page; word
+  perplexity, byte perplexity, bits per byte, counted on the raw page).
+
+A text with no context is conditioned on ``prefix_token_id`` (the tokenizer's EOS, else
+its newline token: phaseloop models train on raw text with no BOS/EOS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..checkpoint import dumps
+from ..errors import ConfigError, PhaseloopError
+from ..files import atomic_write_bytes
+from . import require
+
+LOCAL_TASKS = {
+    "lambada_local": ("lambada/lambada_test.jsonl", """\
+task: lambada_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""),
+    "wikitext2_local": ("wikitext-2/wiki.test.raw", """\
+task: wikitext2_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: !function wikitext_local.wikitext_detokenizer
+process_results: !function wikitext_local.process_results
+metric_list:
+  - metric: word_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
+  - metric: byte_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
+  - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
+metadata:
+  version: 2.0
+"""),
+}
+# lm-eval's own WikiText functions, imported beside the YAML that names them
+_WIKITEXT_PY = "from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa: F401\n"
+
+
+def data_dir(given: str | None = None) -> Path | None:
+    d = given or os.environ.get("PHASELOOP_DATA_DIR")
+    return Path(d).expanduser() if d else None
+
+
+def write_local_tasks(dest: Path, data: Path | None, wanted: list[str]) -> None:
+    """Write the YAML of every local task in ``wanted`` into ``dest``."""
+    from ..sources import _articles
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in wanted:
+        if name not in LOCAL_TASKS:
+            continue
+        rel, template = LOCAL_TASKS[name]
+        if data is None or not (data / rel).is_file():
+            where = f"{data / rel} is missing" if data else "no data folder is set"
+            raise ConfigError(f"task {name} reads {rel} under the data folder, but {where}; pass "
+                              "--data-dir DIR or set PHASELOOP_DATA_DIR to the folder holding it")
+        path = data / rel
+        if name == "wikitext2_local":  # one JSON line {"page": article} per article
+            lines = [json.dumps({"page": b"".join(a).decode("utf-8")}) for a in _articles(path, False)]
+            path = dest / "wikitext2_test_pages.jsonl"
+            atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+            atomic_write_bytes(dest / "wikitext_local.py", _WIKITEXT_PY.encode())
+        atomic_write_bytes(dest / f"{name}.yaml", template.format(data=json.dumps(str(path.resolve()))).encode())
+
+
+def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None = None,
+                limit: int | float | None = None, batch_size: int = 8, device: str = "cpu",
+                dtype: str = "float32", data: str | None = None, log_samples: bool = False,
+                write: bool = True) -> dict:
+    """Run lm-eval's ``simple_evaluate`` on ``run``; returns its results dict (with
+    ``samples`` when ``log_samples``) and, with ``write``, writes
+    ``RUN/lm_eval/results.json`` and ``results.md`` (its table)."""
+    require("transformers", "lm_eval")
+    if not tasks or any(not t for t in tasks):
+        raise PhaseloopError("--tasks is empty; name tasks, e.g. --tasks lambada_local,wikitext2_local")
+    if batch_size < 1 or (limit is not None and not limit > 0):
+        raise PhaseloopError("--batch-size and --limit must be positive")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
+
+    from .export import from_run
+    from ..engine import resolve_device
+
+    run = Path(run)
+    run_dir = run.parent if (run / "model.safetensors").exists() else run
+    dev = resolve_device(device)
+    hf, fast, run_cfg, tok = from_run(run, dev, dtype)
+    out = run_dir / "lm_eval"
+    local = out / "tasks"
+    write_local_tasks(local, data_dir(data), tasks)
+    includes = [str(local)] + ([include_path] if include_path else [])
+    # lm-eval indexes its ~15k built-in tasks in ~12 s: only when a task is not ours
+    manager = TaskManager(include_path=includes, include_defaults=False)
+    if any(t not in manager.all_tasks for t in tasks):
+        manager = TaskManager(include_path=includes)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(f"unknown lm-eval task {unknown[0]!r}; the local ones are "
+                          f"{', '.join(LOCAL_TASKS)}; list the others with `lm-eval ls tasks` "
+                          "(or give --include-path DIR of task YAMLs)")
+    from .tokenizer import prefix_token_id
+
+    lm = HFLM(pretrained=hf, tokenizer=fast, backend="causal", batch_size=batch_size,
+              max_length=hf.model.cfg.max_seq_len, prefix_token_id=prefix_token_id(tok, fast))
+    res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
+                          log_samples=log_samples, bootstrap_iters=0)
+    if write:
+        keep = {k: v for k, v in res.items() if k != "samples"}
+        atomic_write_bytes(out / "results.json", dumps(keep, indent=2, default=str).encode())
+        atomic_write_bytes(out / "results.md", (make_table(res) + "\n").encode())
+    return res
+
+
+def scores(res: dict) -> dict[str, float]:
+    """Flat {task/metric: value} of a results dict (lm-eval's ``metric,filter`` keys)."""
+    flat = {}
+    for task, metrics in res.get("results", {}).items():
+        for key, value in metrics.items():
+            name = key.split(",")[0]
+            if isinstance(value, (int, float)) and not name.endswith("_stderr") and name != "sample_len":
+                flat[f"{task}/{name}"] = float(value)
+    return flat
