@@ -110,3 +110,59 @@ def test_cli_match(capsys):
     assert main(["params", "--shared"]) == 2
     assert main(["params", "--match", "nope", "--shared"]) == 2
     assert "unknown accounting preset" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- built models
+TABLE = {"transformer-base": 63_084_544, "transformer-big": 214_249_472,
+         "ut-small": 26_302_464, "ut-base": 67_284_992}
+
+
+@pytest.mark.parametrize("name", list(TABLE))
+def test_built_counts_equal_the_table(name):
+    """The presets built with the seq2seq classes (meta device, faithful options) have
+    exactly the closed-form parameter counts."""
+    from phaseloop.models import TransformerSeq2Seq, UniversalSeq2Seq
+
+    spec = acc.PRESETS[name]
+    cfg = spec.config()
+    assert (cfg.ffn, cfg.norm, cfg.bias, cfg.use_rope, cfg.tie_embeddings, cfg.act) == \
+        ("relu", "layer", True, False, True, False)
+    assert (cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.vocab_size) == (spec.d_model, spec.n_heads, 4 * spec.d_model, 37000)
+    model = acc.build(spec)
+    assert isinstance(model, UniversalSeq2Seq if spec.shared else TransformerSeq2Seq)
+    assert all(p.is_meta for p in model.parameters())
+    built = acc.count_built(spec, flops=False)
+    assert built["built_total"] == TABLE[name] == acc.count(spec)["total"]
+    # the output projection is the embedding; the sinusoid step signal adds no parameter
+    assert model.head.weight is model.embed.tok.weight and model.head.bias is None
+
+
+@pytest.mark.parametrize("name", ["transformer-base", "ut-small"])
+def test_built_flops_match_the_closed_form(name):
+    """FlopCounterMode on the built meta model. A stack matches the closed form exactly;
+    the shared UT decoder projects the encoder's keys/values for cross-attention once
+    (Memory.kv) instead of at each of its T steps: (T - 1) * 2 * (2 d^2) FLOPs fewer."""
+    spec, n = acc.PRESETS[name], 16
+    closed = acc.count(spec, seq_len=n)["flops_per_token"]
+    built = acc.count_built(spec, seq_len=n)["built_flops_per_token"]
+    saved = (spec.steps - 1) * 4 * spec.d_model ** 2 if spec.shared else 0
+    assert built == closed - saved
+
+
+def test_cli_built(capsys):
+    assert main(["params", "--preset", "ut-base", "--built", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["built_total"] == r["total"] == 67_284_992 and r["built_equals_closed_form"]
+    assert r["built_class"] == "UniversalSeq2Seq" and isinstance(r["built_flops_per_token"], int)
+    assert main(["params", "--preset", "transformer-base", "--built", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer-base built (TransformerSeq2Seq, meta device): 63,084,544 parameters; " \
+           "closed form 63,084,544 (equal)" in out
+    assert main(["params", "--preset", "rope-tiny", "--built"]) == 2
+    assert main(["params", "--match", "transformer-base", "--shared", "--built"]) == 2
+    assert "--built" in capsys.readouterr().err
+
+
+def test_spec_config_refuses_unequal_stacks():
+    with pytest.raises(acc.ConfigError, match="enc_layers"):
+        acc.EncDecSpec("x", 64, 4, 2, 3).config()

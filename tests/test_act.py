@@ -206,3 +206,27 @@ def test_combine_and_effective_weights_reject_bad_mode():
     with pytest.raises(ValueError):
         effective_weights(torch.ones(2, 3), mode="nope")
     assert math.isclose(float(ponder_cost(ACTState.zeros(2)).sum()), 0.0)
+
+
+def test_t2t_literal_by_hand():
+    """tensor2tensor's basic-ACT line as written, ``transformed * w + (previous_state * 1 -
+    update_weights)``: by precedence previous - w, not previous * (1 - w)."""
+    prev = t([[2.0, -1.0, 0.5]])
+    new = t([[10.0, 20.0, 30.0]])
+    w = t([0.25])
+    close(combine(prev, new, w, "t2t_literal"), [[2.5 + 2 - 0.25, 5 - 1 - 0.25, 7.5 + 0.5 - 0.25]])
+    close(combine(prev, new, w, "basic"), [[2.5 + 1.5, 5 - 0.75, 7.5 + 0.375]])
+    # over the P3 schedule (threshold 0.9), from the zero initial state: the output is
+    # sum_k w_k s_k - sum_k w_k on every channel (w = the hand-computed update weights)
+    g = torch.Generator().manual_seed(3)
+    states = torch.randn(3, 4, 2, generator=g, dtype=D)
+    s = halting_schedule(t(P3), threshold=0.9, mode="t2t_literal")
+    w = t([[1.0, 0.3, 0.2, 0.5], [0.0, 0.5, 0.3, 0.5], [0.0, 0.2, 0.1, 0.0]])
+    close(s.update_weights, w)  # the halting arithmetic is the same in every mode
+    close(s.effective_weights, w)
+    out = torch.zeros(4, 2, dtype=D)
+    for k in range(3):
+        out = combine(out, states[k], w[k], "t2t_literal")
+    close(out, (w.unsqueeze(-1) * states).sum(0) - w.sum(0).unsqueeze(-1))
+    # position A halts at step 1 with w = 1: basic gives s_1, the literal line s_1 - 1
+    close(out[0], states[0, 0] - 1)

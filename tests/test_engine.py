@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from phaseloop import ConfigError
 from phaseloop.engine import RunFolder, TrainConfig, Trainer, lr_at, read_metrics
+from phaseloop.engine.trainer import ignore_targets
 from phaseloop.model import ModelOutput
 from phaseloop.tasks import TaskSpec
 from phaseloop.tasks.models import PairBatches, task_train_config
@@ -60,10 +62,12 @@ TC = dict(steps=3, batch_size=4, lr=0.1, warmup_steps=2, weight_decay=0.1, beta1
           grad_clip=0.5, log_every=1, device="cpu")
 
 
-def test_one_step_equals_a_hand_computed_adamw_step():
+@pytest.mark.parametrize("decay", ["matrices", "all"])
+def test_one_step_equals_a_hand_computed_adamw_step(decay):
     """Step 1: lr = lr * 1/warmup; gradients clipped to total norm 0.5; AdamW with bias
-    correction, decoupled decay on the matrix only (eps 1e-8)."""
-    tc = TrainConfig(**{**TC, "steps": 1})
+    correction, decoupled decay on the matrix only (decay="matrices") or on the gain
+    vector too (decay="all"), eps 1e-8."""
+    tc = TrainConfig(**{**TC, "steps": 1, "decay": decay})
     torch.manual_seed(0)
     ref = TinyLM()
     W0, g0 = ref.W.detach().clone(), ref.g.detach().clone()
@@ -75,7 +79,8 @@ def test_one_step_equals_a_hand_computed_adamw_step():
     grads = [gr * tc.grad_clip / (norm + 1e-6) for gr in grads]
     lr = tc.lr * 1 / tc.warmup_steps
     want = []
-    for p0, gr, wd in ((W0, grads[0], tc.weight_decay), (g0, grads[1], 0.0)):
+    gain_wd = tc.weight_decay if decay == "all" else 0.0
+    for p0, gr, wd in ((W0, grads[0], tc.weight_decay), (g0, grads[1], gain_wd)):
         m = (1 - tc.beta1) * gr / (1 - tc.beta1)
         v = (1 - tc.beta2) * gr.square() / (1 - tc.beta2)
         want.append(p0 * (1 - lr * wd) - lr * m / (v.sqrt() + 1e-8))
@@ -88,6 +93,53 @@ def test_one_step_equals_a_hand_computed_adamw_step():
     rec = trainer.records[0]
     assert rec["lr"] == pytest.approx(lr) and rec["grad_norm"] == pytest.approx(float(norm))
     assert rec["tokens"] == 4 * 5
+
+
+def test_loss_ignore_id_leaves_those_targets_out():
+    """loss_ignore_id=3: the logged loss is the cross-entropy over the other targets
+    (by hand), and the step is the one on batches whose 3s were -100 from the start."""
+    x, y = FixedBatches(4).next()
+    keep = y != 3
+    assert 0 < (~keep).sum() < keep.sum()  # some targets are ignored, most are not
+    torch.manual_seed(0)
+    ref = TinyLM()
+    with torch.no_grad():
+        logp = ((x @ ref.W.t()) * ref.g).log_softmax(-1)
+        want = -logp.gather(-1, y[..., None])[..., 0][keep].mean()
+
+    class Masked(FixedBatches):
+        def next(self):
+            x, y = super().next()
+            return x, y.masked_fill(y == 3, -100)
+
+    one = {**TC, "steps": 1}
+    t = Trainer(TinyLM, TrainConfig(**one, loss_ignore_id=3), FixedBatches(4), loss_fn)
+    t.fit()
+    assert t.records[0]["loss"] == pytest.approx(float(want), rel=1e-12)
+    masked = Trainer(TinyLM, TrainConfig(**one), Masked(4), loss_fn)
+    masked.fit()
+    torch.testing.assert_close(t.model.W, masked.model.W, rtol=0, atol=0)
+    plain = Trainer(TinyLM, TrainConfig(**one), FixedBatches(4), loss_fn)
+    plain.fit()
+    assert plain.records[0]["loss"] != pytest.approx(t.records[0]["loss"], rel=1e-6)
+
+
+def test_loss_ignore_id_needs_inputs_targets_batches():
+    pairs = ([([5, 6], [7, 1])], 0)  # a task run's (pairs, offset) batch
+    assert ignore_targets(pairs, None) is pairs
+    with pytest.raises(ConfigError, match="loss_ignore_id=0: applies to the .inputs, targets. batches"):
+        ignore_targets(pairs, 0)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(decay="none"), "decay='none': choose matrices"),
+    (dict(loss_ignore_id=-1), "loss_ignore_id=-1: must be an integer >= 0 or null"),
+    (dict(loss_ignore_id=True), "loss_ignore_id=True"),
+])
+def test_invalid_decay_and_loss_ignore_id(kw, msg):
+    with pytest.raises(ConfigError, match=None) as ei:
+        TrainConfig(**kw)
+    assert msg in str(ei.value) and "\n" not in str(ei.value)
 
 
 def test_accumulation_equals_the_bigger_batch_and_logs_aux_losses():

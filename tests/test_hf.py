@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +16,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
 from safetensors import safe_open  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from phaseloop import ModelConfig, build_model  # noqa: E402
 from phaseloop.cli import main  # noqa: E402
-from phaseloop.hf.modeling import PhaseloopConfig, PhaseloopForCausalLM  # noqa: E402
+from phaseloop.hf.modeling import PhaseloopForCausalLM  # noqa: E402
 from phaseloop.hf.tokenizer import hf_tokenizer  # noqa: E402
 from phaseloop.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -40,6 +39,7 @@ CONFIGS = [
                                "horn": True, "n_heads": 6, "n_kv_heads": 3}),
     ("universal", "universal-tiny", {}),
     ("universal-learned", "universal-tiny", {"step_signal": "learned", "use_rope": False}),
+    ("universal-paper", "universal-paper-tiny", {}),  # relu FFN, LayerNorm, biases, no RoPE
     ("universal-act", "universal-act-tiny", {}),
     ("universal-act-accumulated", "universal-act-tiny", {"act_type": "accumulated"}),
     ("looped", "looped-tiny", {}),

@@ -15,7 +15,8 @@ from phaseloop.layers import Context, KVCache
 torch.set_num_threads(1)
 
 HL_VARIANTS = [{}, {"hc_res": "sinkhorn"}, {"hc_res": "identity"}, {"hc_per_layer": True},
-               {"hc_transition": "pooled_mlp"}, {"n_streams": 2}]
+               {"hc_transition": "pooled_mlp"}, {"n_streams": 2}, {"hc_dynamic": False},
+               {"hc_dynamic": False, "hc_res": "sinkhorn"}]
 
 
 def _model(preset, seed=0, **over):
@@ -30,7 +31,7 @@ def _idx(B=2, T=24, seed=1):
 def _set_hc(model, alpha=None, b_res=None):
     with torch.no_grad():
         for hc in model.trunk.hc:
-            if alpha is not None:
+            if alpha is not None and hc.alpha is not None:  # static T has no alpha
                 hc.alpha.fill_(alpha)
             if b_res is not None:
                 hc.b[2 * hc.n:] = b_res
@@ -297,26 +298,114 @@ def _count(preset):
     return sum(p.numel() for p in build_model(ModelConfig.from_preset(preset), "meta").parameters())
 
 
-def test_paper_scale_parameter_counts():
-    counts = {a: _count(f"{a}-240m") for a in ("transformer", "mhc", "looped", "hyperloop")}
-    emb = 32000 * 1024
-    # the paper's counts match total minus the input embedding: 238M, 241M, 135.5M, 135.7M
-    for a, paper in [("transformer", 238e6), ("mhc", 241e6), ("looped", 135.5e6),
-                     ("hyperloop", 135.7e6)]:
-        assert abs(counts[a] - emb - paper) / paper < 0.005, (a, counts[a] - emb)
-    body = {a: c - 2 * emb for a, c in counts.items()}
-    assert abs(body["looped"] / body["transformer"] - 0.5) < 0.001
-    n, D, L = 4, 1024, 3
-    per_loop = 3 * n * n * D + 3 * n + 3 + D  # W (pre, post, diagonal res), b, alpha, e_l
-    assert counts["hyperloop"] - counts["looped"] == L * per_loop  # = 150,561
-    assert 1e5 < L * per_loop < 5e5
-    per_sublayer = (2 * n + n * n) * n * D + 2 * n + n * n + 3  # Sinkhorn H_res: n^2 rows
-    assert counts["mhc"] - counts["transformer"] == 2 * 16 * per_sublayer
+# The paper's table (Hyperloop §4): parameters in millions as printed (without the input
+# embedding), for Transformer, mHC, Looped, Hyperloop at each (d, begin/middle/end) scale.
+PAPER_TABLE = [
+    ((1024, (2, 4, 2)), ("238m", "241m", "135m"), ("238", "241", "135.5", "135.7")),
+    ((2048, (3, 4, 3)), ("990m", "997m", "579m"), ("990.5", "997.5", "579.4", "579.7")),
+    ((2048, (4, 10, 4)), ("2018m", "2033m", "990m"), ("2018", "2033", "990.5", "990.8")),
+]
+
+
+@pytest.mark.parametrize("scale,names,paper", PAPER_TABLE)
+def test_paper_scale_parameter_counts(scale, names, paper):
+    """Each preset's count (built on the meta device, as `phaseloop params` counts it)
+    equals the closed-form count of its layers, and total minus the input embedding
+    rounds to the paper's figure; vocab 32000 is what makes all twelve figures agree."""
+    from phaseloop.params import count_params
+
+    (d, (b, m, e)), L, n, V = scale, 3, 4, 32000
+    d_ff = int(2.75 * d)  # SwiGLU d_ff = 2.75 d
+    layer = 4 * d * d + 3 * d * d_ff + 2 * d  # q, k, v, o (16-head MHA), SwiGLU, 2 RMSNorm gains
+    outer = 2 * V * d + d  # input embedding, untied head, final norm
+    depth = b + m * L + e
+    per_loop = 3 * n * n * d + 3 * n + 3 + d  # W (pre, post, diagonal res), b, alpha, e_l
+    per_sublayer = (2 * n + n * n) * n * d + 2 * n + n * n + 3  # Sinkhorn H_res: n^2 rows
+    want = {"transformer": outer + depth * layer,
+            "looped": outer + (b + m + e) * layer}
+    want["mhc"] = want["transformer"] + 2 * depth * per_sublayer
+    want["hyperloop"] = want["looped"] + L * per_loop
+    tf, mhc, looped = names
+    presets = {"transformer": f"transformer-{tf}", "mhc": f"mhc-{mhc}",
+               "looped": f"looped-{looped}", "hyperloop": f"hyperloop-{looped}"}
+    for (arch, preset), printed in zip(presets.items(), paper):
+        cfg = ModelConfig.from_preset(preset)
+        assert (cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.vocab_size) == (d, 16, d_ff, V)
+        counted = count_params(cfg, seq_len=8)
+        assert counted["total"] == want[arch], (preset, counted["total"] - want[arch])
+        assert counted["embedding"] == V * d and counted["depth"] == depth
+        without_input_embedding = (counted["total"] - counted["embedding"]) / 1e6
+        half_unit = 0.5 * 10.0 ** -len(printed.partition(".")[2])  # the paper's rounding
+        assert abs(without_input_embedding - float(printed)) <= half_unit, (preset, without_input_embedding)
+    assert 1e5 < L * per_loop < 5e5  # "a few hundred thousand" extra parameters at d 1024+
+
+
+def test_earlier_preset_names_are_the_first_scale():
+    from phaseloop.config import PRESETS
+
+    for arch, name in (("transformer", "238m"), ("mhc", "241m"), ("looped", "135m"),
+                       ("hyperloop", "135m")):
+        assert PRESETS[f"{arch}-240m"] == PRESETS[f"{arch}-{name}"]
+
+
+# ---------------------------------------------------------------------------- static T
+@pytest.mark.parametrize("form", ["diagonal", "sinkhorn", "identity"])
+def test_static_transition_coefficients_do_not_depend_on_the_input(form):
+    """hc_dynamic=False (the paper's ablation "w/o dynamic transition (static T)"): no W and
+    no alpha exist; H_pre, H_post, H_res are sigmoid / 2 sigmoid / sigmoid-or-Sinkhorn of
+    each loop's own b, the same for any input. With the switch on they follow the input."""
+    static = _model("hyperloop-tiny", hc_res=form, hc_dynamic=False)
+    n_loops, n, D = static.cfg.n_loops, static.cfg.n_streams, static.cfg.d_model
+    hc_params = {k for k, _ in static.named_parameters() if ".hc." in k}
+    assert hc_params == {f"trunk.hc.{l}.{p}" for l in range(n_loops) for p in ("b", "e")}
+    n_b = 2 * n + {"diagonal": n, "sinkhorn": n * n, "identity": 0}[form]
+    assert _count_model(static) == _count_model(_model("looped-tiny")) + n_loops * (n_b + D)
+    assert not torch.equal(static.trunk.hc[0].b, static.trunk.hc[1].b)  # per loop
+    g = torch.Generator().manual_seed(0)
+    y1, y2 = torch.randn(2, 5, n, D, generator=g), 3 * torch.randn(2, 5, n, D, generator=g) + 1
+    for hc in static.trunk.hc:
+        c1, c2 = hc.coefficients(y1), hc.coefficients(y2)
+        for a, b in zip(c1, c2):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        b = hc.b.detach()
+        torch.testing.assert_close(c1[0], torch.sigmoid(b[:n]).expand(2, 5, n))
+        torch.testing.assert_close(c1[1], 2 * torch.sigmoid(b[n:2 * n]).expand(2, 5, n))
+        if form == "diagonal":
+            torch.testing.assert_close(c1[2], torch.sigmoid(b[2 * n:]).expand(2, 5, n))
+        elif form == "sinkhorn":
+            torch.testing.assert_close(c1[2], sinkhorn(b[2 * n:].view(n, n)).expand(2, 5, n, n))
+    dynamic = _model("hyperloop-tiny", hc_res=form)
+    for c1, c2 in zip(dynamic.trunk.hc[0].coefficients(y1), dynamic.trunk.hc[0].coefficients(y2)):
+        assert c1 is None or not torch.equal(c1, c2)
+
+
+def _count_model(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_static_transition_breaks_stream_symmetry_and_trains():
+    """Streams start as copies; static coefficients symmetric in the streams would keep
+    them copies for ever (equal gradients), so b starts with N(0, init_std) noise: the
+    streams differ after the first loop. One AdamW step moves every b and lowers the loss
+    on its batch."""
+    m = _model("hyperloop-tiny", hc_dynamic=False).train()
+    streams = []
+    m.trunk.hc[0].register_forward_hook(lambda mod, i, o: streams.append(o.detach()))
+    idx, tgt = _idx(), _idx(seed=2)
+    loss = m(idx, tgt).loss
+    assert (streams[0][:, :, 0] - streams[0][:, :, 1]).abs().max() > 1e-4
+    before = [hc.b.detach().clone() for hc in m.trunk.hc]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    loss.backward()
+    assert all(hc.b.grad.abs().sum() > 0 for hc in m.trunk.hc)
+    opt.step()
+    assert all(not torch.equal(hc.b, b) for hc, b in zip(m.trunk.hc, before))
+    assert m(idx, tgt).loss < loss
 
 
 # ---------------------------------------------------------------------------- causality, cache
 ARCH_CASES = ([("transformer-tiny", {}), ("3pt-tiny", {}), ("looped-tiny", {}), ("mhc-tiny", {}),
-               ("mhc-tiny", {"hc_res": "diagonal"})]
+               ("mhc-tiny", {"hc_res": "diagonal"}), ("mhc-tiny", {"hc_dynamic": False})]
               + [("hyperloop-tiny", v) for v in HL_VARIANTS])
 
 
@@ -372,6 +461,9 @@ def test_composes_with_three_phase_structure():
     (dict(arch="hyperloop", hc_transition="pooled_mlp", hc_res="sinkhorn"), "hc_transition"),
     (dict(arch="mhc", hc_per_layer=True), "hc_per_layer"),
     (dict(arch="looped", n_loops=0), "n_loops"),
+    (dict(arch="looped", hc_dynamic=False), "hc_dynamic"),
+    (dict(arch="hyperloop", hc_dynamic=False, hc_alpha_init=0.1), "hc_alpha_init"),
+    (dict(arch="hyperloop", hc_dynamic=False, hc_transition="pooled_mlp"), "hc_dynamic"),
 ])
 def test_config_errors_name_the_field(over, field):
     with pytest.raises(ConfigError, match=f"invalid config: {field}="):
@@ -383,7 +475,7 @@ def test_default_split():
     assert ModelConfig(arch="looped", n_layers=2).loop_split == (0, 2, 0)
     assert ModelConfig(arch="hyperloop").hc_res_form == "diagonal"
     assert ModelConfig(arch="mhc").hc_res_form == "sinkhorn"
-    cfg = ModelConfig.from_preset("hyperloop-240m")
+    cfg = ModelConfig.from_preset("hyperloop-135m")
     assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 

@@ -23,6 +23,10 @@ BASE = dict(vocab_size=12, d_model=32, n_heads=2, d_ff=64, max_seq_len=16, embed
             embed_init_std=32 ** -0.5)
 
 
+# the published block (Vaswani et al. 2017 / Dehghani et al. 2019, tensor2tensor)
+PAPER = dict(ffn="relu", norm="layer", bias=True, use_rope=False, tie_embeddings=True)
+
+
 def vanilla(**kw):
     return ModelConfig(**{**BASE, "arch": "rope", "n_layers": 2, **kw})
 
@@ -64,6 +68,27 @@ def test_build_and_errors():
     assert n2 == sum(p.numel() for p in UniversalSeq2Seq(universal(n_steps=5)).parameters())
 
 
+@pytest.mark.parametrize("cfg", [vanilla(**PAPER), universal(**PAPER)], ids=["transformer", "ut"])
+def test_paper_block_on_both_sides(cfg):
+    """ReLU FFN, LayerNorm (gain + bias) at every norm site incl. the two final norms,
+    biases on every attention/FFN projection, no RoPE, one embedding for src/tgt/softmax."""
+    from torch import nn
+
+    from phaseloop.layers import ReLUFFN
+
+    m = build_seq2seq(cfg)
+    blocks = [mod for mod in m.modules() if hasattr(mod, "ffn_norm")]
+    assert blocks and all(isinstance(b.ffn, ReLUFFN) for b in blocks)
+    assert all(not mod.use_rope for b in blocks for mod in (b.attn, b.cross_attn) if mod is not None)
+    assert isinstance(m.enc_norm, nn.LayerNorm) and isinstance(m.dec_norm, nn.LayerNorm)
+    assert not any(type(mod).__name__ == "RMSNorm" for mod in m.modules())
+    linears = [mod for b in blocks for mod in b.modules() if isinstance(mod, nn.Linear)]
+    assert linears and all(mod.bias is not None for mod in linears)
+    assert m.head.weight is m.embed.tok.weight and m.head.bias is None
+    src, tgt_in, targets = collate(copy_pairs(2, random.Random(0)))
+    assert torch.isfinite(m(src, tgt_in, targets).loss)
+
+
 def test_collate():
     src, tgt_in, targets = collate([([3, 4, 5], [6]), ([7], [8, 9])])
     assert src.tolist() == [[3, 4, 5], [7, PAD, PAD]]
@@ -76,11 +101,15 @@ def _models():
     act = UniversalSeq2Seq(universal(act=True))
     spread(act.encoder)
     spread(act.decoder)
+    paper_act = UniversalSeq2Seq(universal(act=True, **PAPER))
+    spread(paper_act.encoder)
+    spread(paper_act.decoder)
     return [TransformerSeq2Seq(vanilla()), UniversalSeq2Seq(universal()), act,
-            UniversalSeq2Seq(universal(act=True), encoder_act=False)]
+            UniversalSeq2Seq(universal(act=True), encoder_act=False),
+            TransformerSeq2Seq(vanilla(**PAPER)), UniversalSeq2Seq(universal(**PAPER)), paper_act]
 
 
-@pytest.mark.parametrize("i", range(4))
+@pytest.mark.parametrize("i", range(7))
 def test_cached_decoding_equals_teacher_forcing(i):
     m = _models()[i].double().eval()
     src, tgt_in, _ = collate(copy_pairs(3, random.Random(i), max_len=7))

@@ -23,6 +23,7 @@ from phaseloop.tasks import (
     save_jsonl,
     sequence_accuracy,
 )
+from phaseloop.tasks.algorithmic import LTE_TASKS
 
 # ----------------------------------------------------------------- generators
 
@@ -44,6 +45,46 @@ def test_addition_is_integer_addition():
         assert int(ex.target) == int(a) + int(b)
     # some sums carry into the extra digit, some do not
     assert {ex.target[0] for ex in exs} == {"0", "1"}
+
+
+def test_lte_memorisation_targets():
+    """The learning-to-execute memorisation tasks (Zaremba & Sutskever 2014; UT §3.5): the
+    input is a number of exactly `length` digits (no leading zero); double is checked with
+    Python's int arithmetic and keeps no padding (L or L + 1 digits)."""
+    for task in LTE_TASKS:
+        exs = make_examples(task, 300, (1, 30), seed=5)
+        assert {ex.length for ex in exs} == set(range(1, 31))
+        for ex in exs:
+            assert len(ex.input) == ex.length and ex.input.isdigit() and ex.input[0] != "0"
+            assert ex.target.isdigit()
+            if task == "lte-copy":
+                assert ex.target == ex.input
+            elif task == "lte-reverse":
+                assert ex.target == ex.input[::-1]
+            else:
+                assert int(ex.target) == 2 * int(ex.input) and ex.target[0] != "0"
+                assert len(ex.target) == ex.length + (ex.input[0] >= "5")
+        if task == "lte-double":  # both target lengths occur
+            assert {len(ex.target) - ex.length for ex in exs} == {0, 1}
+    assert {e.input[0] for e in make_examples("lte-copy", 200, [1], seed=0)} == set("123456789")
+    with pytest.raises(ValueError, match="fixed symbols"):
+        make_examples("lte-double", 1, vocab="ab")
+
+
+def test_lte_task_runs_end_to_end_from_the_cli(tmp_path, capsys):
+    from phaseloop.cli import main
+
+    out = tmp_path / "run"
+    rc = main(["task", "--task", "lte-double", "--arch", "rope", "--set", "d_model=32",
+               "--set", "n_heads=2", "--set", "n_kv_heads=2", "--set", "d_ff=64",
+               "--train-len", "2-3", "--test-len", "3,4", "--steps", "2", "--batch-size", "4",
+               "--n-test", "3", "--out", str(out), "--quiet"])
+    assert rc == 0
+    assert "char acc" in capsys.readouterr().out
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["task"] == "lte-double" and set(m["summary"]["per_length"]) == {"3", "4"}
+    for ex in m["per_seed"][0]["examples"]:
+        assert int(ex["target"]) == 2 * int(ex["input"])
 
 
 def test_parity_targets_are_prefix_xors():

@@ -243,3 +243,69 @@ def test_angles_on_a_model_without_rotation(tmp_path, text_file, capsys):
     capsys.readouterr()
     assert main(["angles", str(run)]) == 2
     assert "no phase rotation" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- as the author trained it
+def test_torch_init_is_pytorchs_nn_linear_default():
+    """init="torch": each linear layer drawn exactly as nn.Linear's own constructor draws
+    it (same seed, same weight and bias), U(±1/sqrt(fan_in)) everywhere: no depth scaling
+    of the residual projections, the head too. init="normal" (default) keeps N(0, 0.02)
+    with the residual projections at 0.02/sqrt(2L)."""
+    from torch import nn
+
+    from phaseloop.layers import init_weights
+
+    lin = nn.Linear(48, 96)
+    torch.manual_seed(5)
+    init_weights(lin, cfg3(init="torch"), 3)
+    torch.manual_seed(5)
+    ref = nn.Linear(48, 96)
+    assert torch.equal(lin.weight, ref.weight) and torch.equal(lin.bias, ref.bias)
+
+    torch.manual_seed(0)
+    m = build_model(cfg3(init="torch", embed_init_std=1.0))
+    linears = {n: mod for n, mod in m.named_modules() if isinstance(mod, nn.Linear)}
+    assert {"head", "trunk.layers.0.attn.o_proj", "trunk.layers.2.ffn.down"} <= set(linears)
+    for name, mod in linears.items():
+        w, bound = mod.weight.detach(), 1 / math.sqrt(mod.in_features)
+        assert w.abs().max() <= bound, name
+        assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.1), name
+    assert m.embed.tok.weight.std().item() == pytest.approx(1.0, rel=0.05)  # embed_init_std, not init
+
+    torch.manual_seed(0)
+    n = build_model(cfg3())
+    assert n.cfg.init == "normal"
+    assert n.trunk.layers[0].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert n.trunk.layers[0].attn.o_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(6), rel=0.1)
+
+
+def test_invalid_init_names_the_field_and_choices():
+    with pytest.raises(ConfigError, match=None) as ei:
+        cfg3(init="xavier")
+    assert "init='xavier': choose normal" in str(ei.value) and "torch" in str(ei.value)
+
+
+def test_3pt_paper_recipe_uses_the_authors_settings():
+    """recipes/3pt_paper.toml loads; every variant has PyTorch's default init and N(0, 1)
+    embedding, the baseline its sqrt(d) factor; training decays every parameter and
+    ignores the pad id, with the paper's betas, wd, clip and floor."""
+    from pathlib import Path
+
+    from phaseloop.compare import load_recipe, plan_variants
+    from phaseloop.tokenizer import PAD
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "3pt_paper.toml")
+    tc = recipe.train_config(0)
+    assert (tc.decay, tc.loss_ignore_id, tc.weight_decay, tc.beta1, tc.beta2, tc.grad_clip,
+            tc.min_lr_ratio) == ("all", PAD, 0.1, 0.9, 0.95, 1.0, 0.1)
+    plan = {p.name: p.cfg for p in plan_variants(recipe, 256)}
+    assert set(plan) == {"rope (paper baseline)", "3pt N=3", "3pt N=1"}
+    assert recipe.reference == "rope (paper baseline)"
+    for name, cfg in plan.items():
+        assert (cfg.init, cfg.embed_init_std, cfg.dropout, cfg.tie_embeddings) == ("torch", 1.0, 0.0, False), name
+    base = plan["rope (paper baseline)"]
+    assert base.arch == "rope" and base.embed_scale and not base.phase_rotation
+    for name, N in (("3pt N=3", 3), ("3pt N=1", 1)):
+        cfg = plan[name]
+        assert cfg.arch == "three_phase" and cfg.n_phases == N and not cfg.embed_scale
+        assert cfg.horn and cfg.phase_rotation and cfg.phase_norm

@@ -46,6 +46,42 @@ def test_weight_decay_on_matrices_only():
     assert opt.defaults["betas"] == (0.9, 0.95)
 
 
+def _one_step(model, opt):
+    """One optimiser step on fixed pseudo-random gradients (the same for every copy)."""
+    g = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    opt.step()
+
+
+def test_weight_decay_on_every_parameter_with_decay_all():
+    """decay="all": one group holding every parameter, θ and the norm gains included;
+    a step equals torch's AdamW(model.parameters(), weight_decay=wd), and θ ends exactly
+    lr * wd * θ0 below where decay="matrices" leaves it (the same Adam update)."""
+    import copy
+
+    from phaseloop.three_phase import PhaseRMSNorm, PhaseRotation
+
+    model = build_model(ModelConfig.from_preset("3pt-tiny")).double()
+    c = tc(decay="all")
+    (group,) = make_optimizer(model, c).param_groups
+    ids = {id(p) for p in group["params"]}
+    assert group["weight_decay"] == 0.1 and ids == {id(p) for p in model.parameters()}
+    small = [m for m in model.modules() if isinstance(m, (PhaseRotation, PhaseRMSNorm))]
+    assert small and all(id(p) in ids for m in small for p in m.parameters())
+
+    a, b, m = (copy.deepcopy(model) for _ in range(3))
+    _one_step(a, make_optimizer(a, c))
+    _one_step(b, torch.optim.AdamW(b.parameters(), lr=c.lr, betas=(0.9, 0.95), eps=1e-8,
+                                   weight_decay=0.1, foreach=True))
+    _one_step(m, make_optimizer(m, tc(decay="matrices")))
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
+    for ra, rm, r0 in zip(*([x for x in mod.modules() if isinstance(x, PhaseRotation)] for mod in (a, m, model))):
+        torch.testing.assert_close(ra.theta - rm.theta, -c.lr * 0.1 * r0.theta, rtol=1e-9, atol=1e-15)
+        assert not torch.equal(rm.theta, r0.theta)  # the Adam update itself moved θ
+
+
 def test_invalid_train_config_names_field():
     with pytest.raises(ValueError, match="batch_size"):
         tc(batch_size=0)
@@ -112,6 +148,44 @@ def test_resume_refuses_a_different_config(tmp_path, text_file):
         train(CFG, tc(steps=5), other, run, resume=True, progress=False)
     after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     assert before == after
+
+
+def test_resume_refuses_changed_author_switches_and_accepts_older_runs(tmp_path, text_file):
+    """decay, loss_ignore_id and init change what is trained: a resume that changes one is
+    refused by name; a run of an earlier version (no such keys) resumes at the defaults."""
+    run = tmp_path / "run"
+    train(CFG, tc(steps=2), text_file, run, progress=False)
+    for model_cfg, c, what in ((CFG, tc(steps=2, decay="all"), "train config.*decay"),
+                               (CFG, tc(steps=2, loss_ignore_id=0), "train config.*loss_ignore_id"),
+                               (CFG.replace(init="torch"), tc(steps=2), "model config.*init")):
+        with pytest.raises(CheckpointError, match=f"different {what}"):
+            train(model_cfg, c, text_file, run, resume=True, progress=False)
+    saved = json.loads((run / "config.json").read_text())
+    for section, key in (("train", "decay"), ("train", "loss_ignore_id"), ("model", "init")):
+        del saved[section][key]
+    (run / "config.json").write_text(json.dumps(saved))
+    assert train(CFG, tc(steps=2), text_file, run, resume=True, progress=False)["step"] == 2
+
+
+def test_loss_ignore_id_in_an_lm_run(tmp_path, text_file):
+    """The first logged loss of an LM run with loss_ignore_id = the space byte is the
+    cross-entropy over the first batch's other targets, computed by hand."""
+    from phaseloop.data import TrainBatches, load_corpus
+
+    c = tc(steps=1, loss_ignore_id=ord(" "))
+    train(CFG, c, text_file, tmp_path / "run", progress=False)
+    (loss,) = [v for _, v in records(tmp_path / "run", "loss")]
+    train_tok, _ = load_corpus(text_file).split(c.val_fraction, CFG.max_seq_len + 1)
+    x, y = TrainBatches(train_tok, CFG.max_seq_len, c.batch_size, c.seed).next()
+    torch.manual_seed(c.seed)
+    with torch.no_grad():
+        logp = build_model(CFG)(x).logits.log_softmax(-1)
+    keep = y != ord(" ")
+    assert 0 < (~keep).sum() < keep.sum()
+    want = -logp.gather(-1, y[..., None])[..., 0][keep].mean()
+    assert loss == pytest.approx(float(want), rel=1e-5)
+    all_targets = -logp.gather(-1, y[..., None])[..., 0].mean()
+    assert loss != pytest.approx(float(all_targets), rel=1e-3)
 
 
 def test_resume_without_a_run_starts_it(tmp_path, text_file):

@@ -6,14 +6,19 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from phaseloop import ConfigError, ModelConfig, build_model
 from phaseloop.act import halting_schedule, ponder_cost
-from phaseloop.layers import Context, KVCache, rope_tables
+from phaseloop.layers import Attention, Context, KVCache, ReLUFFN, RMSNorm, SwiGLU, make_norm, rope_tables
 from phaseloop.universal import CoordinateSignal, UniversalTrunk, timing_signal
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+PAPER = dict(ffn="relu", norm="layer", bias=True, use_rope=False)  # Dehghani et al. 2019
 
 
 def ut(**kw):
@@ -43,6 +48,9 @@ def spread_halting(model, seed=0):
     (dict(act=True, act_epsilon=1.0), "act_epsilon"),
     (dict(act=True, act_max_steps=0), "act_max_steps"),
     (dict(act_type="accumulated"), "act_type"),  # ACT option without act=True
+    (dict(ffn="gelu"), "ffn"),
+    (dict(norm="batch"), "norm"),
+    (dict(norm="layer", phase_norm=True), "norm"),  # PhaseAwareRMSNorm replaces every norm
 ])
 def test_invalid_config_names_the_field(kw, field):
     with pytest.raises(ConfigError, match=rf"\b{field}="):
@@ -256,6 +264,11 @@ def _lazy_lengths(cache, steps):
     dict(act=True, act_type="accumulated", act_max_steps=5),
     dict(use_rope=False),
     dict(n_phases=2, phase_rotation=True, phase_norm=True, horn=True),  # 3PT composition
+    dict(PAPER),  # the published block
+    dict(PAPER, act=True),
+    dict(PAPER, act=True, act_type="t2t_literal"),
+    dict(ffn="relu", bias=True),  # the options one by one, with RoPE
+    dict(norm="layer"),
 ])
 def test_kv_cache_equals_full_forward(kw):
     """Halted positions stay visible at later steps: the cached decode (slot per step,
@@ -294,7 +307,7 @@ def _counting_block(m):
     return sizes
 
 
-@pytest.mark.parametrize("mode", ["basic", "accumulated"])
+@pytest.mark.parametrize("mode", ["basic", "accumulated", "t2t_literal"])
 @pytest.mark.parametrize("B, cuts", [
     (1, range(1, 24)),  # token by token from one token
     (3, (7, 8, 9, 10, 11, 12, 13, 14, 15)),  # prefill, tokens, chunk
@@ -357,3 +370,125 @@ def test_presets_build_and_are_small():
         m = build_model(ModelConfig.from_preset(name))
         assert isinstance(m.trunk, UniversalTrunk)
         assert sum(p.numel() for p in m.parameters()) < 500_000
+
+
+# ---------------------------------------------------------------------------- the published block
+def _randomize(module, seed=0):
+    """Non-trivial gains and biases (their init, 1 and 0, would hide a missing term)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+
+
+def test_default_block_is_unchanged():
+    """Defaults: RMSNorm, SwiGLU, no biases; the state dict keys are those of before."""
+    m = build_model(ut())
+    blk = m.trunk.block
+    assert isinstance(blk.attn_norm, RMSNorm) and isinstance(m.norm, RMSNorm)
+    assert isinstance(blk.ffn, SwiGLU) and blk.attn.use_rope
+    assert all(mod.bias is None for mod in m.modules() if isinstance(mod, nn.Linear))
+    assert {k for k in m.state_dict() if k.startswith("trunk.block.")} == {
+        f"trunk.block.{k}" for k in ("attn_norm.weight", "attn.q_proj.weight", "attn.kv_proj.weight",
+                                      "attn.o_proj.weight", "ffn_norm.weight", "ffn.gate_up.weight",
+                                      "ffn.down.weight")}
+
+
+def test_paper_preset_switches_every_option_on():
+    for name in ("universal-paper-tiny", "universal-paper-small"):
+        cfg = ModelConfig.from_preset(name)
+        assert (cfg.ffn, cfg.norm, cfg.bias, cfg.use_rope, cfg.d_ff) == ("relu", "layer", True, False, 4 * cfg.d_model)
+        assert cfg.n_kv_heads == cfg.n_heads and cfg.tie_embeddings and not cfg.act
+    m = build_model(ModelConfig.from_preset("universal-paper-tiny"))
+    norms = [mod for mod in m.modules() if isinstance(mod, (nn.LayerNorm, RMSNorm))]
+    assert len(norms) == 3 and all(isinstance(n, nn.LayerNorm) for n in norms)  # 2 in the block + final
+    assert all(n.bias is not None for n in norms)
+    blk = m.trunk.block
+    assert isinstance(blk.ffn, ReLUFFN) and not blk.attn.use_rope
+    assert all(mod.bias is not None for mod in blk.modules() if isinstance(mod, nn.Linear))
+    assert m.head.bias is None and m.head.weight is m.embed.tok.weight  # t2t: shared softmax
+    d, f, V = 96, 384, 256
+    assert sum(p.numel() for p in m.parameters()) == V * d + 4 * (d * d + d) + 2 * d * f + f + d + 3 * 2 * d
+
+
+def test_relu_ffn_equals_hand_formula():
+    """Transition (UT §2.1, Vaswani §3.3): max(0, x W1 + b1) W2 + b2."""
+    ffn = ReLUFFN(ut(ffn="relu", bias=True)).double()
+    _randomize(ffn)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    W1, b1, W2, b2 = ffn.up.weight, ffn.up.bias, ffn.down.weight, ffn.down.bias
+    assert W1.shape == (64, 32) and b1.shape == (64,) and W2.shape == (32, 64) and b2.shape == (32,)
+    want = torch.clamp(x @ W1.T + b1, min=0) @ W2.T + b2
+    assert torch.allclose(ffn(x), want, atol=1e-12, rtol=0)
+    assert ReLUFFN(ut(ffn="relu")).up.bias is None  # bias=False: none
+
+
+def test_layer_norm_equals_hand_formula():
+    norm = make_norm(ut(norm="layer", norm_eps=1e-6)).double()
+    assert isinstance(norm, nn.LayerNorm) and norm.eps == 1e-6
+    _randomize(norm)
+    x = torch.randn(3, 4, 32, dtype=torch.float64) * 2 + 1
+    mu, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    want = (x - mu) / torch.sqrt(var + 1e-6) * norm.weight + norm.bias
+    assert torch.allclose(norm(x), want, atol=1e-12, rtol=0)
+    assert torch.allclose(norm(x), F.layer_norm(x, (32,), norm.weight, norm.bias, 1e-6), atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_attention_with_biases_equals_hand_formula(use_rope):
+    """softmax((x Wq + bq)(x Wk + bk)^T / sqrt(E) + causal) (x Wv + bv) Wo + bo, per head
+    (GQA: kv head h // (H / K)). The q, v and o biases change the output (a test that fails
+    if one is dropped); without RoPE bk cannot: it adds q.bk to every score of a query
+    (softmax is shift-invariant), while RoPE rotates it differently at every key position."""
+    cfg = ut(bias=True, use_rope=use_rope)
+    attn = Attention(cfg).double()
+    _randomize(attn)
+    B, T, H, K, E = 2, 6, 4, 2, 8
+    x = torch.randn(B, T, 32, dtype=torch.float64)
+    cos, sin = rope_tables(torch.arange(T), E, cfg.rope_base)
+    ctx = Context(cos=cos.double(), sin=sin.double())
+
+    def by_hand():
+        q = (x @ attn.q_proj.weight.T + attn.q_proj.bias).view(B, T, H, E).transpose(1, 2)
+        k, v = (x @ attn.kv_proj.weight.T + attn.kv_proj.bias).view(B, T, 2, K, E).unbind(2)
+        k, v = k.transpose(1, 2).repeat_interleave(H // K, 1), v.transpose(1, 2).repeat_interleave(H // K, 1)
+        if use_rope:
+            rot = lambda t: torch.cat([-t[..., E // 2:], t[..., : E // 2]], -1)
+            q, k = q * ctx.cos + rot(q) * ctx.sin, k * ctx.cos + rot(k) * ctx.sin
+        s = q @ k.transpose(-1, -2) / math.sqrt(E)
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        y = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * E)
+        return y @ attn.o_proj.weight.T + attn.o_proj.bias
+
+    out = attn(x, ctx)
+    assert torch.allclose(out, by_hand(), atol=1e-12, rtol=0)
+    bias = {"q": attn.q_proj.bias[:], "k": attn.kv_proj.bias[: K * E], "v": attn.kv_proj.bias[K * E:],
+            "o": attn.o_proj.bias[:]}
+    for name, b in bias.items():
+        with torch.no_grad():
+            saved = b.clone()
+            b.zero_()
+            changed = not torch.allclose(attn(x, ctx), out, atol=1e-9)
+            b.copy_(saved)
+        assert changed == (name != "k" or use_rope), name
+
+
+def test_t2t_literal_act_in_the_trunk():
+    """act_type="t2t_literal": output = sum_k w_k s_k - sum_k w_k on every channel
+    (tensor2tensor's line as written), with the same halting as "basic"."""
+    m = build_model(ut(act=True, act_type="t2t_literal")).double().eval()
+    spread_halting(m)
+    transformed = []
+    m.trunk.block.register_forward_hook(lambda mod, args, out: transformed.append(out))
+    ctx = _ctx(9)
+    ctx.cos, ctx.sin = ctx.cos.double(), ctx.sin.double()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    y = m.trunk(x, ctx)
+    p = ctx.stats["halting_probs"]
+    S = p.shape[0]
+    w = halting_schedule(p.flatten(1), threshold=0.99, max_steps=6).update_weights.view(S, 2, 9, 1)
+    want = (w * torch.stack(transformed)).sum(0) - w.sum(0)
+    assert torch.allclose(y, want, atol=1e-10, rtol=0)
+    basic = build_model(m.cfg.replace(act_type="basic")).double().eval()
+    basic.load_state_dict(m.state_dict())  # same weights and halting, documented form
+    assert not torch.allclose(basic.trunk(x, ctx), y, atol=1e-3)

@@ -13,13 +13,19 @@ FLOPs per token: forward pass, 2 per multiply-add, matmuls only (biases, norms a
 softmax ignored), for one source token plus one target token: every layer application
 on each side, attention score/value products over ``seq_len`` keys (full context,
 Kaplan et al. 2020 convention: 4*n*d per attention), and the output projection 2*V*d.
-These are closed forms, checked against ``torch.nn.Transformer`` in the tests.
+These are closed forms, checked against ``torch.nn.Transformer`` in the tests, and the
+presets are also *buildable*: ``EncDecSpec.config()`` is the ModelConfig of the same
+model in this library (ReLU FFN, LayerNorm, biases, no RoPE, tied embedding and softmax)
+and ``count_built`` builds it with the ``seq2seq`` classes on the meta device and counts
+its parameters (and its forward FLOPs with torch's FlopCounterMode).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+
+import torch
 
 from .errors import ConfigError
 
@@ -53,6 +59,27 @@ class EncDecSpec:
     @property
     def applications(self) -> tuple[int, int]:
         return (self.steps, self.steps) if self.shared else (self.enc_layers, self.dec_layers)
+
+    def config(self, **overrides):
+        """The ModelConfig of this model in phaseloop (for ``seq2seq.build_seq2seq``): the
+        published block (ReLU FFN with d_ff = 4d, biases, LayerNorm, sinusoids only), one
+        embedding shared by source, target and softmax, scaled by sqrt(d) on input; a
+        shared model is ``arch="universal"`` with a sinusoid step signal and no ACT."""
+        from .config import ModelConfig
+
+        if not self.shared and self.enc_layers != self.dec_layers:
+            raise ConfigError(f"{self.name}: TransformerSeq2Seq builds n_layers encoder and "
+                              f"n_layers decoder layers; enc_layers={self.enc_layers} != "
+                              f"dec_layers={self.dec_layers}")
+        d = self.d_model
+        kw = dict(vocab_size=self.vocab_size, d_model=d, n_heads=self.n_heads, d_ff=self.d_ff,
+                  max_seq_len=DEFAULT_SEQ_LEN, ffn="relu", norm="layer", bias=True,
+                  use_rope=False, tie_embeddings=True, embed_scale=True, embed_init_std=d ** -0.5)
+        if self.shared:
+            kw.update(arch="universal", n_layers=1, n_steps=self.steps)
+        else:
+            kw.update(arch="rope", n_layers=self.enc_layers)
+        return ModelConfig(**{**kw, **overrides})
 
 
 PRESETS: dict[str, EncDecSpec] = {
@@ -90,6 +117,34 @@ def count(spec: EncDecSpec, seq_len: int = DEFAULT_SEQ_LEN) -> dict:
             "non_embedding": total - embedding, "flops_per_token": flops, "steps": spec.steps,
             "shared": spec.shared, "d_model": d, "d_ff": f, "n_heads": spec.n_heads,
             "enc_layers": ue, "dec_layers": ud, "vocab_size": V, "seq_len": seq_len}
+
+
+def build(spec: EncDecSpec, device="meta"):
+    """The encoder-decoder of ``spec`` (UniversalSeq2Seq for a shared model, else
+    TransformerSeq2Seq); on the meta device by default, allocating no weights."""
+    from .seq2seq import build_seq2seq
+
+    with torch.device(device):
+        return build_seq2seq(spec.config())
+
+
+def count_built(spec: EncDecSpec, seq_len: int = DEFAULT_SEQ_LEN, flops: bool = True) -> dict:
+    """Parameters of the built model (``build``; a tied matrix counted once) and, with
+    ``flops``, its forward FLOPs per token measured by FlopCounterMode on meta tensors:
+    ``seq_len`` source and ``seq_len`` target tokens, divided by ``seq_len`` (the same
+    convention as ``count``: one source plus one target token, attention over
+    ``seq_len`` keys)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build(spec, "meta")
+    out = {"built_total": int(sum(p.numel() for p in model.parameters())),
+           "built_class": type(model).__name__}
+    if flops:
+        src_BS = torch.full((1, seq_len), 3, dtype=torch.long, device="meta")
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            model(src_BS, src_BS, src_mask_BS=torch.ones(1, seq_len, dtype=torch.bool, device="meta"))
+        out["built_flops_per_token"] = int(fc.get_total_flops() // seq_len)
+    return out
 
 
 def solve_width(target_params: int, shared: bool = True, enc_layers: int = 6, dec_layers: int = 6,

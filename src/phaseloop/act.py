@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-MODES = ("basic", "accumulated")
+MODES = ("basic", "accumulated", "t2t_literal")
 
 
 def _check_mode(mode: str) -> None:
@@ -103,10 +103,13 @@ def combine(previous_state: Tensor, transformed: Tensor, update_weights: Tensor,
             mode: str = "basic") -> Tensor:
     """Fold one step's transformed state into the ACT output.
 
-    ``basic`` (tensor2tensor, Dehghani et al. 2019 §2.2):
+    ``basic`` (Dehghani et al. 2019 §2.2, tensor2tensor's comment and documented intent):
     ``transformed * w + previous * (1 - w)``; ``accumulated`` (Graves 2016):
-    ``transformed * w + previous``. ``update_weights`` has the state's shape without
-    the hidden dim (or with a trailing 1) and is broadcast over the hidden dim.
+    ``transformed * w + previous``; ``t2t_literal``: tensor2tensor's basic-ACT line as
+    written, ``transformed * w + (previous_state * 1 - update_weights)``, which by
+    operator precedence is ``transformed * w + previous - w`` (w subtracted from every
+    channel). ``update_weights`` has the state's shape without the hidden dim (or with
+    a trailing 1) and is broadcast over the hidden dim.
     """
     _check_mode(mode)
     w = update_weights
@@ -114,6 +117,8 @@ def combine(previous_state: Tensor, transformed: Tensor, update_weights: Tensor,
         w = w.unsqueeze(-1)
     if mode == "basic":
         return transformed * w + previous_state * (1 - w)
+    if mode == "t2t_literal":
+        return transformed * w + previous_state - w
     return transformed * w + previous_state
 
 
@@ -138,10 +143,12 @@ def effective_weights(update_weights: Tensor, mode: str = "basic") -> Tensor:
     """Weight each step's transformed state carries in the final output ([steps, ...]).
 
     ``basic``: ``w_k * prod_{j>k} (1 - w_j)`` (sums to ``1 - prod_j (1 - w_j)``; the
-    rest belongs to the zero initial state). ``accumulated``: ``w_k``.
+    rest belongs to the zero initial state). ``accumulated``: ``w_k``. ``t2t_literal``:
+    ``w_k`` too, but that output also carries the constant ``-sum_k w_k`` on every
+    channel (see :func:`combine`), which no weight of a state describes.
     """
     _check_mode(mode)
-    if mode == "accumulated":
+    if mode != "basic":
         return update_weights
     out = []
     tail = torch.ones_like(update_weights[0])

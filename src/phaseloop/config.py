@@ -36,7 +36,7 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int | None = None  # None -> n_heads (plain multi-head attention)
-    d_ff: int | None = None  # None -> 8/3 * d_model rounded up to a multiple of 32
+    d_ff: int | None = None  # None -> 8/3 * d_model rounded up to 32 (SwiGLU); 4 * d_model (relu)
     max_seq_len: int = 256
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
@@ -45,6 +45,7 @@ class ModelConfig:
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model)
     embed_init_std: float = 0.02  # the 3PT paper's baseline uses PyTorch's default N(0, 1)
     init_std: float = 0.02  # residual projections get init_std / sqrt(2 * n_layers)
+    init: str = "normal"  # linear layers: normal (N(0, init_std)) | torch (nn.Linear's default)
 
     # --- Three-Phase Transformer (Abu Ayyash 2026), see three_phase.py -------------
     # None means "on for arch='three_phase', off otherwise"; any trunk may switch them on.
@@ -67,6 +68,7 @@ class ModelConfig:
     hc_per_layer: bool = False  # hyperloop ablation: connections after every middle layer
     hc_transition: str = "hc"  # hyperloop: hc (paper) | pooled_mlp (the review's variant)
     hc_alpha_init: float = 0.01  # init of the alpha scales of the dynamic coefficients
+    hc_dynamic: bool = True  # False: ablation "static T", coefficients from the biases only
     sinkhorn_iters: int = 20  # Sinkhorn-Knopp iterations for hc_res=sinkhorn
 
     # --- Universal Transformer (Dehghani et al. 2019), see universal.py --------------
@@ -74,13 +76,18 @@ class ModelConfig:
     n_steps: int = 6  # T, applications of the shared block (overridable at inference)
     step_signal: str = "sinusoid"  # step part of the coordinate signal: sinusoid | learned
     act: bool = False  # adaptive computation time per position (UT §2.2)
-    act_type: str = "basic"  # basic (tensor2tensor, interpolating) | accumulated (Graves 2016)
+    act_type: str = "basic"  # basic (interpolating) | accumulated (Graves) | t2t_literal (see act.py)
     act_epsilon: float = 0.01  # a position halts once its summed halting prob. > 1 - eps
     act_max_steps: int | None = None  # None -> 2 * n_steps (see act_steps)
     act_loss_weight: float = 0.01  # ponder loss weight (added to the loss, logged apart)
     act_halting_bias_init: float = 1.0  # bias of the halting unit (tensor2tensor: 1.0)
     act_early_exit: bool = True  # uncached forward stops once no position runs (same output)
     use_rope: bool = True  # any arch: False drops RoPE (paper-faithful UT: sinusoids only)
+    # Shared block, any arch (layers.py); the published UT / Transformer switch all three on
+    # and use_rope off (presets universal-paper-*, accounting.EncDecSpec.config).
+    ffn: str = "swiglu"  # transition: swiglu (Shazeer 2020) | relu (max(0, xW1+b1)W2+b2, Vaswani)
+    norm: str = "rms"  # every norm site: rms (RMSNorm, gain) | layer (LayerNorm, gain + bias)
+    bias: bool = False  # biases on the attention (q, kv, o) and FFN projections
 
     def __post_init__(self) -> None:
         check_types(self, "config")
@@ -96,8 +103,8 @@ class ModelConfig:
                 setattr(self, name, tp)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.d_ff is None:
-            self.d_ff = 32 * math.ceil(8 * self.d_model / 3 / 32)
+        if self.d_ff is None:  # 4d for the ReLU FFN (Vaswani), 8/3 d for SwiGLU (same params)
+            self.d_ff = 4 * self.d_model if self.ffn == "relu" else 32 * math.ceil(8 * self.d_model / 3 / 32)
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -118,6 +125,9 @@ class ModelConfig:
         for name in ("rope_base", "norm_eps", "embed_init_std", "init_std"):
             if not getattr(self, name) > 0:
                 _fail(name, getattr(self, name), "must be > 0")
+        if self.init not in ("normal", "torch"):
+            _fail("init", self.init, "choose normal (N(0, init_std), residual projections scaled) "
+                  "or torch (PyTorch's nn.Linear default, U(±1/sqrt(fan_in)))")
         self._validate_phases()
         self._validate_loops()
         self._validate_universal()
@@ -156,8 +166,14 @@ class ModelConfig:
         if not looped:
             self._refuse_set(("n_begin", "n_end", "n_loops"), why + " (looped, hyperloop)")
         if not hc:
-            self._refuse_set(("n_streams", "hc_res", "hc_alpha_init", "sinkhorn_iters"),
-                             why + " (hyperloop, mhc)")
+            self._refuse_set(("n_streams", "hc_res", "hc_alpha_init", "hc_dynamic",
+                              "sinkhorn_iters"), why + " (hyperloop, mhc)")
+        if not self.hc_dynamic:
+            self._refuse_set(("hc_alpha_init",), "static coefficients (hc_dynamic=False) have "
+                             "no alpha; drop hc_alpha_init or set hc_dynamic=True")
+            if self.hc_transition == "pooled_mlp":
+                _fail("hc_dynamic", False, "the pooled-MLP variant has no hyper-connection "
+                      "coefficients to make static; drop hc_dynamic or use hc_transition='hc'")
         if self.arch != "hyperloop":
             self._refuse_set(("hc_per_layer", "hc_transition"), why + " (hyperloop)")
         if hc and self.n_streams < 2:
@@ -177,12 +193,21 @@ class ModelConfig:
         check_ints(self, ("act_max_steps",), "config", optional=True)
         if self.step_signal not in ("sinusoid", "learned"):
             _fail("step_signal", self.step_signal, "choose sinusoid or learned")
-        if self.act_type not in ("basic", "accumulated"):
-            _fail("act_type", self.act_type, "choose basic (tensor2tensor) or accumulated (Graves)")
+        if self.act_type not in ("basic", "accumulated", "t2t_literal"):
+            _fail("act_type", self.act_type, "choose basic (tensor2tensor, documented), accumulated "
+                  "(Graves) or t2t_literal (tensor2tensor's code as written)")
         if not 0 < self.act_epsilon < 1:
             _fail("act_epsilon", self.act_epsilon, "must be in (0, 1); the threshold is 1 - eps")
         if not self.act_loss_weight >= 0:
             _fail("act_loss_weight", self.act_loss_weight, "must be >= 0")
+        # the shared block's options (generic; validated here beside use_rope)
+        if self.ffn not in ("swiglu", "relu"):
+            _fail("ffn", self.ffn, "choose swiglu or relu")
+        if self.norm not in ("rms", "layer"):
+            _fail("norm", self.norm, "choose rms or layer")
+        if self.norm != "rms" and self.phase_norm:
+            _fail("norm", self.norm, "phase_norm=True replaces every norm with PhaseAwareRMSNorm; "
+                  "set norm='rms' or phase_norm=False")
         act_fields = ("act_type", "act_epsilon", "act_max_steps", "act_loss_weight",
                       "act_halting_bias_init", "act_early_exit")
         if not ut:

@@ -21,6 +21,13 @@ With the dynamic part off (alpha = 0) the streams stay identical and
   hyperloop, sinkhorn/identity: y <- y + F(y)             (rows of H_res sum to 1)
   mHC, sinkhorn/identity:       y <- y + F(y)             (exactly the pre-norm Transformer)
 (tests/test_hyperloop.py checks each relation).
+
+Static coefficients (``hc_dynamic=False``, the Hyperloop paper's ablation "w/o dynamic
+transition (static T)"): no W and no alpha, H_pre / H_post / H_res are functions of each
+connection's (each loop's) own b only. b then starts at the biases above plus N(0, init_std)
+noise (ours): identical streams under stream-symmetric coefficients get identical gradients
+and would stay identical for ever, so the dynamic model's W is what breaks the symmetry,
+and without W the noise on b has to.
 """
 
 from __future__ import annotations
@@ -54,7 +61,10 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
 
 def stream_product(A: torch.Tensor, Z: torch.Tensor) -> torch.Tensor:
     """A @ Z per token ([..., r, c] x [..., c, D]) in Z's dtype: with autocast off, so the
-    streams stay fp32 under bf16 autocast, as the residual stream they replace."""
+    streams stay fp32 under bf16 autocast, as the residual stream they replace. (The meta
+    device, where params.count_params traces, has no autocast to switch off.)"""
+    if not torch.amp.is_autocast_available(Z.device.type):
+        return A.to(Z.dtype) @ Z
     with torch.autocast(Z.device.type, enabled=False):
         return A.to(Z.dtype) @ Z
 
@@ -82,7 +92,8 @@ class HyperConnection(nn.Module):
 
     W_pre, W_post, W_res are rows of one matrix ``W`` (one matmul); ``e`` is the loop
     embedding e_l (hyperloop only). ``residual_f``: F keeps its own residual (hyperloop),
-    which sets the diagonal H_res init (see the module docstring).
+    which sets the diagonal H_res init (see the module docstring). ``cfg.hc_dynamic=False``
+    drops the ``a * W z`` terms (and W, alpha): the coefficients are sigmoid(b) etc.
     """
 
     def __init__(self, cfg: ModelConfig, loop_embedding: bool, residual_f: bool):
@@ -91,9 +102,14 @@ class HyperConnection(nn.Module):
         self.n, self.form, self.iters = n, cfg.hc_res_form, cfg.sinkhorn_iters
         self.eps = cfg.norm_eps
         n_res = {"diagonal": n, "sinkhorn": n * n, "identity": 0}[self.form]
+        self.dynamic = cfg.hc_dynamic
         # rows of W and entries of b: [pre (n) | post (n) | res (n, n*n or 0)]
-        self.W = nn.Parameter(torch.randn(2 * n + n_res, n * D) * cfg.init_std)
-        self.alpha = nn.Parameter(torch.full((3,), float(cfg.hc_alpha_init)))  # pre, post, res
+        if self.dynamic:
+            self.W = nn.Parameter(torch.randn(2 * n + n_res, n * D) * cfg.init_std)
+            self.alpha = nn.Parameter(torch.full((3,), float(cfg.hc_alpha_init)))  # pre, post, res
+        else:
+            self.register_parameter("W", None)
+            self.register_parameter("alpha", None)
         b_pre = torch.full((n,), -math.log(n - 1))  # sigmoid -> 1/n: the read is the mean
         b_post = torch.zeros(n)  # 2 sigmoid -> 1
         if self.form == "diagonal":
@@ -101,7 +117,10 @@ class HyperConnection(nn.Module):
             b_res = torch.full((n,), math.log(keep / (1 - keep)))
         else:  # sinkhorn: b_res = I (leans to the diagonal); identity: nothing
             b_res = (SINKHORN_DIAG_INIT * torch.eye(n)).flatten()[:n_res]
-        self.b = nn.Parameter(torch.cat([b_pre, b_post, b_res]))
+        b = torch.cat([b_pre, b_post, b_res])
+        if not self.dynamic:  # break the symmetry between the streams (module docstring)
+            b = b + torch.randn(b.shape) * cfg.init_std
+        self.b = nn.Parameter(b)
         self.register_buffer("alpha_idx", torch.tensor([0] * n + [1] * n + [2] * n_res),
                              persistent=False)
         self.e = nn.Parameter(torch.zeros(D)) if loop_embedding else None
@@ -115,8 +134,11 @@ class HyperConnection(nn.Module):
         """-> H_pre [B,T,n], H_post [B,T,n], H_res: its diagonal [B,T,n] (hc_res=diagonal),
         the matrix [B,T,n,n] (sinkhorn) or None (identity)."""
         n, D = self.n, y_BTnD.shape[-1]
-        z_BTm = F.rms_norm(y_BTnD.flatten(-2), (n * D,), eps=self.eps)
-        logits_BTk = self.b + self.alpha[self.alpha_idx] * (z_BTm @ self.W.t())
+        if self.dynamic:
+            z_BTm = F.rms_norm(y_BTnD.flatten(-2), (n * D,), eps=self.eps)
+            logits_BTk = self.b + self.alpha[self.alpha_idx] * (z_BTm @ self.W.t())
+        else:  # static T: the same coefficients at every token
+            logits_BTk = self.b.expand(*y_BTnD.shape[:-2], -1)
         pre_BTn = torch.sigmoid(logits_BTk[..., :n])
         post_BTn = 2 * torch.sigmoid(logits_BTk[..., n:2 * n])
         res = None

@@ -4,7 +4,8 @@
   block (Zeitoun, Torroba-Hennigen, Kim, "Hyperloop Transformers", arXiv 2604.21254, §2).
 * ``Hyperloop`` — looped + n residual streams mixed by hyper-connections once after each
   loop (ibid. §3); options: H_res diagonal / Sinkhorn / identity, connections after every
-  middle layer, and the review's pooled-MLP transition (``PooledMLPTransition``).
+  middle layer, static coefficients (``hc_dynamic=False``, the paper's "static T"
+  ablation) and the review's pooled-MLP transition (``PooledMLPTransition``).
 * ``MHC`` — a plain stack with manifold-constrained hyper-connections on every sub-layer
   (Xie et al., "mHC", arXiv 2512.24880; Zhu et al., "Hyper-Connections", ICLR 2025).
 
@@ -154,20 +155,42 @@ register_trunk("mhc", MHC)
 
 
 # ---------------------------------------------------------------------------- presets
-# The paper's first scale (Hyperloop §4): d 1024, depth 16, SwiGLU d_ff = 2.75 d, 16-head
-# MHA, RoPE base 10000, vocab 32000, untied output, no sqrt(d) embedding scale, std 0.02.
-_PAPER = dict(d_model=1024, n_heads=16, n_kv_heads=16, d_ff=2816, vocab_size=32000,
-              max_seq_len=2048, rope_base=10000.0, tie_embeddings=False, embed_scale=False,
-              embed_init_std=0.02, init_std=0.02)
+# The paper's three scales (Hyperloop §4, its table of results): Llama-style layers, SwiGLU
+# d_ff = 2.75 d, 16-head MHA, RoPE base 10000, untied output layer, L = 3 loops, n = 4
+# streams. Ours (the paper does not say): vocab 32000 (the value its parameter counts pin
+# down, docs/hyperloop.md), context 2048, no sqrt(d) embedding scale, init std 0.02.
+# Names: the paper's parameter count of each model (it leaves out the input embedding) in
+# whole millions, truncated, so that a looped model and its hyperloop twin share a name.
+PAPER_SCALES = (  # d, (begin, middle, end), names: transformer, mhc, looped and hyperloop
+    (1024, (2, 4, 2), ("238m", "241m", "135m")),  # depth 16
+    (2048, (3, 4, 3), ("990m", "997m", "579m")),  # depth 18
+    (2048, (4, 10, 4), ("2018m", "2033m", "990m")),  # depth 38
+)
+
+
+def _paper_scale(d: int, split: tuple[int, int, int], names: tuple[str, str, str]) -> dict:
+    base = dict(d_model=d, n_heads=16, n_kv_heads=16, d_ff=int(2.75 * d), vocab_size=32000,
+                max_seq_len=2048, rope_base=10000.0, tie_embeddings=False, embed_scale=False,
+                embed_init_std=0.02, init_std=0.02)
+    b, m, e = split
+    loops = dict(base, n_layers=b + m + e, n_begin=b, n_end=e, n_loops=3)
+    tf, mhc, looped = names
+    return {f"transformer-{tf}": dict(base, arch="rope", n_layers=b + 3 * m + e),
+            f"mhc-{mhc}": dict(base, arch="mhc", n_layers=b + 3 * m + e),
+            f"looped-{looped}": dict(loops, arch="looped"),
+            f"hyperloop-{looped}": dict(loops, arch="hyperloop")}
+
+
+_PAPER_PRESETS = {k: v for d, split, names in PAPER_SCALES for k, v in _paper_scale(d, split, names).items()}
 # Byte-level CPU twins at matched depth 8 (looped: 1 -> 2 x 3 -> 1) and tiny test models.
 _SMALL = dict(d_model=128, n_heads=4, n_kv_heads=4, d_ff=352, vocab_size=256, max_seq_len=128,
               embed_scale=False, tie_embeddings=False)
 _TINY = dict(_SMALL, d_model=64, d_ff=176, max_seq_len=64)
 register_presets({
-    "transformer-240m": dict(_PAPER, arch="rope", n_layers=16),
-    "mhc-240m": dict(_PAPER, arch="mhc", n_layers=16),
-    "looped-240m": dict(_PAPER, arch="looped", n_layers=8, n_begin=2, n_end=2, n_loops=3),
-    "hyperloop-240m": dict(_PAPER, arch="hyperloop", n_layers=8, n_begin=2, n_end=2, n_loops=3),
+    **_PAPER_PRESETS,
+    # the first scale's earlier names, kept while benchmarks/ and README.md use them
+    **{f"{a}-240m": _PAPER_PRESETS[f"{a}-{n}"] for a, n in
+       (("transformer", "238m"), ("mhc", "241m"), ("looped", "135m"), ("hyperloop", "135m"))},
     "transformer-small": dict(_SMALL, arch="rope", n_layers=8),
     "mhc-small": dict(_SMALL, arch="mhc", n_layers=8),
     "looped-small": dict(_SMALL, arch="looped", n_layers=4, n_begin=1, n_end=1, n_loops=3),

@@ -1,6 +1,9 @@
-"""Building blocks of the shared decoder: RMSNorm, RoPE, GQA attention (self or cross)
-with a KV cache, SwiGLU and the pre-norm block. Architecture files reuse these; they do
-not copy them, and this file imports none of them: an architecture that changes a norm,
+"""Building blocks of the shared decoder: RMSNorm (or LayerNorm), RoPE, GQA attention
+(self or cross) with a KV cache, SwiGLU (or the ReLU FFN) and the pre-norm block. The
+defaults are the Llama-style backbone (no biases); ``norm="layer"``, ``ffn="relu"`` and
+``bias=True`` give the original Transformer's / Universal Transformer's block.
+Architecture files reuse these; they do not copy them, and this file imports none of
+them: an architecture that changes a norm,
 the map between the sub-layers or the embedding output registers a factory for its
 config switch (``register_block_option``; 3PT does so in ``three_phase.py``).
 
@@ -75,8 +78,15 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
-    """Every norm site goes through here, so a registered norm option replaces all of them."""
-    return _at_most_one(option_modules(cfg, "norm"), "norm") or RMSNorm(cfg.d_model, cfg.norm_eps)
+    """Every norm site goes through here, so a registered norm option replaces all of them;
+    otherwise RMSNorm, or with ``norm="layer"`` LayerNorm with gain and bias (Ba et al.
+    2016; Vaswani et al. 2017, tensor2tensor)."""
+    found = _at_most_one(option_modules(cfg, "norm"), "norm")
+    if found is not None:
+        return found
+    if cfg.norm == "layer":
+        return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+    return RMSNorm(cfg.d_model, cfg.norm_eps)
 
 
 # ---------------------------------------------------------------------------- RoPE
@@ -185,7 +195,8 @@ class Context:
 
 # ---------------------------------------------------------------------------- modules
 class Attention(nn.Module):
-    """Grouped-query attention (Ainslie et al. 2023) through SDPA; no biases. Self-attention
+    """Grouped-query attention (Ainslie et al. 2023) through SDPA; biases on q, kv, o with
+    ``cfg.bias`` (none by default). Self-attention
     (causal, or bidirectional with a key mask) over the new tokens and the cache; with
     ``cross=True`` queries attend to ``ctx.memory`` instead (no RoPE: positions of two
     sequences do not compare)."""
@@ -193,9 +204,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, cross: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.o_proj.residual = True  # scaled init
         self.dropout = cfg.dropout
         self.cross = cross
@@ -242,17 +253,35 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """FFN(x) = down(silu(gate(x)) * up(x)) (Shazeer 2020); no biases."""
+    """FFN(x) = down(silu(gate(x)) * up(x)) (Shazeer 2020); biases only with ``cfg.bias``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.bias)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.down.residual = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
+
+
+class ReLUFFN(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (Vaswani et al. 2017 §3.3; the UT paper's
+    transition, Dehghani et al. 2019 §2.1); biases with ``cfg.bias``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.down.residual = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(x)))
+
+
+def make_ffn(cfg: ModelConfig) -> nn.Module:
+    return ReLUFFN(cfg) if cfg.ffn == "relu" else SwiGLU(cfg)
 
 
 class Block(nn.Module):
@@ -274,7 +303,7 @@ class Block(nn.Module):
         self.cross_norm = make_norm(cfg) if cross else None
         self.cross_attn = Attention(cfg, cross=True) if cross else None
         self.ffn_norm = make_norm(cfg)
-        self.ffn = SwiGLU(cfg)
+        self.ffn = make_ffn(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         found = option_modules(cfg, "between", layer_idx, n_layers or cfg.n_layers)
         self.between: nn.Module = _at_most_one(found, "between-sub-layer") or nn.Identity()
@@ -297,10 +326,15 @@ class Block(nn.Module):
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig, n_residual_layers: int) -> None:
-    """Normal(0, init_std) for linear layers; projections that write into the residual
-    stream get init_std / sqrt(2 * depth) (GPT-2 §2.3); norms keep gain 1."""
+    """Linear layers, ``cfg.init="normal"``: N(0, init_std), projections that write into the
+    residual stream N(0, init_std / sqrt(2 * depth)) (GPT-2 §2.3), biases 0;
+    ``init="torch"``: PyTorch's default, ``nn.Linear.reset_parameters`` (weights and biases
+    U(±1/sqrt(fan_in)), no depth scaling), as the 3PT author's script leaves them. Norms
+    keep gain 1; the embedding is the caller's (``embed_init_std``)."""
     for m in module.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and cfg.init == "torch":
+            m.reset_parameters()
+        elif isinstance(m, nn.Linear):
             std = cfg.init_std
             if getattr(m, "residual", False):
                 std = cfg.init_std / math.sqrt(2 * n_residual_layers)

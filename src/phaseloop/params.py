@@ -13,7 +13,8 @@ from .model import build_model
 
 def count_params(cfg: ModelConfig, seq_len: int | None = None) -> dict:
     """Integer fields: total, embedding (input), unembedding (output head; 0 when tied),
-    non_embedding (everything else) and flops_per_token: forward-pass FLOPs per token at
+    non_embedding (everything else), without_input_embedding (total − embedding: the
+    Hyperloop paper's count) and flops_per_token: forward-pass FLOPs per token at
     ``seq_len`` (default the config's max_seq_len), 2 per multiply-add, counted by
     torch's FlopCounterMode on meta tensors — every matmul including the head and the
     attention score/value products (full T x T, the Kaplan et al. 2020 convention)."""
@@ -27,6 +28,7 @@ def count_params(cfg: ModelConfig, seq_len: int | None = None) -> dict:
         model(idx)
     return {"arch": cfg.arch, "total": int(total), "embedding": int(embedding),
             "unembedding": int(unembedding), "non_embedding": int(total - embedding - unembedding),
+            "without_input_embedding": int(total - embedding),
             "flops_per_token": int(fc.get_total_flops() // T), "seq_len": T,
             "depth": int(getattr(model.trunk, "depth", cfg.n_layers))}
 

@@ -14,6 +14,12 @@ Nothing here is a new layer.
   ``n_steps`` times; the coordinate signal before every step; ACT per side
   (``encoder_act``/``decoder_act``, default ``cfg.act``).
 
+The block options of ``ModelConfig`` apply to both sides: ``ffn="relu", norm="layer",
+bias=True, use_rope=False`` plus ``tie_embeddings=True`` is the published model with
+tensor2tensor's conventions (``accounting.EncDecSpec.config()``; the built parameter
+counts of the UT §3 presets equal the closed forms there). The UT decoder's shared
+cross-attention projects the encoder's keys/values once for all steps (``Memory.kv``).
+
 Tokens: one embedding for source and target (tensor2tensor shares it); special ids
 ``tokenizer.PAD``/``EOS``/``BOS`` (0 / 1 / 2, the task vocabularies' convention). The
 source padding mask is applied to encoder self-attention and to cross-attention; targets

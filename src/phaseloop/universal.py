@@ -16,8 +16,14 @@ Conventions (tensor2tensor ``universal_transformer_util``):
   reused** (clamped), so a model trained with T steps runs any number of steps.
 * Depth at inference: ``trunk.set_steps(n)`` (or ``forward(..., steps=n)``) changes the
   number of applications (the ACT loop bound under ACT) without touching the weights.
+* The block is the shared ``layers.Block``: by default Llama-style (RMSNorm, SwiGLU, no
+  biases) *and RoPE in every attention*, on top of the coordinate signal. The published
+  model is ``ffn="relu", norm="layer", bias=True, use_rope=False`` (ReLU transition with
+  biases, LayerNorm with gain and bias, attention biases, the coordinate sinusoid as the
+  only position signal): the ``universal-paper-*`` presets.
 
-ACT semantics (t2t "basic" / Graves "accumulated"): the halting unit reads the step
+ACT semantics (t2t "basic" / Graves "accumulated" / t2t's line as written,
+"t2t_literal": ``act.combine``): the halting unit reads the step
 input (state + coordinate signal); every position's state keeps being transformed at
 every loop iteration, also after it halted — a halted position only gets update weight
 0 in the output, and it stays visible to attention at later steps. Position j's output
@@ -211,7 +217,16 @@ def _ut(d: int, **kw) -> dict:
                 embed_init_std=d ** -0.5, **kw)
 
 
+# The published block (Dehghani et al. 2019 / tensor2tensor): ReLU FFN with d_ff = 4d,
+# biases, LayerNorm, no RoPE, plain multi-head attention, embedding shared with the softmax.
+def _ut_paper(d: int, **kw) -> dict:
+    return _ut(d, d_ff=4 * d, ffn="relu", norm="layer", bias=True, use_rope=False,
+               tie_embeddings=True, **kw)
+
+
 register_presets({
+    "universal-paper-tiny": _ut_paper(96, n_heads=6, n_steps=4, vocab_size=256, max_seq_len=64),
+    "universal-paper-small": _ut_paper(192, n_heads=6, n_steps=6, vocab_size=256, max_seq_len=128),
     "universal-tiny": _ut(96, n_heads=6, n_kv_heads=3, d_ff=256, n_steps=4, vocab_size=256,
                           max_seq_len=64),
     "universal-act-tiny": _ut(96, n_heads=6, n_kv_heads=3, d_ff=256, n_steps=3, act=True,

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="UT §3: solve for the width d (d_ff=4d) with the parameters of PRESET "
                         "(transformer-base, ...); with --shared a weight-tied encoder-decoder")
     c.add_argument("--shared", action="store_true", help="with --match: one shared layer per side")
+    c.add_argument("--built", action="store_true",
+                   help="UT §3 presets: build the encoder-decoder (seq2seq.py, meta device) and "
+                        "print its parameter and FLOP counts next to the closed form")
     c.set_defaults(func=C.cmd_params)
 
     a = _on_a_run(sub, "angles", "3PT: per-layer rotation-angle drift of a run (+ PNG)", C.cmd_angles,
@@ -123,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                       ("babi", "train/evaluate on bAbI QA tasks (UT paper)")):
         k = sub.add_parser(name, help=hlp)
         if name == "task":
-            k.add_argument("--task", required=True, help="copy | reverse | addition | parity | jsonl:PATH")
+            k.add_argument("--task", required=True, help="copy | reverse | addition | parity | "
+                           "lte-copy | lte-double | lte-reverse | jsonl:PATH")
             k.add_argument("--train-len", help="training lengths, e.g. 1-20 (default; --paper: 40)")
             k.add_argument("--test-len", help="test lengths, e.g. 40,80 (default; --paper: 400)")
             k.add_argument("--paper", action="store_true", help="the paper's setting: train 40, test 400, "

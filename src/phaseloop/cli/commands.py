@@ -29,7 +29,9 @@ TRAIN_OPTS = [
     ("--lr", "lr", float, "peak learning rate"),
     ("--min-lr-ratio", "min_lr_ratio", float, "cosine floor as a fraction of lr"),
     ("--warmup", "warmup_steps", int, "linear warmup steps"),
-    ("--weight-decay", "weight_decay", float, "AdamW weight decay (matrices only)"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay (on what --decay names)"),
+    ("--decay", "decay", str, "matrices (default: dim >= 2 only) | all (every parameter, as the 3PT author)"),
+    ("--loss-ignore-id", "loss_ignore_id", int, "leave targets equal to this id (e.g. the pad id) out of the loss"),
     ("--grad-clip", "grad_clip", float, "gradient-norm clip"),
     ("--seed", "seed", int, "random seed"),
     ("--eval-every", "eval_every", int, "steps between evaluations"),
@@ -150,6 +152,9 @@ def cmd_params(args) -> int:
 
     if args.match or args.shared or args.preset in acc.PRESETS:
         return _params_encdec(args)
+    if args.built:
+        raise PhaseloopError(f"--built applies to the encoder-decoder presets ({', '.join(acc.PRESETS)}); "
+                             "a decoder-only preset is always counted from its built model")
     names = list(PRESETS) if args.all else [args.preset or "rope-small"]
     rows = [count_params(ModelConfig.from_preset(n, **parse_overrides(args.set)), args.seq_len)
             | {"preset": n} for n in names]
@@ -158,11 +163,12 @@ def cmd_params(args) -> int:
         return 0
     w = max(len(r["preset"]) for r in rows) + 2
     print(f"{'preset':<{w}}{'arch':<13}{'total':>10}{'embedding':>11}{'unembed':>10}"
-          f"{'non-emb':>10}{'MFLOP/tok':>11}")
+          f"{'non-emb':>10}{'w/o in-emb':>11}{'MFLOP/tok':>11}")
     for r in rows:
         print(f"{r['preset']:<{w}}{r['arch']:<13}{format_count(r['total']):>10}"
               f"{format_count(r['embedding']):>11}{format_count(r['unembedding']):>10}"
-              f"{format_count(r['non_embedding']):>10}{r['flops_per_token'] / 1e6:>11.2f}")
+              f"{format_count(r['non_embedding']):>10}{format_count(r['without_input_embedding']):>11}"
+              f"{r['flops_per_token'] / 1e6:>11.2f}")
     return 0
 
 
@@ -176,6 +182,8 @@ def _params_encdec(args) -> int:
                              f"({', '.join(acc.PRESETS)}); drop them")
     if args.shared and not args.match:
         raise PhaseloopError("--shared needs --match PRESET, e.g. --match transformer-base --shared")
+    if args.built and args.match:
+        raise PhaseloopError("--built builds one of the presets; drop --match (or --built)")
     seq_len = args.seq_len or acc.DEFAULT_SEQ_LEN
     rows = [acc.count(spec, seq_len) for spec in acc.PRESETS.values()]
     if args.match:
@@ -189,8 +197,23 @@ def _params_encdec(args) -> int:
               f"d_ff = {4 * res['d']}, {res['model']['total']:,} parameters\n")
         print(acc.table(rows + [res["model"]], rows[0]))
         return 0
-    row = acc.count(acc.get(args.preset), seq_len)
-    print(json.dumps(row, indent=2) if args.json else acc.table(rows, rows[0]))
+    spec = acc.get(args.preset)
+    row = acc.count(spec, seq_len)
+    if args.built:
+        row |= acc.count_built(spec, seq_len)
+        row["built_equals_closed_form"] = row["built_total"] == row["total"]
+    if args.json:
+        print(json.dumps(row, indent=2))
+        return 0
+    print(acc.table(rows, rows[0]))
+    if args.built:
+        same = "equal" if row["built_equals_closed_form"] else "DIFFERENT"
+        print(f"\n{spec.name} built ({row['built_class']}, meta device): {row['built_total']:,} "
+              f"parameters; closed form {row['total']:,} ({same})\n"
+              f"forward FLOPs/token at {seq_len} keys: built {row['built_flops_per_token']:,}, "
+              f"closed form {row['flops_per_token']:,}"
+              + (" (a shared decoder projects the encoder's keys/values for cross-attention once "
+                 "for all steps; the closed form counts them at every step)" if spec.shared else ""))
     return 0
 
 

@@ -12,10 +12,11 @@ from ..validation import check_ints, check_types, strict_from_dict
 @dataclass
 class TrainConfig:
     """Settings of one training run, whatever it trains (an LM on a corpus, a task model
-    on examples). AdamW with decoupled weight decay on matrices, linear warmup then
-    cosine to ``min_lr_ratio * lr``, gradient-norm clipping, ``grad_accum`` micro-batches
-    of ``batch_size`` per step. ``seq_len``, ``eval_windows`` and ``val_fraction`` shape
-    the windows of a corpus (``phaseloop.train``); task runs leave them at their defaults."""
+    on examples). AdamW with decoupled weight decay (on matrices; ``decay="all"``: on every
+    parameter), linear warmup then cosine to ``min_lr_ratio * lr``, gradient-norm
+    clipping, ``grad_accum`` micro-batches of ``batch_size`` per step. ``seq_len``,
+    ``eval_windows`` and ``val_fraction`` shape the windows of a corpus
+    (``phaseloop.train``); task runs leave them at their defaults."""
 
     steps: int = 600
     batch_size: int = 16
@@ -24,7 +25,8 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
     warmup_steps: int = 50
-    weight_decay: float = 0.1  # matrices only
+    weight_decay: float = 0.1  # on the parameters ``decay`` names
+    decay: str = "matrices"  # matrices (dim >= 2) | all (every parameter: the 3PT author's AdamW)
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
@@ -40,6 +42,9 @@ class TrainConfig:
     parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2 fully_shard per block, root last)
     checkpoint_activations: bool = False  # recompute each block's activations in backward
     peak_tflops: float | None = None  # per device, for MFU (default: known GPUs' bf16 peak)
+    # targets equal to this id are left out of the loss, like -100 (the 3PT author's
+    # CrossEntropyLoss(ignore_index=pad_id)); for (inputs, targets) batches of LM runs
+    loss_ignore_id: int | None = None
 
     def __post_init__(self) -> None:
         what = "train config"
@@ -47,6 +52,7 @@ class TrainConfig:
         check_ints(self, ("steps", "batch_size", "grad_accum", "eval_every", "eval_windows",
                           "ckpt_every", "log_every"), what)
         check_ints(self, ("seq_len",), what, optional=True)
+        check_ints(self, ("loss_ignore_id",), what, minimum=0, optional=True)
         check_ints(self, ("warmup_steps", "seed", "skip_nonfinite"), what, minimum=0)
         if not self.lr > 0:
             raise ConfigError(f"invalid train config: lr={self.lr!r}: must be > 0")
@@ -59,6 +65,9 @@ class TrainConfig:
             raise ConfigError(f"invalid train config: grad_clip={self.grad_clip!r}: must be > 0")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"invalid train config: peak_tflops={self.peak_tflops!r}: must be > 0")
+        if self.decay not in ("matrices", "all"):
+            raise ConfigError(f"invalid train config: decay={self.decay!r}: choose matrices (weight decay "
+                              "on dim >= 2 only) or all (every parameter, norm gains and 3PT angles too)")
         if self.parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"invalid train config: parallel={self.parallel!r}: choose ddp or fsdp")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):

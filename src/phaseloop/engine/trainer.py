@@ -20,7 +20,7 @@ from torch import nn
 
 from ..checkpoint import (data_state, load_model_state, load_trainer_state, optimizer_state,
                           remove_orphans, rng_states, save_checkpoint)
-from ..errors import PhaseloopError
+from ..errors import ConfigError, PhaseloopError
 from . import dist
 from .config import TrainConfig
 from .optim import autocast, check_memory, lr_at, make_optimizer, peak_memory_mb, resolve_device
@@ -54,14 +54,29 @@ class Batches(Protocol):
     def set_state(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
+def ignore_targets(batch, ignore_id: int | None):
+    """An (inputs, targets) batch with the targets equal to ``ignore_id`` set to -100, which
+    the loss leaves out (``TrainConfig.loss_ignore_id``); None: the batch unchanged."""
+    if ignore_id is None:
+        return batch
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise ConfigError(f"invalid train config: loss_ignore_id={ignore_id}: applies to the (inputs, "
+                          "targets) batches of LM runs, not this run's; drop it (task runs mark "
+                          "padding -100 already)")
+    x, y = batch
+    return x, y.masked_fill(y == ignore_id, -100)
+
+
 class Trainer:
     """Train ``build()``'s model on ``batches`` for ``tc.steps`` optimiser steps.
 
     Each step: lr from the schedule, ``grad_accum`` micro-batches (loss / grad_accum
-    backpropagated under autocast), gradient clipping, AdamW. Every ``log_every`` steps a
-    record (loss = mean cross-entropy of the step's micro-batches, aux losses, lr, grad
-    norm, tokens, tokens/s, training time) goes to ``records``, the run's metrics.jsonl
-    and ``on_step(step, record)``; every ``eval_every`` steps ``evaluate(model)``'s dict
+    backpropagated under autocast; targets equal to ``tc.loss_ignore_id`` left out),
+    gradient clipping, AdamW. Every ``log_every`` steps a record (loss = mean
+    cross-entropy of the step's micro-batches, aux losses, lr, grad norm, tokens,
+    tokens/s, training time) goes to ``records``, the run's metrics.jsonl and
+    ``on_step(step, record)``; every ``eval_every`` steps ``evaluate(model)``'s dict
     is logged; every ``ckpt_every`` steps (and at the end) a checkpoint is written. With
     ``run`` None nothing is written (an in-memory run).
 
@@ -182,7 +197,7 @@ class Trainer:
         aux: dict[str, torch.Tensor] = {}
         for i in range(tc.grad_accum):
             with dist.no_sync(fwd, sync=i == tc.grad_accum - 1), autocast(dev):
-                out = self.loss_fn(fwd, self.batches.next(), dev)
+                out = self.loss_fn(fwd, ignore_targets(self.batches.next(), tc.loss_ignore_id), dev)
             with dist.no_sync(fwd, sync=i == tc.grad_accum - 1):
                 (out.loss / tc.grad_accum).backward()
             loss = loss + out.ce_loss.detach() / tc.grad_accum  # no host sync until a log step

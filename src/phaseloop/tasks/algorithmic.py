@@ -1,4 +1,5 @@
-"""Seeded generators for the algorithmic tasks of the Universal Transformer paper.
+"""Seeded generators for the algorithmic tasks of the Universal Transformer paper
+(§3.4, and the learning-to-execute memorisation tasks of §3.5).
 
 Tasks (``TASKS``), for a length ``L``:
 
@@ -19,6 +20,13 @@ Tasks (``TASKS``), for a length ``L``:
     prefix parity. Input: ``L`` random bits ``x1..xL`` as ``'0'``/``'1'``; target: one
     output per position, ``y_i = x1 xor ... xor x_i``. Example: ``"0110" -> "0100"``.
     ``length == L``.
+``lte-copy``, ``lte-double``, ``lte-reverse``
+    the memorisation tasks of "Learning to Execute" (Zaremba & Sutskever 2014) that the
+    UT paper reports in §3.5. Input: a random number of exactly ``L`` decimal digits,
+    most significant first and never 0 (LTE draws numbers, not digit strings); target:
+    the number (copy), the number times 2 in decimal without padding, so ``L`` or
+    ``L + 1`` digits (double: ``"512" -> "1024"``, ``"123" -> "246"``), or its digits
+    reversed (reverse: ``"120" -> "021"``). ``length == L``.
 
 Lengths: ``make_examples`` takes an inclusive range as a 2-tuple ``(lo, hi)`` (or a
 ``range``), or an explicit list of lengths. Defaults are small (train ``1-20``, test
@@ -41,7 +49,10 @@ import torch
 from ..errors import ConfigError
 from ..tokenizer import EOS, PAD, SEP
 
-TASKS: tuple[str, ...] = ("copy", "reverse", "addition", "parity")
+TASKS: tuple[str, ...] = ("copy", "reverse", "addition", "parity",
+                          "lte-copy", "lte-double", "lte-reverse")
+LTE_TASKS: tuple[str, ...] = TASKS[4:]
+"""The learning-to-execute memorisation tasks (UT §3.5)."""
 
 DIGITS = "0123456789"
 BITS = "01"
@@ -58,7 +69,8 @@ PAPER_TEST_LENGTHS: list[int] = [400]
 @dataclass(frozen=True)
 class Example:
     """One input/target pair. ``length`` is the task's size parameter (see module doc:
-    symbols for copy/reverse/parity, digits per operand for addition)."""
+    symbols for copy/reverse/parity, digits per operand for addition, digits of the
+    number for the lte- tasks)."""
 
     input: str
     target: str
@@ -159,7 +171,7 @@ def _alphabet(task: str, vocab: str | None) -> str:
         if len(set(alpha)) != len(alpha):
             raise ConfigError(f"vocab {alpha!r} repeats a symbol; list each symbol once")
         return alpha
-    fixed = DIGITS if task == "addition" else BITS
+    fixed = DIGITS if task == "addition" or task in LTE_TASKS else BITS
     if vocab is not None and vocab != fixed:
         raise ConfigError(
             f"task {task!r} uses the fixed symbols {fixed!r}; leave vocab unset (got {vocab!r})"
@@ -173,6 +185,11 @@ def _one(task: str, length: int, rng: np.random.Generator, alpha: str) -> Exampl
         a = "".join(DIGITS[i] for i in d[:length])
         b = "".join(DIGITS[i] for i in d[length:])
         return Example(f"{a}+{b}", str(int(a) + int(b)).zfill(length + 1), length)
+    if task in LTE_TASKS:
+        d = [rng.integers(1, 10), *rng.integers(0, 10, size=length - 1)]  # no leading 0
+        s = "".join(DIGITS[i] for i in d)
+        target = {"lte-copy": s, "lte-double": str(2 * int(s)), "lte-reverse": s[::-1]}[task]
+        return Example(s, target, length)
     idx = rng.integers(0, len(alpha), size=length)
     s = "".join(alpha[i] for i in idx)
     if task == "copy":
@@ -210,7 +227,8 @@ def make_examples(
     allowed lengths; with ``balanced=True`` lengths are instead cycled in increasing
     order (each allowed length gets ``n // k`` or ``n // k + 1`` examples; good for
     per-length test sets). ``vocab``: the alphabet for copy/reverse (default
-    ``"0123456789"``); addition and parity use fixed symbols and reject another vocab.
+    ``"0123456789"``); addition, parity and the lte- tasks use fixed symbols and reject
+    another vocab.
     Deterministic in ``seed``.
     """
     tid = _check_task(task)
@@ -365,6 +383,7 @@ class CharVocab:
 
 __all__ = [
     "TASKS",
+    "LTE_TASKS",
     "DIGITS",
     "BITS",
     "TRAIN_LENGTHS",
