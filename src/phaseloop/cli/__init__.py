@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--match", choices=("none", "params", "flops", "depth"),
                    help="resize variants to the reference's parameters, FLOPs/token or depth")
     m.add_argument("--quiet", action="store_true", help="no progress bar")
+    m.add_argument("--dry-run", action="store_true", help="build every variant at full size on the "
+                   "meta device, count it, train 2 steps at a shrunk shape; write nothing")
     m.set_defaults(func=C.cmd_compare)
 
     for name, hlp in (("task", "train/evaluate on an algorithmic task or a JSONL file (UT paper)"),

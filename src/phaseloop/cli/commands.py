@@ -222,6 +222,11 @@ def cmd_compare(args) -> int:
     recipe = compare.load_recipe(args.recipe)
     recipe = compare.apply_overrides(recipe, args.variants, args.seeds, args.steps, args.data,
                                      args.match, log=_stderr, tokenizer=args.tokenizer)
+    if args.dry_run:
+        from ..compare.dryrun import dry_run
+
+        dry_run(recipe)
+        return 0
     out = args.out or f"runs/compare-{compare.slugify(recipe.name)}"
     command = " ".join(shlex.quote(a) for a in ["phaseloop", *sys.argv[1:]])
     s = compare.run_comparison(recipe, out, progress=not args.quiet, command=command)

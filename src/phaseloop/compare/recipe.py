@@ -195,6 +195,9 @@ class Recipe:
     # eval_limit: examples per task (None: all)
     eval_tasks: list[str] = field(default_factory=list)
     eval_limit: int | None = None
+    # what the paper reports for this comparison (free-form; printed in report.md beside
+    # the measured table), e.g. {source = "...", ppl = {rope = 17.31, "3pt N=3" = 16.06}}
+    paper: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -247,6 +250,9 @@ class Recipe:
         if not isinstance(self.eval_tasks, list) or any(not isinstance(t, str) or not t for t in self.eval_tasks):
             raise RecipeError(f"eval_tasks={self.eval_tasks!r}: must be a list of lm-eval task names, "
                               "e.g. ['lambada_local', 'wikitext2_local']")
+        if not isinstance(self.paper, dict):
+            raise RecipeError("paper must be a table of the paper's numbers, e.g. "
+                              "paper = { source = \"arXiv ...\", ppl = { rope = 17.31 } }")
         if self.eval_limit is not None and (not isinstance(self.eval_limit, int) or self.eval_limit < 1):
             raise RecipeError(f"eval_limit={self.eval_limit!r}: must be a positive integer (examples per task)")
         if "seed" in self.train:

@@ -238,6 +238,9 @@ def write_report(out: Path, recipe: Recipe, plan: list[Planned], data: dict,
     if notes:
         md += ["", "## Budget matching", ""]
         md += [f"- {v['name']}: {describe_match(v['matched'])}" for v in notes]
+    if recipe.paper:
+        md += ["", "## The paper's numbers (to compare with)", "", "```json",
+               json.dumps(recipe.paper, indent=2), "```"]
     md += ["", "## Plots", ""]
     md += ([f"![{f}]({f})" for f in s["plots"]] if s["plots"] else [f"({plots})"])
     md += ["", "## Recipe", "", "```json", json.dumps(recipe.to_dict(), indent=2), "```", "",

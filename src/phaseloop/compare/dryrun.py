@@ -1,0 +1,60 @@
+"""``phaseloop compare RECIPE --dry-run``: check a recipe that is too big to run here.
+
+Every variant is built at its full size on the meta device (no weights allocated) and
+counted; then each trains a few steps at a shrunk shape (the same architecture and
+options, d_model a small multiple of what its heads and phases need, at most 4 layers,
+vocabulary 256) on the built-in corpus with bytes, under the recipe's own training
+settings (optimiser, decay, schedule, init). The paper recipes (``recipes/paper/``) are
+dry-run in CI so none of them rots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from pathlib import Path
+
+from ..config import ModelConfig
+from ..params import measure
+from .recipe import Recipe, resolve_variant
+
+SHRUNK_TRAIN = dict(steps=2, batch_size=2, grad_accum=1, seq_len=16, warmup_steps=1,
+                    eval_every=2, eval_windows=1, ckpt_every=2, log_every=1, device="cpu")
+
+
+def shrink(cfg: ModelConfig) -> ModelConfig:
+    """The same architecture and options at a CPU-test size."""
+    d = math.lcm(2 * cfg.n_heads, 2 * cfg.n_phases)  # even head dim, even phase width
+    while d < 32:
+        d *= 2
+    over = dict(d_model=d, d_ff=2 * d, vocab_size=256, max_seq_len=32)
+    if cfg.arch in ("looped", "hyperloop"):
+        over.update(n_layers=3, n_begin=1, n_end=1, n_loops=min(cfg.n_loops, 2))
+    elif cfg.arch != "universal":
+        over["n_layers"] = min(cfg.n_layers, 2)
+    return cfg.replace(**over)
+
+
+def dry_run(recipe: Recipe, log=print, data: str = "stdlib") -> list[dict]:
+    """Rows {variant, total, without_input_embedding, shrunk_total, val_loss} (see the module)."""
+    from ..train import train
+
+    rows = []
+    tc0 = recipe.train_config(0)
+    tc = dataclasses.replace(tc0, **SHRUNK_TRAIN)
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in recipe.variants:
+            cfg = resolve_variant(v, recipe.scale)
+            full = measure(cfg, min(cfg.max_seq_len, 256))
+            small = shrink(cfg)
+            s = train(small, tc, data, Path(tmp) / v.slug, progress=False)
+            row = {"variant": v.name, "total": full["total"],
+                   "without_input_embedding": full["total"] - cfg.vocab_size * cfg.d_model,
+                   "shrunk_total": measure(small, 16)["total"], "val_loss": s["val_loss"]}
+            rows.append(row)
+            if log:
+                log(f"{v.name}: {row['total']:,} parameters at full size "
+                    f"({row['without_input_embedding']:,} without the input embedding); "
+                    f"shrunk to {row['shrunk_total']:,}: {tc.steps} steps, val loss {row['val_loss']:.3f}")
+    return rows
