@@ -186,10 +186,9 @@ def test_steps_kwarg_equals_set_steps():
 
 
 # ---------------------------------------------------------------------------- ACT
-@pytest.mark.parametrize("mode", ["basic", "accumulated"])
-def test_act_output_matches_halting_schedule(mode):
-    """The trunk's ACT output equals sum_k effective_weight_k * transformed_k, with the
-    weights from act.halting_schedule on the model's own halting probabilities."""
+def _act_trace(mode: str):
+    """A float64 ACT trunk with spread halting, run on [2, 9] inputs: (model, x, ctx,
+    output, halting probs [steps run, B, T], each step's transformed state)."""
     m = build_model(ut(act=True, act_type=mode)).double().eval()
     spread_halting(m)
     transformed = []
@@ -198,7 +197,14 @@ def test_act_output_matches_halting_schedule(mode):
     ctx.cos, ctx.sin = ctx.cos.double(), ctx.sin.double()
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     y = m.trunk(x, ctx)
-    p = ctx.stats["halting_probs"]  # [steps run, B, T]
+    return m, x, ctx, y, ctx.stats["halting_probs"], transformed
+
+
+@pytest.mark.parametrize("mode", ["basic", "accumulated"])
+def test_act_output_matches_halting_schedule(mode):
+    """The trunk's ACT output equals sum_k effective_weight_k * transformed_k, with the
+    weights from act.halting_schedule on the model's own halting probabilities."""
+    m, x, ctx, y, p, transformed = _act_trace(mode)
     S = p.shape[0]
     assert S == len(transformed) and S > 2
     sched = halting_schedule(p.flatten(1), threshold=0.99, max_steps=6, mode=mode)
@@ -476,15 +482,7 @@ def test_attention_with_biases_equals_hand_formula(use_rope):
 def test_t2t_literal_act_in_the_trunk():
     """act_type="t2t_literal": output = sum_k w_k s_k - sum_k w_k on every channel
     (tensor2tensor's line as written), with the same halting as "basic"."""
-    m = build_model(ut(act=True, act_type="t2t_literal")).double().eval()
-    spread_halting(m)
-    transformed = []
-    m.trunk.block.register_forward_hook(lambda mod, args, out: transformed.append(out))
-    ctx = _ctx(9)
-    ctx.cos, ctx.sin = ctx.cos.double(), ctx.sin.double()
-    x = torch.randn(2, 9, 32, dtype=torch.float64)
-    y = m.trunk(x, ctx)
-    p = ctx.stats["halting_probs"]
+    m, x, ctx, y, p, transformed = _act_trace("t2t_literal")
     S = p.shape[0]
     w = halting_schedule(p.flatten(1), threshold=0.99, max_steps=6).update_weights.view(S, 2, 9, 1)
     want = (w * torch.stack(transformed)).sum(0) - w.sum(0)
