@@ -31,12 +31,15 @@ def data_dir(monkeypatch):
     return d
 
 
+def write_corpus(path: Path) -> Path:
+    """A small user text file (not one of the named sources) at ``path``."""
+    path.write_text(("the quick brown fox jumps over the lazy dog. " * 40 + "\n") * 30)
+    return path
+
+
 @pytest.fixture
 def text_file(tmp_path):
-    """A small user text file (not one of the named sources)."""
-    p = tmp_path / "corpus.txt"
-    p.write_text(("the quick brown fox jumps over the lazy dog. " * 40 + "\n") * 30)
-    return p
+    return write_corpus(tmp_path / "corpus.txt")
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from phaseloop.hf.modeling import PhaseloopForCausalLM  # noqa: E402
 from phaseloop.hf.tokenizer import hf_tokenizer  # noqa: E402
 from phaseloop.tokenizer import ByteTokenizer  # noqa: E402
 
+from conftest import write_corpus  # noqa: E402
 from test_cli import TINY_TRAIN, one_line_error  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -205,8 +206,7 @@ def test_byte_tokenizer_equals_phaseloop():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("hfrun")
-    text = d / "corpus.txt"
-    text.write_text(("the quick brown fox jumps over the lazy dog. " * 40 + "\n") * 30)
+    text = write_corpus(d / "corpus.txt")
     out = d / "run"
     assert main(["train", *TINY_TRAIN, "--set", "tie_embeddings=true", "--data", str(text),
                  "--out", str(out)]) == 0
@@ -334,30 +334,15 @@ def test_lm_eval_loglikelihoods_equal_phaseloop(trained, tmp_path):
     inc = tmp_path / "tasks"
     inc.mkdir()
     (inc / "tiny.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (inc / "tiny.yaml").write_text(f"""task: tiny_words
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(inc / 'tiny.jsonl'))}
-output_type: loglikelihood
-test_split: test
-doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
-doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
-metric_list:
-  - metric: acc
-""")
-    (inc / "tiny_roll.yaml").write_text(f"""task: tiny_roll
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {json.dumps(str(inc / 'tiny.jsonl'))}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-""")
+    for name, kind, text, target, metric in (
+            ("tiny_words", "loglikelihood", "{{text.split(' ')[:-1]|join(' ')}}",
+             "{{' '+text.split(' ')[-1]}}", "acc"),
+            ("tiny_roll", "loglikelihood_rolling", "", "{{text}}", "word_perplexity")):
+        (inc / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {json.dumps(str(inc / 'tiny.jsonl'))}\noutput_type: {kind}\ntest_split: test\n"
+            f"doc_to_text: {json.dumps(text)}\ndoc_to_target: {json.dumps(target)}\n"
+            f"metric_list:\n  - metric: {metric}\n")
     res = lm_eval_run(trained, ["tiny_words", "tiny_roll"], include_path=str(inc), batch_size=3,
                       log_samples=True, write=False)
     model, _ = load_run(trained)

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from conftest import write_corpus
 from phaseloop.checkpoint import file_sha256, load_run, save_checkpoint
 from phaseloop.cli import main
 from phaseloop.engine import TrainConfig, Trainer
@@ -45,8 +46,7 @@ def assert_one_line(code, err, pattern, status=2):
 def world(tmp_path_factory):
     """A finished tiny run (6 steps, checkpoints every 3) and the files the cases use."""
     root = tmp_path_factory.mktemp("robust")
-    text = root / "corpus.txt"
-    text.write_text(("the quick brown fox jumps over the lazy dog. " * 40 + "\n") * 30)
+    text = write_corpus(root / "corpus.txt")
     run = root / "run"
     code = main(["train", *TINY, "--steps", "6", "--eval-every", "3", "--ckpt-every", "3",
                  "--data", str(text), "--out", str(run)])

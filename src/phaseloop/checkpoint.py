@@ -279,13 +279,18 @@ def load_run(path: str | Path, device: str | torch.device = "cpu"):
 TOKENIZER_COPY = "tokenizer.json"  # a run keeps the tokenizer it was trained with
 
 
+def run_folder(path: str | Path) -> Path:
+    """The run folder of ``path``: itself, or the parent of a checkpoint folder."""
+    path = Path(path)
+    return path.parent if (path / "model.safetensors").exists() else path
+
+
 def run_tokenizer(path: str | Path, run_cfg: dict):
     """The tokenizer a run was trained with: bytes, or the run's own copy of its
     tokenizer.json, refused when that copy no longer has the recorded sha256."""
     from .tokenizer import ByteTokenizer, HFTokenizer
 
-    path = Path(path)
-    run_dir = path.parent if (path / "model.safetensors").exists() else path
+    run_dir = run_folder(path)
     data = run_cfg.get("data", {})
     if data.get("tokenizer", "bytes") == "bytes":
         return ByteTokenizer()

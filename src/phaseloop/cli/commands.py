@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import compare, plots
 from ..checkpoint import load_run, read_json, write_json
 from ..config import ModelConfig
-from ..checkpoint import run_tokenizer
+from ..checkpoint import run_folder, run_tokenizer
 from ..data import corpus_args, eval_windows, load_corpus, run_corpus
 from ..engine import TrainConfig, dist, resolve_device
 from ..errors import PhaseloopError
@@ -278,9 +278,7 @@ def cmd_lm_eval(args) -> int:
     from lm_eval.utils import make_table
 
     print(make_table(res))
-    run = Path(args.run)
-    run_dir = run.parent if (run / "model.safetensors").exists() else run
-    print(f"results: {run_dir / 'lm_eval' / 'results.json'} (table: results.md)")
+    print(f"results: {run_folder(args.run) / 'lm_eval' / 'results.json'} (table: results.md)")
     return 0
 
 

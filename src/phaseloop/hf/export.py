@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import checkpoint_dir, dumps, file_sha256, load_run, read_json, run_tokenizer
+from ..checkpoint import (checkpoint_dir, dumps, file_sha256, load_run, read_json, run_folder,
+                          run_tokenizer)
 from ..errors import CheckpointError, PhaseloopError
 from ..files import check_out_dir
 from .modeling import PhaseloopForCausalLM
@@ -102,8 +103,7 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
     if out.is_dir() and any(out.iterdir()):
         raise PhaseloopError(f"--out {out} is not empty; choose a new folder (nothing was written)")
     hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized)
-    run = Path(run)
-    run_dir = run.parent if (run / "model.safetensors").exists() else run
+    run, run_dir = Path(run), run_folder(run)
     ckpt = checkpoint_dir(run_dir) if run_dir == run else run
     summary = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
     out.parent.mkdir(parents=True, exist_ok=True)

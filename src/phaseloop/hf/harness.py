@@ -23,7 +23,7 @@ import json
 import os
 from pathlib import Path
 
-from ..checkpoint import dumps
+from ..checkpoint import dumps, run_folder
 from ..errors import ConfigError, PhaseloopError
 from ..files import atomic_write_bytes
 from . import require
@@ -125,8 +125,7 @@ def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None =
     from .export import from_run
     from ..engine import resolve_device
 
-    run = Path(run)
-    run_dir = run.parent if (run / "model.safetensors").exists() else run
+    run_dir = run_folder(run)
     dev = resolve_device(device)
     hf, fast, run_cfg, tok = from_run(run, dev, dtype)
     out = run_dir / "lm_eval"

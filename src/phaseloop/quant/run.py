@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..checkpoint import load_run, write_json
+from ..checkpoint import load_run, run_folder, write_json
 from ..data import TrainBatches, eval_windows, run_corpus
 from ..engine import resolve_device
 from ..errors import PhaseloopError
@@ -34,8 +34,7 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
         check_out_dir(Path(out))
     dev = resolve_device(device)
     model, run_cfg = load_run(run, dev)
-    run_path = Path(run)
-    run_dir = run_path.parent if (run_path / "model.safetensors").exists() else run_path
+    run_dir = run_folder(run)
     corpus = run_corpus(run, run_cfg, data)
     seq_len = run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
     train_tok, val_tok = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
