@@ -490,3 +490,78 @@ def test_t2t_literal_act_in_the_trunk():
     basic = build_model(m.cfg.replace(act_type="basic")).double().eval()
     basic.load_state_dict(m.state_dict())  # same weights and halting, documented form
     assert not torch.allclose(basic.trunk(x, ctx), y, atol=1e-3)
+
+
+def _t2t_act(trunk, x, ctx, threshold=0.99, max_steps=6):
+    """tensor2tensor's ``adaptive_universal_transformer`` (act_type basic) transcribed
+    line by line — ``ut_function`` inside ``tf.while_loop(should_continue, ...)`` — with
+    phaseloop's step_preprocess (signal), sigmoid dense (halting) and layer (block).
+    Written from t2t, not from ``phaseloop.act``; tf.cast of a comparison has no
+    gradient, as torch's. Returns (new_state, ponder_loss)."""
+    pos = trunk.signal.position(0, x.shape[1], x.device)
+    z = torch.zeros(x.shape[:2], dtype=x.dtype)
+    state, step, halting_probability, remainders, n_updates, previous_state = x, 0, z, z, z, torch.zeros_like(x)
+    while bool(((halting_probability < threshold) & (n_updates < max_steps)).any()):  # should_continue
+        state = trunk.signal(state, pos, step)  # step_preprocess
+        p = trunk.halting(state)  # dense(state, 1, sigmoid), squeezed
+        still_running = (halting_probability < 1.0).to(x.dtype)
+        new_halted = (halting_probability + p * still_running > threshold).to(x.dtype) * still_running
+        still_running = (halting_probability + p * still_running <= threshold).to(x.dtype) * still_running
+        halting_probability = halting_probability + p * still_running
+        remainders = remainders + new_halted * (1 - halting_probability)
+        halting_probability = halting_probability + new_halted * remainders
+        n_updates = n_updates + still_running + new_halted
+        update_weights = (p * still_running + new_halted * remainders).unsqueeze(-1)
+        transformed_state = trunk.block(state, ctx, ("ut", step))
+        previous_state = transformed_state * update_weights + previous_state * (1 - update_weights)
+        state, step = transformed_state, step + 1
+    return previous_state, 0.01 * (n_updates + remainders).mean()
+
+
+def test_act_gradients_equal_tensor2tensor_transcription():
+    """Issue 16: the halting unit's gradient path. Every parameter's gradient of
+    (task-like loss + ponder loss) through the trunk equals the t2t transcription's,
+    in float64; the halting unit gets gradient from both terms."""
+    m, x, ctx, y, p, _ = _act_trace("basic")
+    r = torch.randn_like(y)
+    names = [n for n, _ in m.trunk.named_parameters()]
+    ctx.aux_losses.clear()
+    y = m.trunk(x, ctx)
+    ours = torch.autograd.grad((y * r).sum() + ctx.aux_losses["ponder_loss"], list(m.trunk.parameters()),
+                               retain_graph=True)
+    y2, ponder = _t2t_act(m.trunk, x, _ctx_like(ctx))
+    assert torch.allclose(y2, y, atol=1e-12, rtol=0)
+    theirs = torch.autograd.grad((y2 * r).sum() + ponder, list(m.trunk.parameters()))
+    for n, a, b in zip(names, ours, theirs):
+        assert torch.allclose(a, b, atol=1e-10, rtol=0), n
+    w = m.trunk.halting.weight
+    (g_task,) = torch.autograd.grad((y * r).sum(), [w], retain_graph=True)
+    (g_ponder,) = torch.autograd.grad(ctx.aux_losses["ponder_loss"], [w])
+    assert g_task.abs().sum() > 0 and g_ponder.abs().sum() > 0
+
+
+def _ctx_like(ctx):
+    c = _ctx(9)
+    c.cos, c.sin = ctx.cos, ctx.sin
+    return c
+
+
+def test_act_halting_at_the_first_step_gets_no_gradient():
+    """Issue 16 finding (same in tensor2tensor): a position whose first halting
+    probability exceeds 1 - eps halts at step 1 with weight R = 1 - 0, a constant, and
+    ponder 1 + R = 2: neither the task loss nor the ponder loss reaches the halting unit,
+    so a model whose positions all halt at step 1 cannot learn to think longer."""
+    m = build_model(ut(act=True)).double()
+    with torch.no_grad():
+        m.trunk.halting.bias.fill_(6.0)  # sigmoid(6 + w.h) > 0.99 everywhere
+    idx = torch.randint(0, 64, (2, 12))
+    out = m(idx, idx)
+    assert torch.all(out.stats["ponder_time"] == 2.0)
+    h = m.trunk.halting
+    g_w, g_b = torch.autograd.grad(out.loss, [h.weight, h.bias], allow_unused=True, materialize_grads=True)
+    assert g_w.abs().max() == 0 and g_b.abs().max() == 0
+    with torch.no_grad():
+        m.trunk.halting.bias.fill_(1.0)  # the t2t init: two steps, R = 1 - p_1 carries gradient
+    out = m(idx, idx)
+    g_w, g_b = torch.autograd.grad(out.loss, [h.weight, h.bias])
+    assert g_b.abs().max() > 0
