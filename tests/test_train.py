@@ -240,3 +240,34 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, text_file):
     again = train(CFG, tc(steps=5), text_file, run, resume=True, progress=False)
     assert again["val_loss"] == s["val_loss"] and again["step"] == 5
     assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+
+
+def test_evaluate_leaves_ignored_targets_out():
+    """evaluate(ignore_id=k): nats, tokens and bytes over the targets != k only, equal to
+    the cross-entropy of the kept targets; the run's loss_ignore_id reaches it."""
+    from phaseloop.tokenizer import ByteTokenizer
+    from phaseloop.train import evaluate
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_preset("rope-tiny", vocab_size=256, max_seq_len=16)).eval()
+    windows = torch.randint(0, 8, (5, 17))  # ids 0..7: about 1 in 8 targets is 3
+    full = evaluate(model, windows, ByteTokenizer(), batch_size=2)
+    part = evaluate(model, windows, ByteTokenizer(), batch_size=2, ignore_id=3)
+    y = windows[:, 1:]
+    with torch.no_grad():
+        logits = model(windows[:, :-1]).logits
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+    keep = (y != 3).flatten()
+    assert full["val_tokens"] == 80 and part["val_tokens"] == int(keep.sum()) < 80
+    assert math.isclose(part["val_loss"], float(nll[keep].mean()), rel_tol=1e-5)
+    assert math.isclose(full["val_loss"], float(nll.mean()), rel_tol=1e-5)
+    assert math.isclose(part["val_bpb"], float(nll[keep].sum()) / (math.log(2) * int(keep.sum())), rel_tol=1e-5)
+    assert part["val_tokens_per_byte"] == 1.0
+
+
+def test_run_evaluates_without_ignored_targets(tmp_path, text_file):
+    tc = TrainConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, eval_windows=4, log_every=1,
+                     ckpt_every=2, loss_ignore_id=ord("e"))
+    cfg = ModelConfig.from_preset("rope-tiny", max_seq_len=16)
+    s = train(cfg, tc, str(text_file), tmp_path / "run", progress=False)
+    assert s["val_tokens"] < 4 * 16  # every 'e' target left out

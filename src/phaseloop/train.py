@@ -47,11 +47,13 @@ def check_seq_len(seq_len: int, cfg: ModelConfig) -> None:
 
 @torch.no_grad()
 def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | None = None,
-             batch_size: int = 16, device: torch.device | str = "cpu") -> dict:
+             batch_size: int = 16, device: torch.device | str = "cpu", ignore_id: int | None = None) -> dict:
     """Validation loss (nats/token), perplexity and bits per byte over fixed windows:
     BPB = total nats / (ln 2 x the UTF-8 bytes the predicted tokens decode to, counted per
     window by the tokenizer; one per token for bytes), with tokens per byte beside it and,
-    for a word-level tokenizer, the perplexity per word."""
+    for a word-level tokenizer, the perplexity per word. ``ignore_id`` (the run's
+    ``loss_ignore_id``): targets equal to it count in neither the nats, the tokens nor
+    the bytes, as training leaves them out of the loss."""
     tokenizer = tokenizer or ByteTokenizer()
     device = torch.device(device)
     was_training = model.training
@@ -59,7 +61,11 @@ def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | Non
     # in a world, rank r evaluates windows r, r + W, ... (as many batches on every rank,
     # the last padded with window 0 and not counted: FSDP2's forward is a collective)
     w_ = dist.world()
-    n_bytes = int(tokenizer.window_bytes(windows[:, 1:].numpy()).sum())
+    targets = windows[:, 1:].numpy()
+    if ignore_id is None:
+        n_bytes = int(tokenizer.window_bytes(targets).sum())
+    else:
+        n_bytes = sum(int(tokenizer.window_bytes(r[r != ignore_id][None]).sum()) for r in targets)
     mine = windows[w_.rank::w_.size]
     per_rank = -(-len(windows) // w_.size)
     nll, n_tok = 0.0, 0
@@ -73,12 +79,13 @@ def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | Non
         x, y = w[:, :-1], w[:, 1:]
         with autocast(device):
             logits = model(x).logits.float()[:real]
-        nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[:real].flatten(), reduction="sum").item()
-        n_tok += y[:real].numel()
+        y = y[:real] if ignore_id is None else y[:real].masked_fill(y[:real] == ignore_id, -100)
+        nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+        n_tok += int((y != -100).sum())
     nll, n_tok = (float(v) for v in dist.all_sum(nll, n_tok))
     n_tok = int(n_tok)
     model.train(was_training)
-    loss = nll / n_tok
+    loss = nll / max(n_tok, 1)
     out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
            "val_bpb": nll / (math.log(2) * max(n_bytes, 1)), "val_tokens": n_tok,
            "val_tokens_per_byte": n_tok / max(n_bytes, 1)}
@@ -116,7 +123,8 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     batches = TrainBatches(train_tok, seq_len, tc.batch_size, tc.seed, w.rank, w.size)
     windows = eval_windows(val_tok, seq_len, tc.eval_windows)
     trainer = Trainer(lambda: build_model(model_cfg), tc, batches, lm_loss,
-                      evaluate=lambda m: evaluate(m, windows, corpus.tokenizer, tc.batch_size, trainer.device),
+                      evaluate=lambda m: evaluate(m, windows, corpus.tokenizer, tc.batch_size, trainer.device,
+                                                  tc.loss_ignore_id),
                       run=run, progress=progress, desc=run.path.name, on_step=on_step,
                       flops_per_token=measure(model_cfg, seq_len)["flops_per_token"])  # None: no MFU
     if w.main and corpus.tokenizer.path is not None and not (run.path / TOKENIZER_COPY).exists():

@@ -112,7 +112,7 @@ def cmd_eval(args) -> int:
     else:
         _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     windows = eval_windows(tokens, seq_len, args.windows)
-    res = evaluate(model, windows, corpus.tokenizer, 16, device)
+    res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
     res.update({"data": corpus.name, "fingerprint": corpus.fingerprint, "split": args.split,
                 "windows": len(windows), "seq_len": seq_len})
     if args.json:

@@ -39,13 +39,14 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
     seq_len = run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
     train_tok, val_tok = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     val = eval_windows(val_tok, seq_len, windows)
-    before = evaluate(model, val, corpus.tokenizer, 16, dev)
+    ignore = run_cfg["train"].get("loss_ignore_id")
+    before = evaluate(model, val, corpus.tokenizer, 16, dev, ignore)
     calib = None
     if method == "gptq":  # calibration windows from the run's training split
         batches = TrainBatches(train_tok, seq_len, calib_batch_size, seed)
         calib = [batches.next()[0] for _ in range(calib_batches)]
     report = quantize_model(model, bits, None if group_size == -1 else group_size, method, calib)
-    after = evaluate(model, val, corpus.tokenizer, 16, dev)
+    after = evaluate(model, val, corpus.tokenizer, 16, dev, ignore)
 
     out_dir = Path(out) if out else run_dir
     out_dir.mkdir(parents=True, exist_ok=True)
