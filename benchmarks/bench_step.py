@@ -9,6 +9,12 @@ block (LayerNorm, GELU MLP 4·d, learned positions; written here) is timed besid
 
     python benchmarks/bench_step.py                 # every shape, ~4 min on 2 cores
     python benchmarks/bench_step.py --shapes nanogpt --archs rope --top 12
+    python benchmarks/bench_step.py --compile       # eager vs torch.compile, end to end
+
+``--compile`` times each model's eager step against the same step with the loss
+function compiled as the trainer compiles it (``TrainConfig.compile``), and prints the
+compile time (the first compiled step, less an eager step) and the break-even run
+length: the steps after which compiling has paid for itself.
 """
 
 from __future__ import annotations
@@ -93,12 +99,12 @@ def make_step(model: nn.Module, batch: int, seq: int, vocab: int, loss_of=None):
     torch.manual_seed(0)
     opt = make_optimizer(model, TrainConfig())
     x, y = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
-    loss_of = loss_of or (lambda: model(x, y).loss)
+    loss_of = loss_of or (lambda x, y: model(x, y).loss)
     times = {"fwd": [], "bwd": []}
 
     def step():
         t0 = time.perf_counter()
-        loss = loss_of() if loss_of.__code__.co_argcount == 0 else loss_of(x, y)
+        loss = loss_of(x, y)
         t1 = time.perf_counter()
         loss.backward()
         times["fwd"].append(t1 - t0)
@@ -149,6 +155,42 @@ def top_ops(step, n: int) -> list[tuple[str, float, int]]:
     return [(e.key, e.self_cpu_time_total / 3e3, e.count // 3) for e in rows]
 
 
+def compile_table(args) -> None:
+    """Eager vs compiled training step per shape and arch, interleaved medians."""
+    print(f"{'shape':<11}{'arch':<10}{'eager':>8}{'compiled':>9}{'ratio':>7}{'compile s':>10}{'break-even':>11}")
+    for shape in args.shapes:
+        _, _, batch, seq = SHAPES[shape]
+        models = {}
+        for arch in args.archs:
+            torch.manual_seed(0)
+            models[arch] = (build_model(config(shape, arch)), None)
+        if shape == "nanogpt":
+            models["gpt2"] = (GPT2(), "gpt2")
+        fns, first = {}, {}
+        for name, (model, kind) in models.items():
+            vocab = 256 if kind else model.cfg.vocab_size
+            loss = (lambda m: (lambda x, y: m(x, y)))(model) if kind else (lambda m: (lambda x, y: m(x, y).loss))(model)
+            fns[name], _ = make_step(model, batch, seq, vocab, loss_of=loss)
+            torch.manual_seed(0)
+            twin = GPT2() if kind else build_model(model.cfg)
+            twin.load_state_dict(model.state_dict())
+            comp = torch.compile((lambda m: (lambda x, y: m(x, y)))(twin) if kind
+                                 else (lambda m: (lambda x, y: m(x, y).loss))(twin))
+            fns[name + ":compiled"], _ = make_step(twin, batch, seq, vocab, loss_of=comp)
+            t0 = time.perf_counter()
+            fns[name + ":compiled"]()  # compiles forward and backward
+            first[name] = time.perf_counter() - t0
+        t = time_interleaved(fns, warmup=2, rounds=args.rounds, reps=2)
+        for name in models:
+            e, c = t[name], t[name + ":compiled"]
+            cost = first[name] - e
+            even = f"{cost / (e - c):>11.0f}" if e > c else f"{'never':>11}"
+            print(f"{shape:<11}{name:<10}{1e3 * e:>8.1f}{1e3 * c:>9.1f}{c / e:>7.2f}{cost:>10.1f}{even}")
+        if "gpt2" in models and "rope" in models:
+            print(f"{shape:<11}rope/gpt2 step: eager {t['rope'] / t['gpt2']:.3f}, "
+                  f"compiled {t['rope:compiled'] / t['gpt2:compiled']:.3f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -156,8 +198,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--top", type=int, default=0, help="also print the top N operators per model")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="eager vs torch.compile instead of the floor")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.compile:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per step, medians of "
+              f"{args.rounds} interleaved rounds")
+        compile_table(args)
+        return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per step, medians of "
           f"{args.rounds} interleaved rounds")
     print(f"{'shape':<11}{'arch':<10}{'params':>8}{'step':>8}{'floor':>8}{'step/floor':>11}{'fwd':>7}{'bwd':>7}"

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from phaseloop import ModelConfig
+from phaseloop.compare.stats import paired_t_test
 from phaseloop.quant import quantize_run
 from phaseloop.train import TrainConfig, train
 
@@ -62,6 +63,17 @@ def table(out: Path) -> str:
         lines.append(f"{arch:<12}{len(rs):>6}{rs[0]['params']:>11,}{ms('bpb_eval'):>16}"
                      f"{ms('bpb_rtn4'):>16}{ms('bpb_gptq4'):>16}{tok:>9.0f}"
                      f"{rs[0]['bytes_fp32'] / 1e6:>9.2f} -> {rs[0]['bytes_gptq4'] / 1e6:.2f}")
+    lines.append("paired t-tests over seeds (val BPB; after GPTQ in brackets), reference first:")
+    by = {a: {r["seed"]: r for r in rows if r["arch"] == a} for a in ARCHS}
+    for ref, var in (("transformer", "hyperloop"), ("looped", "hyperloop"), ("transformer", "looped"),
+                     ("transformer", "mhc")):
+        seeds = sorted(set(by[ref]) & set(by[var]))
+        if len(seeds) < 2:
+            continue
+        t = [paired_t_test([by[ref][s][k] for s in seeds], [by[var][s][k] for s in seeds])
+             for k in ("bpb_eval", "bpb_gptq4")]
+        lines.append(f"  {ref} -> {var}: {t[0]['mean_diff']:+.4f} BPB, p={t[0]['p']:.3g} {t[0]['verdict']} "
+                     f"[{t[1]['mean_diff']:+.4f}, p={t[1]['p']:.3g} {t[1]['verdict']}] over {len(seeds)} seeds")
     return "\n".join(lines)
 
 

@@ -27,3 +27,40 @@ def test_bench_step_runs(capsys, one_thread):
     assert bench_step.main(["--shapes", "nanogpt", "--archs", "rope", "--rounds", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "nanogpt    rope" in out and "rope/gpt2 step" in out
+
+
+def test_bench_step_compile_mode_runs(capsys, one_thread):
+    import bench_step
+
+    assert bench_step.main(["--compile", "--shapes", "rope-tiny", "--archs", "rope", "--rounds", "1",
+                            "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "break-even" in out and "rope-tiny  rope" in out
+
+
+def test_claim_act_runs(tmp_path, capsys, one_thread):
+    import claim_act
+
+    claim_act.main(["--seeds", "0", "--steps", "4", "--fixed", "1", "--weights", "0.01", "--lengths", "1-3",
+                    "--n-test", "3", "--threads", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Spearman rho(L, answer ponder)" in out and "needed T" in out
+    run = json.loads((tmp_path / "act_w0.01_b1.0-s0.json").read_text())
+    assert set(run["per_length"]) == {"1", "2", "3"} and 1.0 <= run["per_length"]["2"]["ponder"] <= 9.0
+    assert claim_act.spearman([1, 2, 3], [2.0, 2.5, 4.0]) == 1.0
+
+
+def test_claim_hyperloop_table_pairs_seeds(tmp_path):
+    import claim_hyperloop
+
+    for seed, shift in ((0, 0.0), (1, 0.01), (2, -0.005)):
+        for i, arch in enumerate(claim_hyperloop.ARCHS):
+            d = tmp_path / f"{arch}-s{seed}"
+            d.mkdir()
+            bpb = 3.0 + 0.1 * i + shift + 0.001 * seed * i
+            (d / "claim.json").write_text(json.dumps({
+                "arch": arch, "seed": seed, "params": 1000 * (i + 1), "bpb_eval": bpb, "bpb_rtn4": bpb + 0.01,
+                "bpb_gptq4": bpb + 0.005, "tok_per_s": 100.0, "bytes_fp32": 4e6, "bytes_gptq4": 1e6}))
+    out = claim_hyperloop.table(tmp_path)
+    assert "transformer -> hyperloop: +0.3030 BPB" in out  # 0.3 + 0.003 * seed, mean over seeds 0-2
+    assert "over 3 seeds" in out and "worse" in out
