@@ -99,7 +99,7 @@ def make_step(model: nn.Module, batch: int, seq: int, vocab: int, loss_of=None):
     torch.manual_seed(0)
     opt = make_optimizer(model, TrainConfig())
     x, y = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
-    loss_of = loss_of or (lambda x, y: model(x, y).loss)
+    loss_of = loss_of or model_loss(model)
     times = {"fwd": [], "bwd": []}
 
     def step():
@@ -155,38 +155,37 @@ def top_ops(step, n: int) -> list[tuple[str, float, int]]:
     return [(e.key, e.self_cpu_time_total / 3e3, e.count // 3) for e in rows]
 
 
+def model_loss(model: nn.Module):
+    """(x, y) -> loss: a phaseloop model's ``.loss``, or the GPT-2 model's return value."""
+    return (lambda x, y: model(x, y)) if isinstance(model, GPT2) else (lambda x, y: model(x, y).loss)
+
+
 def compile_table(args) -> None:
     """Eager vs compiled training step per shape and arch, interleaved medians."""
     print(f"{'shape':<11}{'arch':<10}{'eager':>8}{'compiled':>9}{'ratio':>7}{'compile s':>10}{'break-even':>11}")
     for shape in args.shapes:
         _, _, batch, seq = SHAPES[shape]
-        models = {}
-        for arch in args.archs:
-            torch.manual_seed(0)
-            models[arch] = (build_model(config(shape, arch)), None)
+        builders = {arch: lambda a=arch: build_model(config(shape, a)) for arch in args.archs}
         if shape == "nanogpt":
-            models["gpt2"] = (GPT2(), "gpt2")
+            builders["gpt2"] = GPT2
         fns, first = {}, {}
-        for name, (model, kind) in models.items():
-            vocab = 256 if kind else model.cfg.vocab_size
-            loss = (lambda m: (lambda x, y: m(x, y)))(model) if kind else (lambda m: (lambda x, y: m(x, y).loss))(model)
-            fns[name], _ = make_step(model, batch, seq, vocab, loss_of=loss)
+        for name, build in builders.items():
             torch.manual_seed(0)
-            twin = GPT2() if kind else build_model(model.cfg)
+            model, twin = build(), build()
             twin.load_state_dict(model.state_dict())
-            comp = torch.compile((lambda m: (lambda x, y: m(x, y)))(twin) if kind
-                                 else (lambda m: (lambda x, y: m(x, y).loss))(twin))
-            fns[name + ":compiled"], _ = make_step(twin, batch, seq, vocab, loss_of=comp)
+            vocab = 256 if isinstance(model, GPT2) else model.cfg.vocab_size
+            fns[name], _ = make_step(model, batch, seq, vocab)
+            fns[name + ":compiled"], _ = make_step(twin, batch, seq, vocab, loss_of=torch.compile(model_loss(twin)))
             t0 = time.perf_counter()
             fns[name + ":compiled"]()  # compiles forward and backward
             first[name] = time.perf_counter() - t0
         t = time_interleaved(fns, warmup=2, rounds=args.rounds, reps=2)
-        for name in models:
+        for name in builders:
             e, c = t[name], t[name + ":compiled"]
             cost = first[name] - e
             even = f"{cost / (e - c):>11.0f}" if e > c else f"{'never':>11}"
             print(f"{shape:<11}{name:<10}{1e3 * e:>8.1f}{1e3 * c:>9.1f}{c / e:>7.2f}{cost:>10.1f}{even}")
-        if "gpt2" in models and "rope" in models:
+        if "gpt2" in builders and "rope" in builders:
             print(f"{shape:<11}rope/gpt2 step: eager {t['rope'] / t['gpt2']:.3f}, "
                   f"compiled {t['rope:compiled'] / t['gpt2:compiled']:.3f}")
 
@@ -201,13 +200,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="eager vs torch.compile instead of the floor")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.compile:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per step, medians of "
-              f"{args.rounds} interleaved rounds")
-        compile_table(args)
-        return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per step, medians of "
           f"{args.rounds} interleaved rounds")
+    if args.compile:
+        compile_table(args)
+        return 0
     print(f"{'shape':<11}{'arch':<10}{'params':>8}{'step':>8}{'floor':>8}{'step/floor':>11}{'fwd':>7}{'bwd':>7}"
           f"{'calls':>6}")
     for shape in args.shapes:
@@ -223,7 +220,7 @@ def main(argv=None) -> int:
             meta[arch] = (sum(p.numel() for p in model.parameters()), times, n, step)
         if shape == "nanogpt":
             g = GPT2()
-            step, times = make_step(g, batch, seq, 256, loss_of=lambda x, y: g(x, y))
+            step, times = make_step(g, batch, seq, 256)
             floor, n = floor_of(step)
             fns["gpt2"], fns["gpt2:floor"] = step, floor
             meta["gpt2"] = (sum(p.numel() for p in g.parameters()), times, n, step)

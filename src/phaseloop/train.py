@@ -15,6 +15,7 @@ from .checkpoint import TOKENIZER_COPY, read_json
 from .config import ModelConfig
 from .data import Corpus, TrainBatches, eval_windows, load_corpus
 from .engine import RunFolder, TrainConfig, Trainer, autocast, dist, software_versions
+from .engine.trainer import ignore_targets
 from .errors import ConfigError
 from .files import atomic_write_bytes
 from .model import DecoderLM, build_model
@@ -79,7 +80,7 @@ def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | Non
         x, y = w[:, :-1], w[:, 1:]
         with autocast(device):
             logits = model(x).logits.float()[:real]
-        y = y[:real] if ignore_id is None else y[:real].masked_fill(y[:real] == ignore_id, -100)
+        _, y = ignore_targets((x, y[:real]), ignore_id)  # the training loss's masking
         nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
         n_tok += int((y != -100).sum())
     nll, n_tok = (float(v) for v in dist.all_sum(nll, n_tok))
