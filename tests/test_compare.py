@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import phaseloop.train as train_mod
-from phaseloop import compare, config
+from phaseloop import compare, config, registry
 from phaseloop.cli import main
 from phaseloop.compare import (Recipe, RecipeError, Variant, apply_overrides, first_reach,
                                load_recipe, match_budget, measure, paired_t_test, plan_variants,
@@ -88,8 +88,8 @@ def test_bad_variants(spec, msg):
 
 
 def test_unregistered_arch_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(config, "ARCHS", ("rope", "three_phase"))
-    with pytest.raises(RecipeError, match="'universal' is not registered"):
+    monkeypatch.setattr(registry, "ARCHS", {k: v for k, v in registry.ARCHS.items() if k != "universal"})
+    with pytest.raises(RecipeError, match="unknown architecture or preset 'universal'"):
         resolve_variant(Variant("ut", "universal+act"), "small")
 
 
@@ -101,8 +101,7 @@ def test_spec_aliases():
     assert cfg.arch == "three_phase" and cfg.embed_scale
 
 
-@pytest.mark.parametrize("alias", sorted(a for a, (arch, _, _) in compare.ALIASES.items()
-                                         if arch in config.ARCHS))
+@pytest.mark.parametrize("alias", sorted(n for s in registry.all_archs() for n in (s.name, *s.aliases)))
 def test_every_registered_alias_resolves(alias):
     cfg = resolve_variant(Variant(alias, alias), "tiny")
     assert measure(cfg, 16)["total"] > 0

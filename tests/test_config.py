@@ -1,12 +1,16 @@
 """ModelConfig.replace: the same config as building from scratch with the same explicit
 fields (derived values are derived again), checked by hand and by hypothesis."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phaseloop import ConfigError, ModelConfig
-from phaseloop.config import ARCHS
+from phaseloop import build_model, registry
+
+ARCHS = registry.arch_names()
 
 
 def test_replace_rederives_what_was_derived():
@@ -64,3 +68,63 @@ def test_replace_equals_building_from_scratch(explicit, overrides):
             base.replace(**overrides)
     else:
         assert base.replace(**overrides) == want
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_registered_arch_builds_from_its_defaults(arch):
+    """A newcomer's first line works: ModelConfig(arch=X) is valid and builds, and its
+    dict round-trips (flat: the core, then the option groups the arch carries)."""
+    cfg = ModelConfig(arch=arch)
+    model = build_model(cfg, device="meta")
+    assert model.trunk.depth >= 1 and model.trunk.blocks()
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    groups = registry.groups_of(registry.get_arch(arch))
+    want = [f.name for f in dataclasses.fields(ModelConfig)] + [
+        f.name for g in groups for f in dataclasses.fields(g)]
+    assert list(cfg.to_dict()) == want
+
+
+def test_option_fields_of_another_arch():
+    """Set to a non-default value they are refused by name (they would be ignored); at
+    their default they load (every config.json of earlier versions holds them all); read,
+    they give the default."""
+    with pytest.raises(ConfigError, match=r"n_loops=5: has no effect with arch='rope'.*looped, hyperloop"):
+        ModelConfig(arch="rope", n_loops=5)
+    with pytest.raises(ConfigError, match=r"act=True: has no effect.*universal"):
+        ModelConfig(arch="looped", act=True)
+    cfg = ModelConfig(arch="rope", n_loops=3, act=False, n_streams=4)
+    assert "n_loops" not in cfg.to_dict() and cfg.n_loops == 3 and cfg.act is False
+    assert cfg == ModelConfig(arch="rope")
+    with pytest.raises(AttributeError, match="no field 'frobnicate'"):
+        cfg.frobnicate  # noqa: B018
+
+
+def test_unknown_arch_and_field_are_one_line_errors():
+    with pytest.raises(ConfigError, match=r"arch='nope': unknown architecture; registered: rope"):
+        ModelConfig(arch="nope")
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) n_loop \(did you mean 'n_loops'\?\)"):
+        ModelConfig(arch="looped", n_loop=2)
+    with pytest.raises(ConfigError, match="arch=3: must be a string"):
+        ModelConfig(arch=3)
+
+
+def test_arch_defaults_are_derived_again_by_replace():
+    tp = ModelConfig(arch="three_phase")
+    assert (tp.d_model, tp.n_heads, tp.n_phases, tp.horn) == (120, 6, 3, True)
+    rope = tp.replace(arch="rope")
+    assert rope == ModelConfig(arch="rope") and rope.n_phases == 1 and not rope.horn
+    assert ModelConfig(arch="universal").n_layers == 1
+    assert ModelConfig(arch="mhc").hc_res_form == "sinkhorn" == ModelConfig(arch="mhc", hc_res=None).hc_res
+
+
+def test_copy_and_pickle_keep_what_was_explicit():
+    import copy
+    import pickle
+
+    cfg = ModelConfig(arch="hyperloop", d_model=64, n_loops=2)
+    for twin in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert twin == cfg
+        assert twin.replace(d_model=128).d_ff == cfg.replace(d_model=128).d_ff  # d_ff re-derived
+    twin = copy.copy(cfg)
+    twin.n_loops = 3  # option fields are assignable like core ones
+    assert twin.n_loops == 3 and twin.to_dict()["n_loops"] == 3

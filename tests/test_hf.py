@@ -18,7 +18,7 @@ pytest.importorskip("lm_eval")
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from phaseloop import ModelConfig, build_model  # noqa: E402
+from phaseloop import PRESETS, ModelConfig, build_model, registry  # noqa: E402
 from phaseloop.cli import main  # noqa: E402
 from phaseloop.hf.modeling import PhaseloopForCausalLM  # noqa: E402
 from phaseloop.hf.tokenizer import hf_tokenizer  # noqa: E402
@@ -53,6 +53,9 @@ CONFIGS = [
     ("hyperloop-per-layer", "hyperloop-tiny", {"hc_per_layer": True}),
     ("mhc", "mhc-tiny", {}),
 ]
+# a registered architecture none of the above covers (a plugin's) runs at its defaults
+CONFIGS += [(f"arch={a}", None, {}) for a in registry.arch_names()
+            if a not in {PRESETS[p]["arch"] for _, p, _ in CONFIGS}]
 IDS = [c[0] for c in CONFIGS]
 
 
@@ -71,9 +74,9 @@ def saved(tmp_path_factory):
     """name -> (phaseloop model, folder written by save_pretrained)."""
     out = {}
     for name, preset, over in CONFIGS:
-        cfg = ModelConfig.from_preset(preset, **over)
+        cfg = ModelConfig.from_preset(preset, **over) if preset else ModelConfig(arch=name[5:], **over)
         model = _trained_like(cfg)
-        d = tmp_path_factory.mktemp(name)
+        d = tmp_path_factory.mktemp(name.replace("=", "-"))
         PhaseloopForCausalLM.from_decoder(model).save_pretrained(d)
         out[name] = (model, d)
     return out

@@ -1,6 +1,7 @@
 """The shared decoder: config validation, attention, RoPE, init, KV cache, generation.
-Causality and cache equivalence run on every `*-tiny` preset, so each architecture that
-registers one is covered automatically."""
+Causality and cache equivalence run on every `*-tiny` preset and on every registered
+architecture at its defaults, so each architecture, a plugin's too, is covered
+without a hand-kept list."""
 
 import math
 
@@ -8,10 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phaseloop import PRESETS, ConfigError, ModelConfig, build_model
+from phaseloop import PRESETS, ConfigError, ModelConfig, build_model, registry
 from phaseloop.layers import KVCache, apply_rope, rope_tables
 
-TINY = sorted(n for n in PRESETS if n.endswith("-tiny"))
+ARCHS = registry.arch_names()  # first: loads the installed plugins, whose presets join PRESETS
+TINY = sorted(n for n in PRESETS if n.endswith("-tiny")) + [f"arch={a}" for a in ARCHS]
+
+
+def _config(case: str) -> ModelConfig:
+    """A `*-tiny` preset, or ``arch=NAME``: that architecture's defaults."""
+    return ModelConfig(arch=case[5:]) if case.startswith("arch=") else ModelConfig.from_preset(case)
 
 
 def tiny(**kw):
@@ -154,7 +161,7 @@ def test_loss_ignores_masked_targets():
 @pytest.mark.parametrize("preset", TINY)
 def test_causal_no_future_leak(preset):
     """Changing token t+1 leaves the outputs at positions <= t unchanged."""
-    m = build_model(ModelConfig.from_preset(preset)).eval()
+    m = build_model(_config(preset)).eval()
     idx = torch.randint(0, 256, (2, 24))
     t = 11
     idx2 = idx.clone()
@@ -166,7 +173,7 @@ def test_causal_no_future_leak(preset):
 
 @pytest.mark.parametrize("preset", TINY)
 def test_kv_cache_equals_full_forward(preset):
-    m = build_model(ModelConfig.from_preset(preset)).eval()
+    m = build_model(_config(preset)).eval()
     idx = torch.randint(0, 256, (2, 30))
     full = m(idx).logits
     cache = KVCache()
@@ -179,7 +186,7 @@ def test_kv_cache_equals_full_forward(preset):
 
 @pytest.mark.parametrize("preset", TINY)
 def test_cached_generation_equals_uncached(preset):
-    m = build_model(ModelConfig.from_preset(preset))
+    m = build_model(_config(preset))
     idx = torch.randint(0, 256, (1, 5))
     a = m.generate(idx, 12, temperature=0.0, use_cache=True)
     b = m.generate(idx, 12, temperature=0.0, use_cache=False)

@@ -11,11 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phaseloop.compare import Recipe, plan_variants
+from phaseloop import registry
 from phaseloop.config import PRESETS, ModelConfig
 from phaseloop.engine import TrainConfig
 from phaseloop.errors import PhaseloopError
 from phaseloop.model import build_model
 
+ARCHS = registry.arch_names()  # loads the installed plugins (their presets join PRESETS)
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
@@ -24,11 +26,11 @@ ANY = st.one_of(
     st.integers(-2, 12), st.sampled_from([0, 1, 2, 3, 4, 6, 8, 16, 64, 96, 256, 10**9]),
     st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 0.5, 1.0, 1e-6, -1.0]),
     st.booleans(), st.none(), st.text(max_size=8),
-    st.sampled_from(["rope", "three_phase", "universal", "hyperloop", "mhc", "looped", "basic",
+    st.sampled_from([*ARCHS, "basic",
                      "accumulated", "sinusoid", "learned", "hc", "sinkhorn", "diagonal", "identity",
                      "pooled_mlp", "none"]),
     st.lists(st.integers(0, 3), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=1))
-MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
+MODEL_FIELDS = ModelConfig.field_names()  # every registered architecture's options too
 TINY_PRESETS = sorted(n for n in PRESETS if n.endswith("-tiny"))
 
 

@@ -4,8 +4,8 @@ from .config import PRESETS, ModelConfig
 from .errors import CheckpointError, ConfigError, DataError, PhaseloopError
 from .model import DecoderLM, ModelOutput, build_model
 
-# Each architecture module registers its trunk, block options and presets on import.
-from . import three_phase, universal, hyperloop  # noqa: E402,F401  isort: skip
+# The built-in architectures register on import (registry.py); plugins through entry points.
+from . import rope, three_phase, universal, hyperloop  # noqa: E402,F401  isort: skip
 from . import hf as _hf  # noqa: E402  isort: skip
 
 _hf.register_when_imported()  # Auto classes know model_type "phaseloop" (hf/__init__.py)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .trunk import DerivedBuffers
 
 HYPERLOOP_RES_INIT = 0.01  # diagonal H_res at init when F keeps its own residual
 MHC_RES_INIT = 0.99  # diagonal H_res at init when F is a residual branch
@@ -79,7 +80,7 @@ def merge_streams(streams_BTnD: torch.Tensor) -> torch.Tensor:
     return streams_BTnD.mean(dim=2)
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(DerivedBuffers, nn.Module):
     """One dynamic hyper-connection, per token:
 
         z      = RMSNorm(flatten(y))                         (n*D, no gain)

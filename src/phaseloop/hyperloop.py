@@ -16,14 +16,91 @@ in ``hyperconn.py``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig, register_presets
+from .config import ModelConfig, fail, register_presets
 from .hyperconn import HyperConnection, copy_streams, merge_streams
 from .layers import Block, Context, compute_dtype
-from .model import register_trunk
+from .registry import ArchSpec, register_arch
+from .trunk import Trunk
+from .validation import check_ints
+
+
+# ---------------------------------------------------------------------------- options
+@dataclass
+class LoopOptions:
+    """Looped trunks (Hyperloop §2): n_layers counts *unique* layers, begin + middle + end."""
+
+    n_begin: int | None = None  # layers before the loop (None -> n_layers // 4)
+    n_end: int | None = None  # layers after the loop (None -> n_layers // 4); middle = the rest
+    n_loops: int = 3  # L, applications of the shared middle block
+
+    @property
+    def loop_split(self) -> tuple[int, int, int]:
+        """(begin, middle, end) unique layers (default ~25/50/25 %)."""
+        n = self._cfg.n_layers
+        b = n // 4 if self.n_begin is None else self.n_begin
+        e = n // 4 if self.n_end is None else self.n_end
+        return b, n - b - e, e
+
+    def validate(self, cfg: ModelConfig) -> None:
+        check_ints(self, ("n_begin", "n_end"), "config", minimum=0, optional=True)
+        check_ints(self, ("n_loops",), "config")
+        b, m, e = self.loop_split
+        if m < 1:
+            fail("n_layers", cfg.n_layers, f"leaves no middle layer after n_begin={b} and "
+                 f"n_end={e}; raise n_layers or lower n_begin/n_end")
+
+
+@dataclass
+class HCOptions:
+    """Hyper-connections (Hyperloop §3, mHC §3): n residual streams and their mixing."""
+
+    n_streams: int = 4  # residual streams
+    hc_res: str | None = None  # H_res: diagonal | sinkhorn | identity (None -> diagonal)
+    hc_alpha_init: float = 0.01  # init of the alpha scales of the dynamic coefficients
+    hc_dynamic: bool = True  # False: ablation "static T", coefficients from the biases only
+    sinkhorn_iters: int = 20  # Sinkhorn-Knopp iterations for hc_res=sinkhorn
+
+    @property
+    def hc_res_form(self) -> str:
+        return self.hc_res or "diagonal"
+
+    def validate(self, cfg: ModelConfig) -> None:
+        check_ints(self, ("n_streams", "sinkhorn_iters"), "config")
+        if self.hc_res not in (None, "diagonal", "sinkhorn", "identity"):
+            fail("hc_res", self.hc_res, "choose diagonal, sinkhorn or identity")
+        if not self.hc_alpha_init >= 0:
+            fail("hc_alpha_init", self.hc_alpha_init, "must be >= 0")
+        if not self.hc_dynamic and self.hc_alpha_init != ModelConfig.default_of("hc_alpha_init"):
+            fail("hc_alpha_init", self.hc_alpha_init, "static coefficients (hc_dynamic=False) have "
+                 "no alpha; drop hc_alpha_init or set hc_dynamic=True")
+        if self.n_streams < 2:
+            fail("n_streams", self.n_streams, "hyper-connections need >= 2 streams; "
+                 "use arch='looped' (or the baseline) for a single residual stream")
+
+
+@dataclass
+class HyperloopOptions:
+    """Hyperloop's own ablations."""
+
+    hc_per_layer: bool = False  # connections after every middle layer instead of once per loop
+    hc_transition: str = "hc"  # hc (paper) | pooled_mlp (the review's variant)
+
+    def validate(self, cfg: ModelConfig) -> None:
+        if self.hc_transition not in ("hc", "pooled_mlp"):
+            fail("hc_transition", self.hc_transition, "choose hc or pooled_mlp")
+        if self.hc_transition == "pooled_mlp" and not cfg.hc_dynamic:
+            fail("hc_dynamic", False, "the pooled-MLP variant has no hyper-connection "
+                 "coefficients to make static; drop hc_dynamic or use hc_transition='hc'")
+        if self.hc_transition == "pooled_mlp" and (self.hc_per_layer or cfg.hc_res is not None):
+            fail("hc_transition", self.hc_transition,
+                 "the pooled-MLP variant has no H_res and runs once per loop; drop hc_res "
+                 "and hc_per_layer")
 
 
 class PooledMLPTransition(nn.Module):
@@ -65,7 +142,7 @@ class PooledMLPTransition(nn.Module):
 
 
 # ---------------------------------------------------------------------------- trunks
-class Looped(nn.Module):
+class Looped(Trunk):
     """begin (b layers) -> middle (m layers, applied L times, one set of weights) -> end
     (e layers) (Hyperloop §2). ``cfg.n_layers`` = b + m + e unique layers; the depth is
     b + m L + e. Pass l of middle layer i uses KV-cache slot ("middle", i, l)."""
@@ -86,6 +163,11 @@ class Looped(nn.Module):
         for i, layer in enumerate(layers):
             x_BTD = layer(x_BTD, ctx, slot=(name, i) if loop is None else (name, i, loop))
         return x_BTD
+
+    def cache_slots(self) -> list:
+        return ([("begin", i) for i in range(len(self.begin))]
+                + [("middle", i, l) for l in range(self.n_loops) for i in range(len(self.middle))]
+                + [("end", i) for i in range(len(self.end))])
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         x_BTD = self.run(self.begin, x_BTD, ctx, "begin")
@@ -109,6 +191,10 @@ class Hyperloop(Looped):
             n_hc = self.n_loops * (len(self.middle) if self.per_layer else 1)
             self.hc = nn.ModuleList(HyperConnection(cfg, loop_embedding=True, residual_f=True)
                                     for _ in range(n_hc))
+        self.pooled = cfg.hc_transition == "pooled_mlp"
+
+    def cache_slots(self) -> list:  # the pooled-MLP variant caches its running sums per loop
+        return super().cache_slots() + ([("pool", l) for l in range(self.n_loops)] if self.pooled else [])
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         x_BTD = self.run(self.begin, x_BTD, ctx, "begin")
@@ -126,7 +212,7 @@ class Hyperloop(Looped):
         return self.run(self.end, merge_streams(streams_BTnD), ctx, "end")
 
 
-class MHC(nn.Module):
+class MHC(Trunk):
     """Plain stack with a manifold-constrained hyper-connection on every sub-layer (mHC
     §3): x <- H_res x + H_post^T F(H_pre x) with F = attention or FFN *branch* (the
     block's own residual replaced by H_res). ``hc[2i]`` wraps attention of layer i,
@@ -140,6 +226,9 @@ class MHC(nn.Module):
         self.n_streams = cfg.n_streams
         self.depth = cfg.n_layers
 
+    def cache_slots(self) -> list:
+        return list(range(len(self.layers)))
+
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         streams_BTnD = copy_streams(x_BTD, self.n_streams)
         for i, blk in enumerate(self.layers):
@@ -149,9 +238,6 @@ class MHC(nn.Module):
         return merge_streams(streams_BTnD)
 
 
-register_trunk("looped", Looped)
-register_trunk("hyperloop", Hyperloop)
-register_trunk("mhc", MHC)
 
 
 # ---------------------------------------------------------------------------- presets
@@ -186,7 +272,7 @@ _PAPER_PRESETS = {k: v for d, split, names in PAPER_SCALES for k, v in _paper_sc
 _SMALL = dict(d_model=128, n_heads=4, n_kv_heads=4, d_ff=352, vocab_size=256, max_seq_len=128,
               embed_scale=False, tie_embeddings=False)
 _TINY = dict(_SMALL, d_model=64, d_ff=176, max_seq_len=64)
-register_presets({
+_PRESETS = {
     **_PAPER_PRESETS,
     # the first scale's earlier names, kept while benchmarks/ and README.md use them
     **{f"{a}-240m": _PAPER_PRESETS[f"{a}-{n}"] for a, n in
@@ -199,4 +285,21 @@ register_presets({
     "mhc-tiny": dict(_TINY, arch="mhc", n_layers=2),
     "looped-tiny": dict(_TINY, arch="looped", n_layers=4, n_begin=1, n_end=1, n_loops=2),
     "hyperloop-tiny": dict(_TINY, arch="hyperloop", n_layers=4, n_begin=1, n_end=1, n_loops=2),
-})
+}
+_PAPER = "Zeitoun, Torroba-Hennigen, Kim, Hyperloop Transformers, arXiv 2604.21254 (2026)"
+_LOOPED_LAYERS = ("unique layers n_begin + middle + n_end (the depth is n_begin + middle x n_loops "
+                  "+ n_end; n_begin, n_end default to n_layers // 4)")
+
+
+def _shrink_looped(cfg: ModelConfig) -> dict:
+    return dict(n_layers=3, n_begin=1, n_end=1, n_loops=min(cfg.n_loops, 2))
+
+
+register_arch(ArchSpec(name="looped", trunk=Looped, options=(LoopOptions,), layers=_LOOPED_LAYERS,
+                       paper=_PAPER + " (its baseline)", shrink=_shrink_looped))
+register_arch(ArchSpec(name="hyperloop", trunk=Hyperloop,
+                       options=(LoopOptions, HCOptions, HyperloopOptions), layers=_LOOPED_LAYERS,
+                       paper=_PAPER, shrink=_shrink_looped))
+register_arch(ArchSpec(name="mhc", trunk=MHC, options=(HCOptions,), defaults={"hc_res": "sinkhorn"},
+                       paper="Xie et al., mHC, arXiv 2512.24880; Zhu et al., Hyper-Connections, ICLR 2025"))
+register_presets(_PRESETS)  # one table (each names its arch): the paper's four models per scale

@@ -41,8 +41,8 @@ BLOCK_OPTIONS: dict[str, BlockOption] = {}  # ModelConfig field -> what it switc
 
 
 def register_block_option(switch: str, **factories) -> None:
-    if switch not in ModelConfig.__dataclass_fields__:
-        raise ValueError(f"{switch!r} is not a ModelConfig field")
+    if switch not in ModelConfig.field_names(load=False):
+        raise ValueError(f"{switch!r} is not a ModelConfig field (register its option group first)")
     BLOCK_OPTIONS[switch] = BlockOption(**factories)
 
 
@@ -103,6 +103,18 @@ def apply_rope(x_BHTE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor)
     x1, x2 = x_BHTE.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x_BHTE * cos_TE + rotated * sin_TE).to(x_BHTE.dtype)
+
+
+def timing_signal(positions: torch.Tensor, d: int, min_timescale: float = 1.0,
+                  max_timescale: float = 1.0e4) -> torch.Tensor:
+    """[len(positions), d] sinusoid: [sin(p w_k)]_k ++ [cos(p w_k)]_k, w_k = (1/min) *
+    (max/min)^(-k/(d/2-1)) (tensor2tensor get_timing_signal_1d; Vaswani et al. §3.5)."""
+    n = d // 2
+    log_inc = math.log(max_timescale / min_timescale) / max(n - 1, 1)
+    inv_K = torch.exp(torch.arange(n, dtype=torch.float32, device=positions.device) * -log_inc)
+    angles_TK = positions.float()[:, None] * (inv_K / min_timescale)[None, :]
+    sig_TD = torch.cat([angles_TK.sin(), angles_TK.cos()], dim=-1)
+    return nn.functional.pad(sig_TD, (0, d % 2))
 
 
 # ---------------------------------------------------------------------------- KV cache

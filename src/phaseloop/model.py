@@ -1,8 +1,9 @@
 """The shared decoder skeleton: embedding -> trunk -> final norm -> head.
 
-Every architecture is a *trunk* (how the blocks are applied; ``register_trunk``) plus
-options of the shared block and embedding (``layers.register_block_option``). The skeleton owns the KV cache, RoPE tables,
-the loss and generation, so no architecture re-implements them.
+Every architecture is a *trunk* (how the blocks are applied: ``ArchSpec.trunk``, a
+``trunk.Trunk``) plus options of the shared block and embedding
+(``layers.register_block_option``). The skeleton owns the KV cache, RoPE tables, the loss
+and generation, so no architecture re-implements them; it names no architecture.
 """
 
 from __future__ import annotations
@@ -16,38 +17,26 @@ from torch import nn
 
 from .config import ModelConfig
 from .decoding import decode
-from .errors import ConfigError
 from .layers import Block, Context, KVCache, init_weights, make_norm, option_modules
+from .trunk import Trunk, reset_derived_buffers
 
 
-class Stack(nn.Module):
-    """A plain stack of distinct blocks (Llama baseline and 3PT; with ``cross=True`` the
-    encoder-decoder's decoder stack)."""
+class Stack(Trunk):
+    """A plain stack of distinct blocks (the Llama baseline, 3PT; with ``cross=True`` the
+    encoder-decoder's decoder stack). Layer i uses KV-cache slot i."""
 
     def __init__(self, cfg: ModelConfig, cross: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(Block(cfg, i, cfg.n_layers, cross) for i in range(cfg.n_layers))
-        self.depth = cfg.n_layers  # residual layers applied per token, for init scaling
+        self.depth = cfg.n_layers
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             x_BTD = layer(x_BTD, ctx, slot=i)
         return x_BTD
 
-
-# arch -> trunk class; each architecture module registers its own (``register_trunk``)
-TRUNKS: dict[str, type] = {"rope": Stack, "three_phase": Stack}
-
-
-def register_trunk(arch: str, cls: type) -> None:
-    TRUNKS[arch] = cls
-
-
-def _trunk_class(arch: str):
-    if arch not in TRUNKS:
-        raise ConfigError(f"invalid config: arch={arch!r}: no trunk is registered for it; "
-                          f"import the module that defines it (registered: {', '.join(TRUNKS)})")
-    return TRUNKS[arch]
+    def cache_slots(self) -> list:
+        return list(range(len(self.layers)))
 
 
 class TokenEmbedding(nn.Module):
@@ -92,10 +81,10 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = TokenEmbedding(cfg)
-        self.trunk = _trunk_class(cfg.arch)(cfg)
+        self.trunk: Trunk = cfg.spec.trunk(cfg)
         self.norm = make_norm(cfg)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        init_weights(self, cfg, getattr(self.trunk, "depth", cfg.n_layers))
+        init_weights(self, cfg, self.trunk.depth)
         nn.init.normal_(self.embed.tok.weight, 0.0, cfg.embed_init_std)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.tok.weight
@@ -112,6 +101,10 @@ class DecoderLM(nn.Module):
             cache.pos += T
         out = ModelOutput(logits=logits_BTV, aux_losses=ctx.aux_losses, stats=ctx.stats)
         return out if targets_BT is None else out.add_loss(targets_BT)
+
+    def reset_buffers(self) -> None:
+        """Recompute the derived buffers (after a load onto the meta device, ``to_empty``)."""
+        reset_derived_buffers(self)
 
     def generate(self, idx_BT: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,

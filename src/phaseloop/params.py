@@ -30,7 +30,7 @@ def count_params(cfg: ModelConfig, seq_len: int | None = None) -> dict:
             "unembedding": int(unembedding), "non_embedding": int(total - embedding - unembedding),
             "without_input_embedding": int(total - embedding),
             "flops_per_token": int(fc.get_total_flops() // T), "seq_len": T,
-            "depth": int(getattr(model.trunk, "depth", cfg.n_layers))}
+            "depth": int(model.trunk.depth)}
 
 
 def measure(cfg, seq_len: int) -> dict:
@@ -43,7 +43,7 @@ def measure(cfg, seq_len: int) -> dict:
         model = build_model(cfg, device="meta")
         total = sum(p.numel() for p in model.parameters())
         return {"arch": cfg.arch, "total": int(total), "flops_per_token": None, "seq_len": seq_len,
-                "depth": int(getattr(model.trunk, "depth", cfg.n_layers)),
+                "depth": int(model.trunk.depth),
                 "flops_error": f"{e.__class__.__name__}: {str(e)[:120]}"}
 
 

@@ -9,7 +9,7 @@ Nothing here is a new layer.
 
 * ``TransformerSeq2Seq(cfg)``: ``cfg.n_layers`` encoder and ``cfg.n_layers`` decoder
   layers; position sinusoid added once to the embeddings (Vaswani §3.5).
-* ``UniversalSeq2Seq(cfg)`` (``arch="universal"``): one shared encoder block applied
+* ``universal.UniversalSeq2Seq(cfg)`` (``arch="universal"``): one shared encoder block applied
   ``n_steps`` times, then one shared decoder block (with its cross-attention) applied
   ``n_steps`` times; the coordinate signal before every step; ACT per side
   (``encoder_act``/``decoder_act``, default ``cfg.act``).
@@ -37,13 +37,12 @@ from torch import nn
 from .config import ModelConfig
 from .decoding import decode
 from .errors import ConfigError
-from .layers import Context, KVCache, Memory, init_weights, make_norm
+from .layers import Context, KVCache, Memory, init_weights, make_norm, timing_signal
 from .model import ModelOutput, Stack, TokenEmbedding
 from .tokenizer import BOS, EOS, PAD
-from .universal import UniversalTrunk, timing_signal
 
 
-class _EncoderDecoder(nn.Module):
+class EncoderDecoder(nn.Module):
     """Shared skeleton: embed -> encoder -> norm (memory); embed -> decoder (with
     cross-attention) -> norm -> head. Subclasses build ``encoder`` and ``decoder``."""
 
@@ -121,14 +120,15 @@ class _EncoderDecoder(nn.Module):
         return out_BT[:, 1:]
 
 
-class TransformerSeq2Seq(_EncoderDecoder):
+class TransformerSeq2Seq(EncoderDecoder):
     """Vanilla encoder-decoder baseline: n_layers distinct encoder and decoder layers."""
 
     add_position_signal = True
 
     def __init__(self, cfg: ModelConfig, pad_id: int = PAD):
-        if cfg.arch == "universal":
-            raise ConfigError("invalid config: arch='universal': use UniversalSeq2Seq (or build_seq2seq)")
+        if cfg.spec.seq2seq not in (None, TransformerSeq2Seq):
+            raise ConfigError(f"invalid config: arch={cfg.arch!r} has its own encoder-decoder: use "
+                              f"{cfg.spec.seq2seq.__name__} (or build_seq2seq)")
         super().__init__(cfg, pad_id)
         self.encoder = Stack(cfg)
         self.decoder = Stack(cfg, cross=True)
@@ -136,41 +136,18 @@ class TransformerSeq2Seq(_EncoderDecoder):
         self._init(self.depth)
 
 
-def _side(cfg: ModelConfig, act: bool | None) -> ModelConfig:
-    """The config of one side: ``act`` overrides cfg.act (the ACT options go with it)."""
-    if act is None or act == cfg.act:
-        return cfg
-    if act:
-        return cfg.replace(act=True)
-    return cfg.replace(act=False, **{k: ModelConfig.__dataclass_fields__[k].default for k in (
-        "act_type", "act_epsilon", "act_max_steps", "act_loss_weight", "act_halting_bias_init",
-        "act_early_exit")})
+def build_seq2seq(cfg: ModelConfig, **kw) -> EncoderDecoder:
+    """The encoder-decoder of cfg's architecture (``ArchSpec.seq2seq``: UniversalSeq2Seq
+    for the UT), else the vanilla TransformerSeq2Seq with cfg's block options."""
+    return (cfg.spec.seq2seq or TransformerSeq2Seq)(cfg, **kw)
 
 
-class UniversalSeq2Seq(_EncoderDecoder):
-    """UT encoder-decoder (UT §2): shared encoder block, shared decoder block with its
-    cross-attention to the encoder's final state; ACT on either side.
-    Depth at inference: ``model.set_steps(n)`` (both sides)."""
+def __getattr__(name: str):  # UniversalSeq2Seq moved to universal.py (what is new about the UT)
+    if name == "UniversalSeq2Seq":
+        from .universal import UniversalSeq2Seq
 
-    def __init__(self, cfg: ModelConfig, encoder_act: bool | None = None,
-                 decoder_act: bool | None = None, pad_id: int = PAD):
-        if cfg.arch != "universal":
-            raise ConfigError(f"invalid config: arch={cfg.arch!r}: UniversalSeq2Seq needs "
-                              "arch='universal' (use TransformerSeq2Seq for a stack)")
-        super().__init__(cfg, pad_id)
-        self.encoder = UniversalTrunk(_side(cfg, encoder_act))
-        self.decoder = UniversalTrunk(_side(cfg, decoder_act), cross=True)
-        self.depth = 2 * cfg.n_steps
-        self._init(self.depth)
-
-    def set_steps(self, steps: int) -> None:
-        self.encoder.set_steps(steps)
-        self.decoder.set_steps(steps)
-
-
-def build_seq2seq(cfg: ModelConfig, **kw) -> _EncoderDecoder:
-    """UniversalSeq2Seq for arch='universal', else the vanilla TransformerSeq2Seq."""
-    return UniversalSeq2Seq(cfg, **kw) if cfg.arch == "universal" else TransformerSeq2Seq(cfg, **kw)
+        return UniversalSeq2Seq
+    raise AttributeError(name)
 
 
 Pair = tuple[Sequence[int], Sequence[int]]

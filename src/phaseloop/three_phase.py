@@ -16,13 +16,57 @@ config check; dropping the sqrt(d_model) embedding factor is ``embed_scale=False
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig, register_presets
+from .config import ModelConfig, fail
 from .layers import compute_dtype, register_block_option
+from .model import Stack
+from .registry import ArchSpec, register_arch, register_options
+from .trunk import DerivedBuffers
+
+
+@register_options
+@dataclass
+class PhaseOptions:
+    """The phase structure (3PT §2), on any trunk built from the shared block; all off
+    (N = 1) unless switched on, all on for arch='three_phase' (its ``ArchSpec.defaults``)."""
+
+    n_phases: int = 1  # N stripes of the residual stream (mod. 1)
+    phase_rotation: bool = False  # PhaseRotation between attention and FFN (mod. 2)
+    phase_norm: bool = False  # PhaseRMSNorm at every norm site (mod. 3)
+    phase_aligned_gqa: bool = False  # require N | n_heads and N | n_kv_heads (mod. 4)
+    horn: bool = False  # Gabriel's horn DC injection on the embedding output (mod. 5)
+    learnable_offsets: bool = False  # ablation: learn the 2*pi*i/N offsets
+    residual_rotation: bool = False  # ablation: h + PR(h) instead of PR(h)
+    learnable_horn: bool = False  # ablation (ours): learnable gain g in r(t) = g/(t+1)
+
+    @property
+    def d_phase(self) -> int:
+        return self._cfg.d_model // self.n_phases
+
+    def validate(self, cfg: ModelConfig) -> None:
+        N = self.n_phases
+        if not isinstance(N, int) or N < 1:
+            fail("n_phases", N, "must be a positive integer")
+        if cfg.d_model % N:
+            fail("n_phases", N, f"must divide d_model={cfg.d_model}")
+        if (cfg.d_model // N) % 2:
+            fail("n_phases", N, f"d_phase=d_model/N={cfg.d_model // N} must be even "
+                 "(the rotation acts on channel pairs)")
+        if self.phase_aligned_gqa and (cfg.n_heads % N or cfg.n_kv_heads % N):
+            fail("n_phases", N, f"phase-aligned GQA needs N to divide n_heads={cfg.n_heads} "
+                 f"and n_kv_heads={cfg.n_kv_heads}; change n_phases or the head counts")
+        if (self.learnable_offsets or self.residual_rotation) and not self.phase_rotation:
+            fail("phase_rotation", False, "learnable_offsets/residual_rotation need phase_rotation=True")
+        if self.learnable_horn and not self.horn:
+            fail("horn", False, "learnable_horn needs horn=True")
+        if cfg.norm != "rms" and self.phase_norm:
+            fail("norm", cfg.norm, "phase_norm=True replaces every norm with PhaseAwareRMSNorm; "
+                 "set norm='rms' or phase_norm=False")
 
 
 def phase_offsets(n_phases: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
@@ -30,7 +74,7 @@ def phase_offsets(n_phases: int, dtype: torch.dtype = torch.float32, device=None
     return 2 * math.pi * torch.arange(n_phases, dtype=dtype, device=device) / n_phases
 
 
-class PhaseRotation(nn.Module):
+class PhaseRotation(DerivedBuffers, nn.Module):
     """Givens rotation of channel pairs (2k, 2k+1) of phase i by θ_k + 2πi/N (3PT §2.2).
 
     θ ∈ R^{d_phase/2} is learnable and shared by all phases; the offsets are fixed
@@ -146,8 +190,7 @@ def zero_sum_profile(model: nn.Module, idx_BT: torch.Tensor) -> list[dict]:
     out: list[dict] = []
     hooks = [model.embed.register_forward_hook(
         lambda m, i, o: out.append({"site": "embedding", "zero_sum": zero_sum_diagnostic(o, n)}))]
-    layers = getattr(model.trunk, "layers", [])
-    for j, layer in enumerate(layers):
+    for j, layer in enumerate(model.trunk.blocks()):
         hooks.append(layer.register_forward_hook(
             lambda m, i, o, j=j: out.append({"site": f"layer {j}", "zero_sum": zero_sum_diagnostic(o, n)})))
     try:
@@ -162,15 +205,33 @@ register_block_option("phase_norm", norm=lambda cfg: PhaseRMSNorm(cfg.d_model, c
 register_block_option("phase_rotation", between=PhaseRotation)
 register_block_option("horn", embedding=HornInjection)
 
+def _commands(sub) -> None:  # `phaseloop angles`, `phaseloop zero-sum` (three_phase_cli.py)
+    from .three_phase_cli import add_commands
+
+    add_commands(sub)
+
+
+_ON = dict(n_phases=3, phase_rotation=True, phase_norm=True, phase_aligned_gqa=True, horn=True)
 # 3PT twins of the paper's RoPE-only baselines: same shapes, N = 3, no sqrt(d) factor.
-_3PT = dict(arch="three_phase", n_phases=3, embed_scale=False, tie_embeddings=False)
-register_presets({
-    "3pt-123m": dict(_3PT, d_model=768, n_layers=12, n_heads=12, n_kv_heads=3, d_ff=2048,
-                     vocab_size=32000, max_seq_len=1024, embed_init_std=1.0),
-    "3pt-5.5m": dict(_3PT, d_model=192, n_layers=4, n_heads=6, n_kv_heads=3, d_ff=512,
-                     vocab_size=10000, max_seq_len=128, embed_init_std=1.0),
-    "3pt-tiny": dict(_3PT, d_model=96, n_layers=2, n_heads=6, n_kv_heads=3, d_ff=256,
-                     vocab_size=256, max_seq_len=64),
-    "3pt-small": dict(_3PT, d_model=192, n_layers=4, n_heads=6, n_kv_heads=3, d_ff=512,
-                      vocab_size=256, max_seq_len=128),
-})
+_3PT = dict(embed_scale=False, tie_embeddings=False)
+SPEC = register_arch(ArchSpec(
+    name="three_phase",
+    trunk=Stack,  # what is new is the stream's structure, carried by the shared block
+    # all five modifications; a width and head count that N = 3 divides
+    defaults={**_ON, "d_model": 120, "n_heads": 6},
+    paper="Abu Ayyash, Three-Phase Transformer, arXiv 2604.14430 (2026)",
+    aliases=("3pt",),
+    preset_prefixes=("3pt", "three_phase"),
+    modifiers={"3pt": _ON, "three_phase": _ON},  # the phase structure on any trunk
+    commands=_commands,
+    presets={
+        "3pt-123m": dict(_3PT, n_phases=3, d_model=768, n_layers=12, n_heads=12, n_kv_heads=3,
+                         d_ff=2048, vocab_size=32000, max_seq_len=1024, embed_init_std=1.0),
+        "3pt-5.5m": dict(_3PT, n_phases=3, d_model=192, n_layers=4, n_heads=6, n_kv_heads=3,
+                         d_ff=512, vocab_size=10000, max_seq_len=128, embed_init_std=1.0),
+        "3pt-tiny": dict(_3PT, n_phases=3, d_model=96, n_layers=2, n_heads=6, n_kv_heads=3,
+                         d_ff=256, vocab_size=256, max_seq_len=64),
+        "3pt-small": dict(_3PT, n_phases=3, d_model=192, n_layers=4, n_heads=6, n_kv_heads=3,
+                          d_ff=512, vocab_size=256, max_seq_len=128),
+    },
+))

@@ -48,30 +48,67 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .act import ACTState, combine, ponder_cost, ponder_loss
-from .config import ModelConfig, register_presets
+from .config import ModelConfig, fail
 from .errors import ConfigError
-from .layers import Block, Context, compute_dtype
-from .model import register_trunk
+from .layers import Block, Context, compute_dtype, timing_signal
+from .registry import ArchSpec, register_arch
+from .seq2seq import EncoderDecoder
+from .tokenizer import PAD
+from .trunk import DerivedBuffers, Trunk
+from .validation import check_ints
+
+_ACT_FIELDS = ("act_type", "act_epsilon", "act_max_steps", "act_loss_weight",
+               "act_halting_bias_init", "act_early_exit")
 
 
-def timing_signal(positions: torch.Tensor, d: int, min_timescale: float = 1.0,
-                  max_timescale: float = 1.0e4) -> torch.Tensor:
-    """[len(positions), d] sinusoid: [sin(p w_k)]_k ++ [cos(p w_k)]_k, w_k = (1/min) *
-    (max/min)^(-k/(d/2-1)) (tensor2tensor get_timing_signal_1d; Vaswani et al. §3.5)."""
-    n = d // 2
-    log_inc = math.log(max_timescale / min_timescale) / max(n - 1, 1)
-    inv_K = torch.exp(torch.arange(n, dtype=torch.float32, device=positions.device) * -log_inc)
-    angles_TK = positions.float()[:, None] * (inv_K / min_timescale)[None, :]
-    sig_TD = torch.cat([angles_TK.sin(), angles_TK.cos()], dim=-1)
-    return nn.functional.pad(sig_TD, (0, d % 2))
+@dataclass
+class UniversalOptions:
+    """arch='universal': one shared block (n_layers = 1) applied n_steps times (UT §2.1),
+    optionally with per-position ACT halting (§2.2)."""
+
+    n_steps: int = 6  # T, applications of the shared block (overridable at inference)
+    step_signal: str = "sinusoid"  # step part of the coordinate signal: sinusoid | learned
+    act: bool = False  # adaptive computation time per position (UT §2.2)
+    act_type: str = "basic"  # basic (interpolating) | accumulated (Graves) | t2t_literal (see act.py)
+    act_epsilon: float = 0.01  # a position halts once its summed halting prob. > 1 - eps
+    act_max_steps: int | None = None  # None -> 2 * n_steps (see act_steps)
+    act_loss_weight: float = 0.01  # ponder loss weight (added to the loss, logged apart)
+    act_halting_bias_init: float = 1.0  # bias of the halting unit (tensor2tensor: 1.0)
+    act_early_exit: bool = True  # uncached forward stops once no position runs (same output)
+
+    @property
+    def act_steps(self) -> int:
+        """ACT max steps: the field, else 2 x the nominal step count (UT §2.2)."""
+        return self.act_max_steps or 2 * self.n_steps
+
+    def validate(self, cfg: ModelConfig) -> None:
+        if cfg.n_layers != 1:
+            fail("n_layers", cfg.n_layers, "arch='universal' applies ONE shared block; set "
+                 "n_layers=1 (its default) and the number of applications with n_steps")
+        check_ints(self, ("n_steps",), "config")
+        check_ints(self, ("act_max_steps",), "config", optional=True)
+        if self.step_signal not in ("sinusoid", "learned"):
+            fail("step_signal", self.step_signal, "choose sinusoid or learned")
+        if self.act_type not in ("basic", "accumulated", "t2t_literal"):
+            fail("act_type", self.act_type, "choose basic (tensor2tensor, documented), accumulated "
+                 "(Graves) or t2t_literal (tensor2tensor's code as written)")
+        if not 0 < self.act_epsilon < 1:
+            fail("act_epsilon", self.act_epsilon, "must be in (0, 1); the threshold is 1 - eps")
+        if not self.act_loss_weight >= 0:
+            fail("act_loss_weight", self.act_loss_weight, "must be >= 0")
+        if not self.act:
+            for name in _ACT_FIELDS:
+                if getattr(self, name) != ModelConfig.default_of(name):
+                    fail(name, getattr(self, name), "is an ACT option; set act=true or drop it")
 
 
-class CoordinateSignal(nn.Module):
+class CoordinateSignal(DerivedBuffers, nn.Module):
     """P^t(i) = position sinusoid(i) + step signal(t) (UT §2.1), added before every step."""
 
     def __init__(self, cfg: ModelConfig, trained_steps: int):
@@ -123,7 +160,7 @@ class HaltingUnit(nn.Module):
         return torch.sigmoid((h_BTD.to(dtype) * self.weight.to(dtype)).sum(-1) + self.bias.to(dtype))
 
 
-class UniversalTrunk(nn.Module):
+class UniversalTrunk(Trunk):
     """One shared block applied ``steps`` times, with the coordinate signal and optional ACT.
 
     ``forward(x, ctx, steps=None)``: ``steps`` overrides ``self.steps`` (the number of
@@ -136,7 +173,7 @@ class UniversalTrunk(nn.Module):
 
     def __init__(self, cfg: ModelConfig, cross: bool = False):
         super().__init__()
-        if cfg.arch != "universal":
+        if UniversalOptions not in cfg.spec.options:
             raise ConfigError(f"invalid config: arch={cfg.arch!r}: UniversalTrunk needs arch='universal'")
         self.cfg = cfg
         self.block = Block(cfg, 0, 1, cross=cross)
@@ -149,11 +186,21 @@ class UniversalTrunk(nn.Module):
         # its block all-gathers need every rank to apply the block equally often
         self.early_exit = cfg.act_early_exit
 
+    dynamic_depth = True
+
     def set_steps(self, steps: int) -> None:
         """Depth extrapolation: run ``steps`` applications (ACT: max steps) from now on."""
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ConfigError(f"invalid steps={steps!r}: must be a positive integer")
         self.steps = steps
+
+    set_depth = set_steps
+
+    def fix_depth(self) -> None:
+        self.early_exit = False  # every step runs; halted positions keep weight 0 (same output)
+
+    def cache_slots(self) -> list:
+        return [("ut", t) for t in range(self.steps)]
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context, steps: int | None = None) -> torch.Tensor:
         steps = self.steps if steps is None else steps
@@ -208,12 +255,41 @@ class UniversalTrunk(nn.Module):
                 self.signal.position(lo, end - lo, ctx.cos.device))
 
 
-register_trunk("universal", UniversalTrunk)
+# ---------------------------------------------------------------------------- seq2seq
+def _side(cfg: ModelConfig, act: bool | None) -> ModelConfig:
+    """The config of one side: ``act`` overrides cfg.act (the ACT options go with it)."""
+    if act is None or act == cfg.act:
+        return cfg
+    if act:
+        return cfg.replace(act=True)
+    return cfg.replace(act=False, **{k: ModelConfig.default_of(k) for k in _ACT_FIELDS})
+
+
+class UniversalSeq2Seq(EncoderDecoder):
+    """UT encoder-decoder (UT §2): shared encoder block, shared decoder block with its
+    cross-attention to the encoder's final state; ACT on either side.
+    Depth at inference: ``model.set_steps(n)`` (both sides)."""
+
+    def __init__(self, cfg: ModelConfig, encoder_act: bool | None = None,
+                 decoder_act: bool | None = None, pad_id: int = PAD):
+        if UniversalOptions not in cfg.spec.options:
+            raise ConfigError(f"invalid config: arch={cfg.arch!r}: UniversalSeq2Seq needs "
+                              "arch='universal' (use TransformerSeq2Seq for a stack)")
+        super().__init__(cfg, pad_id)
+        self.encoder = UniversalTrunk(_side(cfg, encoder_act))
+        self.decoder = UniversalTrunk(_side(cfg, decoder_act), cross=True)
+        self.depth = 2 * cfg.n_steps
+        self._init(self.depth)
+
+    def set_steps(self, steps: int) -> None:
+        self.encoder.set_steps(steps)
+        self.decoder.set_steps(steps)
+
 
 # Token embeddings at std d^-1/2 times sqrt(d) (tensor2tensor), so they are not drowned
 # by the unit-scale coordinate signal.
 def _ut(d: int, **kw) -> dict:
-    return dict(arch="universal", n_layers=1, d_model=d, embed_scale=True,
+    return dict(n_layers=1, d_model=d, embed_scale=True,
                 embed_init_std=d ** -0.5, **kw)
 
 
@@ -224,15 +300,30 @@ def _ut_paper(d: int, **kw) -> dict:
                tie_embeddings=True, **kw)
 
 
-register_presets({
-    "universal-paper-tiny": _ut_paper(96, n_heads=6, n_steps=4, vocab_size=256, max_seq_len=64),
-    "universal-paper-small": _ut_paper(192, n_heads=6, n_steps=6, vocab_size=256, max_seq_len=128),
-    "universal-tiny": _ut(96, n_heads=6, n_kv_heads=3, d_ff=256, n_steps=4, vocab_size=256,
-                          max_seq_len=64),
-    "universal-act-tiny": _ut(96, n_heads=6, n_kv_heads=3, d_ff=256, n_steps=3, act=True,
+SPEC = register_arch(ArchSpec(
+    name="universal",
+    trunk=UniversalTrunk,
+    options=(UniversalOptions,),
+    defaults={"n_layers": 1},
+    layers="1: the one shared block (the depth is n_steps, or ACT's per-position steps)",
+    paper="Dehghani et al., Universal Transformers, ICLR 2019 (arXiv 1807.03819)",
+    aliases=("ut",),
+    preset_prefixes=("universal", "ut"),
+    modifiers={"act": {"act": True}},  # ACT halting (UT §2.2)
+    shrink=lambda cfg: {},  # n_layers is 1 already
+    seq2seq=UniversalSeq2Seq,
+    seq2seq_name="universal-seq2seq",
+    task_offsets=True,  # --paper: random position offsets for length generalisation (UT §4)
+    presets={
+        "universal-paper-tiny": _ut_paper(96, n_heads=6, n_steps=4, vocab_size=256, max_seq_len=64),
+        "universal-paper-small": _ut_paper(192, n_heads=6, n_steps=6, vocab_size=256, max_seq_len=128),
+        "universal-tiny": _ut(96, n_heads=6, n_kv_heads=3, d_ff=256, n_steps=4, vocab_size=256,
+                              max_seq_len=64),
+        "universal-act-tiny": _ut(96, n_heads=6, n_kv_heads=3, d_ff=256, n_steps=3, act=True,
                               vocab_size=256, max_seq_len=64),
-    "universal-small": _ut(192, n_heads=6, n_kv_heads=3, d_ff=768, n_steps=6, vocab_size=256,
+        "universal-small": _ut(192, n_heads=6, n_kv_heads=3, d_ff=768, n_steps=6, vocab_size=256,
                            max_seq_len=128),
-    "universal-act-small": _ut(192, n_heads=6, n_kv_heads=3, d_ff=768, n_steps=6, act=True,
+        "universal-act-small": _ut(192, n_heads=6, n_kv_heads=3, d_ff=768, n_steps=6, act=True,
                                vocab_size=256, max_seq_len=128),
-})
+},
+))

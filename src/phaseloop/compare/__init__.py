@@ -6,9 +6,9 @@ variants, the seeds and the budget. A variant is a name plus a spec string::
 
     BASE[+MODIFIER...] [KEY=VALUE ...]      e.g. "three_phase N=1", "universal+act"
 
-BASE is an architecture alias (``ALIASES``: rope, three_phase/3pt, universal, looped,
-hyperloop, mhc, or any registered arch), resolved to its ``<prefix>-<scale>`` preset,
-or a preset name. MODIFIERs add overrides (``MODIFIERS``: act, 3pt, paper). KEY is a
+BASE is a registered architecture or one of its aliases (``ArchSpec.aliases``), resolved
+to its ``<prefix>-<scale>`` preset, or a preset name. MODIFIERs add overrides (each
+architecture's ``ArchSpec.modifiers``; ``registry.modifiers()`` lists them). KEY is a
 ``ModelConfig`` field or a short name (``KEY_ALIASES``: N, L, D). Everything resolves
 lazily, at plan time, so a recipe naming an unregistered architecture fails with one
 clear error before anything is trained or written.
@@ -24,13 +24,13 @@ data order for every variant, so the noise test pairs runs by seed.
 """
 
 from .budget import Planned, match_budget, measure, plan_variants
-from .recipe import (ALIASES, BUILTIN_RECIPES, KEY_ALIASES, MODIFIERS, QUICK_TOML, Recipe, RecipeError,
+from .recipe import (BUILTIN_RECIPES, KEY_ALIASES, QUICK_TOML, Recipe, RecipeError,
                      Variant, apply_overrides, load_recipe, parse_spec, resolve_variant, slugify)
 from .report import format_table, summarize, write_report
 from .runner import devices_for, run_comparison
 from .stats import first_reach, paired_t_test, speedup, t_two_sided_p
 
-__all__ = ["ALIASES", "BUILTIN_RECIPES", "KEY_ALIASES", "MODIFIERS", "QUICK_TOML", "Planned", "Recipe",
+__all__ = ["BUILTIN_RECIPES", "KEY_ALIASES", "QUICK_TOML", "Planned", "Recipe",
            "RecipeError", "Variant", "apply_overrides", "devices_for", "first_reach", "format_table",
            "load_recipe", "match_budget", "measure", "paired_t_test", "parse_spec", "plan_variants",
            "resolve_variant", "run_comparison", "slugify", "speedup", "summarize", "t_two_sided_p",

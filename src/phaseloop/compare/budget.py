@@ -38,7 +38,7 @@ def _probe(cfg, kind: str, seq_len: int):
     model = build_model(cfg, device="meta")
     if kind == "params":
         return sum(p.numel() for p in model.parameters())
-    return int(getattr(model.trunk, "depth", cfg.n_layers))
+    return int(model.trunk.depth)
 
 
 def _width_candidates(cfg) -> list:

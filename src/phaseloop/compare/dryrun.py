@@ -29,11 +29,8 @@ def shrink(cfg: ModelConfig) -> ModelConfig:
     while d < 32:
         d *= 2
     over = dict(d_model=d, d_ff=2 * d, vocab_size=256, max_seq_len=32)
-    if cfg.arch in ("looped", "hyperloop"):
-        over.update(n_layers=3, n_begin=1, n_end=1, n_loops=min(cfg.n_loops, 2))
-    elif cfg.arch != "universal":
-        over["n_layers"] = min(cfg.n_layers, 2)
-    return cfg.replace(**over)
+    shrink_arch = cfg.spec.shrink or (lambda c: {"n_layers": min(c.n_layers, 2)})  # ArchSpec.shrink
+    return cfg.replace(**over, **shrink_arch(cfg))
 
 
 def dry_run(recipe: Recipe, log=print, data: str = "stdlib") -> list[dict]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import config
+from .. import registry
 from ..config import PRESETS, ModelConfig
 from ..engine import TrainConfig
 from ..errors import ConfigError, PhaseloopError
@@ -40,28 +40,9 @@ def _suggest(word: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-# alias -> (arch, preset prefixes tried as "<prefix>-<scale>", extra overrides)
-ALIASES: dict[str, tuple[str, tuple[str, ...], dict]] = {
-    "rope": ("rope", ("rope",), {}),
-    "transformer": ("rope", ("transformer", "rope"), {}),
-    "three_phase": ("three_phase", ("3pt", "three_phase"), {}),
-    "3pt": ("three_phase", ("3pt", "three_phase"), {}),
-    "universal": ("universal", ("universal", "ut"), {}),
-    "ut": ("universal", ("universal", "ut"), {}),
-    "looped": ("looped", ("looped",), {}),
-    "hyperloop": ("hyperloop", ("hyperloop",), {}),
-    "mhc": ("mhc", ("mhc",), {}),
-}
-# "+modifier" -> ModelConfig overrides
-MODIFIERS: dict[str, dict] = {
-    "act": {"act": True},  # Universal Transformer with ACT halting (Dehghani et al. 2019 §2.2)
-    # the 3PT phase structure on any trunk built from Block (Abu Ayyash 2026, mods 1-5)
-    "3pt": {"n_phases": 3, "phase_rotation": True, "phase_norm": True,
-            "phase_aligned_gqa": True, "horn": True},
-    # the 3PT paper's RoPE-only baseline: N(0, 1) embedding times sqrt(d_model)
-    "paper": {"embed_scale": True, "embed_init_std": 1.0},
-}
-MODIFIERS["three_phase"] = MODIFIERS["3pt"]
+# A variant names an architecture (its name or an alias, ``ArchSpec.aliases``), which
+# picks the first "<prefix>-<scale>" preset of its ``preset_prefixes``, and "+modifiers"
+# (``ArchSpec.modifiers``): all from the registry.
 KEY_ALIASES = {"N": "n_phases", "L": "n_layers", "D": "d_model"}
 
 
@@ -126,7 +107,7 @@ class Variant:
 
 def _check_spec_keys(v: Variant) -> None:
     """Refuse a variant whose KEY=VALUE or set keys are no ModelConfig field."""
-    known = [f.name for f in dataclasses.fields(ModelConfig)]
+    known = ModelConfig.field_names()
     for k in [*parse_spec(v.spec)[2], *v.set]:
         if k not in known:
             raise RecipeError(f"variant {v.name!r}: unknown field {k!r}{_suggest(k, known)}; "
@@ -137,35 +118,37 @@ def resolve_variant(v: Variant, scale: str, vocab_size: int | None = None):
     """Variant -> ModelConfig. Errors name the variant and the fix."""
     base, mods, overrides = parse_spec(v.spec)
     where = f"variant {v.name!r}"
+    spec = registry.by_alias(base)
+    extra: dict = {}
     if base in PRESETS:
-        preset, extra = base, {}
-    elif base in ALIASES or base in config.ARCHS:
-        arch, prefixes, extra = ALIASES.get(base, (base, (base,), {}))
-        if arch not in config.ARCHS:
-            raise RecipeError(f"{where}: architecture {arch!r} is not registered in this "
-                              f"phaseloop (registered: {', '.join(config.ARCHS)}); remove the "
-                              "variant or use a version that has it")
+        preset = base
+    elif spec is not None:
         # a preset for the composition (e.g. universal-act-small) beats base + overrides
+        prefixes = tuple(dict.fromkeys((base, *spec.prefixes)))  # "transformer-small" first
         tags = [f"{p}-{'-'.join(mods)}-{scale}" for p in prefixes] if mods else []
         found = [n for n in tags + [f"{p}-{scale}" for p in prefixes] if n in PRESETS]
+        baseline = registry.get_arch(registry.default_arch()).prefixes[0]
         if found:
             preset = found[0]
-        elif f"rope-{scale}" in PRESETS:  # an arch without its own preset: rope's shapes
-            preset, extra = f"rope-{scale}", {**extra, "arch": arch}
+        elif f"{baseline}-{scale}" in PRESETS:  # an arch without its own preset: the baseline's shapes
+            preset, extra = f"{baseline}-{scale}", {"arch": spec.name}
         else:
-            scales = sorted({n.rsplit("-", 1)[1] for n in PRESETS if n.startswith("rope-")})
+            scales = sorted({n.rsplit("-", 1)[1] for n in PRESETS if n.startswith(baseline + "-")})
             raise RecipeError(f"{where}: no preset {prefixes[0]}-{scale}; set scale to one of "
                               f"{', '.join(scales)} or name a preset")
     else:
-        options = sorted(set(ALIASES) | set(config.ARCHS) | set(PRESETS))
+        names = [n for s in registry.all_archs() for n in (s.name, *s.aliases)]
+        options = sorted(set(names) | set(PRESETS))
         raise RecipeError(f"{where}: unknown architecture or preset {base!r}"
-                          f"{_suggest(base, options)}; use one of {', '.join(options)}")
+                          f"{_suggest(base, options)}; use one of {', '.join(options)} (a plugin "
+                          f"adds more: docs/extending.md)")
+    modifiers = registry.modifiers()
     mod_overrides: dict = {}
     for m in mods:
-        if m not in MODIFIERS:
-            raise RecipeError(f"{where}: unknown modifier +{m}{_suggest(m, MODIFIERS)}; "
-                              f"known: {', '.join('+' + k for k in MODIFIERS)}")
-        mod_overrides.update(MODIFIERS[m])
+        if m not in modifiers:
+            raise RecipeError(f"{where}: unknown modifier +{m}{_suggest(m, modifiers)}; "
+                              f"known: {', '.join('+' + k for k in modifiers)}")
+        mod_overrides.update(modifiers[m])
     d = {**PRESETS[preset], **extra, **mod_overrides, **overrides, **v.set}
     if vocab_size is not None and "vocab_size" not in {**overrides, **v.set}:
         d["vocab_size"] = vocab_size

@@ -135,9 +135,11 @@ def parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
         return DDP(model, device_ids=ids)
     from torch.distributed.fsdp import fully_shard
 
+    from ..trunk import Trunk
+
     for m in model.modules():  # a data-dependent depth (ACT's early exit) would differ by rank
-        if hasattr(m, "early_exit"):
-            m.early_exit = False
+        if isinstance(m, Trunk):
+            m.fix_depth()
     for block in blocks_of(model):
         fully_shard(block)
     fully_shard(model)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..checkpoint import TMP_PREFIX, checkpoint_dir, dumps, read_json, remove_orphans, write_json
-from ..errors import CheckpointError
+from ..errors import CheckpointError, PhaseloopError
 from ..files import atomic_write_bytes, check_out_dir
 
 # keys that may change between a run and its resumption (where it runs, not what; and
@@ -28,22 +28,30 @@ def _global_batch(cfg: dict) -> int | None:
     return train["batch_size"] * train.get("grad_accum", 1) * cfg.get("parallel", {}).get("world_size", 1)
 
 
-def _defaults(section: str) -> dict:
-    """Field defaults of the config a section holds: a field added in a later version is
-    absent from an older run's config.json and means its default (the old behaviour)."""
+def _normalised(section: str, saved: dict) -> dict:
+    """A saved section as this version writes it: a field added later is absent from an
+    older run's config.json and means its default (the old behaviour), and a model config
+    is rebuilt (an older version wrote every architecture's fields)."""
     from ..config import ModelConfig
     from .config import TrainConfig
 
-    cls = {"model": ModelConfig, "train": TrainConfig}.get(section)
-    return {} if cls is None else {f.name: f.default for f in dataclasses.fields(cls)
-                                   if f.default is not dataclasses.MISSING}
+    if section == "model":
+        try:
+            return ModelConfig.from_dict(saved).to_dict()
+        except PhaseloopError:
+            return saved  # compared as it is: the first difference names the field
+    if section == "train":
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)
+                    if f.default is not dataclasses.MISSING}
+        return {**defaults, **saved}
+    return saved
 
 
 def _first_difference(saved: dict, want: dict, section: str) -> str | None:
     if section == "data":  # the same bytes and the same tokenizer, however they were named
         keys = ("fingerprint", "tokenizer_sha256")
         return next((k for k in keys if saved.get(k) != want.get(k) and (k in saved or want.get(k))), None)
-    saved = {**{k: v for k, v in _defaults(section).items() if k in want}, **saved}
+    saved = {k: v for k, v in _normalised(section, saved).items() if k in want or k in saved}
     keys = sorted(set(saved) | set(want), key=str)
     return next((k for k in keys if saved.get(k) != want.get(k) and k not in RESUMABLE_CHANGES), None)
 

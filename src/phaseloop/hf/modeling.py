@@ -29,6 +29,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..layers import KVCache
 from ..model import DecoderLM
+from ..trunk import DerivedBuffers
 
 
 class PhaseloopConfig(PretrainedConfig):
@@ -123,7 +124,7 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):
         """DecoderLM initialises its own parameters; after a load (built on the meta
         device) only the derived, non-persistent buffers need their values."""
-        if hasattr(module, "reset_buffers"):
+        if isinstance(module, DerivedBuffers):
             module.reset_buffers()
 
     def get_input_embeddings(self):

@@ -35,12 +35,17 @@ from ..engine import RunFolder, TrainConfig, Trainer
 from ..errors import ConfigError
 from ..layers import KVCache
 from ..model import build_model
-from ..seq2seq import TransformerSeq2Seq, UniversalSeq2Seq, collate
+from .. import registry
+from ..seq2seq import collate
 from ..tokenizer import BOS, EOS, PAD, SEP
 from .algorithmic import Example, position_offsets
 
 Pair = tuple[list[int], list[int]]  # (source ids, target ids ending in EOS)
-SEQ2SEQ_ARCHS = ("transformer-seq2seq", "universal-seq2seq")
+
+
+def is_seq2seq(arch: str | None) -> bool:
+    """Whether a task run's ``--arch`` names an encoder-decoder (``ArchSpec.seq2seq_name``)."""
+    return arch is not None and arch in registry.seq2seq_archs()
 
 
 def encode_pairs(examples: Sequence[Example], vocab) -> list[Pair]:
@@ -125,20 +130,22 @@ def _ponder_rows(pieces: list) -> torch.Tensor | None:
 
 
 def task_model_class(arch: str | None):
-    return Seq2SeqTaskModel if arch in SEQ2SEQ_ARCHS else DecoderTaskModel
+    return Seq2SeqTaskModel if is_seq2seq(arch) else DecoderTaskModel
 
 
 def build_task_model(model_cfg: ModelConfig, arch: str | None = None):
-    """The model of a task run. ``arch`` in ``SEQ2SEQ_ARCHS`` picks an encoder-decoder
-    (``transformer-seq2seq`` needs a non-universal config, ``universal-seq2seq``
-    arch='universal'; ``act=True`` gives UT+ACT on both sides); otherwise a ``DecoderLM``
-    of ``model_cfg.arch``. Weights come from torch's RNG (the engine seeds it)."""
-    if arch in SEQ2SEQ_ARCHS:
-        if (arch == "universal-seq2seq") != (model_cfg.arch == "universal"):
-            raise ConfigError(f"--arch {arch} needs a {'universal' if arch.startswith('universal') else 'non-universal'}"
-                              f" model config, got arch={model_cfg.arch!r}; change --preset")
-        cls = UniversalSeq2Seq if arch == "universal-seq2seq" else TransformerSeq2Seq
-        return cls(model_cfg, pad_id=PAD)
+    """The model of a task run. An encoder-decoder ``arch`` (``is_seq2seq``: e.g.
+    ``transformer-seq2seq``, ``universal-seq2seq``) builds that architecture's
+    ``ArchSpec.seq2seq``, from a config whose own encoder-decoder it is (the baseline's
+    for archs without one; ``act=True`` gives UT+ACT on both sides); otherwise a
+    ``DecoderLM`` of ``model_cfg.arch``. Weights come from torch's RNG (the engine seeds it)."""
+    if is_seq2seq(arch):
+        spec = registry.seq2seq_archs()[arch]
+        own = model_cfg.spec.seq2seq or registry.get_arch(registry.default_arch()).seq2seq
+        if own is not spec.seq2seq:
+            raise ConfigError(f"--arch {arch} needs a model config of arch {spec.name!r} (or one "
+                              f"without its own encoder-decoder), got arch={model_cfg.arch!r}; change --preset")
+        return spec.seq2seq(model_cfg, pad_id=PAD)
     return build_model(model_cfg)
 
 

@@ -14,7 +14,7 @@ from .metrics import mean_std, per_length_metrics
 def model_label(model_cfg, arch: str | None = None) -> str:
     """The model's name in reports: the arch (``arch`` for an encoder-decoder, else
     ``model_cfg.arch``) with ``+act`` for ACT, as ``phaseloop compare`` spells the
-    variant (``universal+act``, ``compare.recipe.MODIFIERS``)."""
+    variant (``universal+act``, ``registry.modifiers()``)."""
     name = arch or model_cfg.arch
     return f"{name}+act" if model_cfg.act else name
 

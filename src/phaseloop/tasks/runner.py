@@ -32,6 +32,7 @@ import torch
 
 from .. import plots
 from ..checkpoint import write_json
+from .. import registry
 from ..config import PRESETS, ModelConfig
 from ..engine import RunFolder, TrainConfig, read_metrics, software_versions
 from ..errors import CheckpointError, ConfigError
@@ -40,7 +41,7 @@ from .algorithmic import TASKS, CharVocab, Example, TaskSpec, parse_lengths
 from .babi import BabiExample, WordVocab, failed_tasks, format_example, load_babi, ponder_by_supporting, task_error
 from .jsonl import TokenizerVocab, load_jsonl
 from .metrics import char_accuracy, mean_std, sequence_accuracy
-from .models import SEQ2SEQ_ARCHS, Pair, decode_pairs, encode_pairs, task_model_class, train_pairs
+from .models import Pair, is_seq2seq, decode_pairs, encode_pairs, task_model_class, train_pairs
 from .positions import check_positions, fix_max_seq_len, positions_needed
 from .report import length_metrics, length_span, model_label, summarize_seeds
 
@@ -84,7 +85,7 @@ def run_examples(model_cfg: ModelConfig, train: Sequence[Example], test: Sequenc
     if not train or not test:
         raise ConfigError(f"no {'training' if not train else 'test'} examples; a task run needs both")
     tr, te = encode_pairs(train, vocab), encode_pairs(test, vocab)
-    need, where = positions_needed(train, test, tr, te, max_offset, arch in SEQ2SEQ_ARCHS)
+    need, where = positions_needed(train, test, tr, te, max_offset, is_seq2seq(arch))
     cfg = fit_model_config(model_cfg, len(vocab), check_positions(model_cfg, need, where, too_long_hint, note))
     run = None
     if run_dir is not None:
@@ -157,17 +158,16 @@ def task_model_config(arch: str | None, preset: str | None, overrides: dict | No
 
 
 def _task_model_config(arch: str | None, preset: str | None, overrides: dict) -> tuple[ModelConfig, str | None]:
-    if arch in SEQ2SEQ_ARCHS:
-        if preset is None and arch == "transformer-seq2seq":
-            # rope-tiny with the UT presets' embedding scale (sqrt(d) * N(0, 1/d)): the
-            # sinusoid added at the embedding would otherwise drown 0.02-std embeddings
-            d = ModelConfig.from_preset("rope-tiny").d_model
-            overrides = {"embed_scale": True, "embed_init_std": d ** -0.5, **overrides}
-        base = preset or ("universal-tiny" if arch.startswith("universal") else "rope-tiny")
+    if is_seq2seq(arch):
+        spec = registry.seq2seq_archs()[arch]
+        base = preset or f"{spec.prefixes[0]}-tiny"
+        if preset is None and spec.seq2seq_defaults is not None:  # what its tiny preset lacks
+            overrides = {**spec.seq2seq_defaults(ModelConfig.from_preset(base).d_model), **overrides}
         return ModelConfig.from_preset(base, **overrides), arch
-    name = preset or f"{arch or 'rope'}-tiny"
+    want = arch or registry.default_arch()
+    name = preset or f"{want}-tiny"
     if preset is None and name not in PRESETS:  # e.g. three_phase -> 3pt-tiny
-        name = next((p for p, d in PRESETS.items() if p.endswith("-tiny") and d.get("arch") == arch), name)
+        name = next((p for p, d in PRESETS.items() if p.endswith("-tiny") and d.get("arch") == want), name)
     if name not in PRESETS:
         raise ConfigError(f"no preset {name!r} for --arch {arch}; pass --preset (phaseloop params --all "
                           f"lists them) or one of the archs with a -tiny preset")
@@ -236,7 +236,7 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
         vocab = vocab_of(list(train) + list(test))
         max_off = offsets
         if offsets == "auto":
-            max_off = auto_offset(encode_pairs(train, vocab), encode_pairs(test, vocab), arch in SEQ2SEQ_ARCHS)
+            max_off = auto_offset(encode_pairs(train, vocab), encode_pairs(test, vocab), is_seq2seq(arch))
         tcs = tc.replace(seed=seed)
         if log:
             log(f"[seed {seed}] training {label} on {task}: {len(train)} examples, "
@@ -312,7 +312,7 @@ def run_babi(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: TrainCo
         te_raw = [e for t in grp for e in test[t]]
         te = babi_pairs(te_raw, max_sentences)
         check_positions(model_cfg, *positions_needed(tr, te, encode_pairs(tr, vocab), encode_pairs(te, vocab),
-                                                     seq2seq=arch in SEQ2SEQ_ARCHS), hint)
+                                                     seq2seq=is_seq2seq(arch)), hint)
         data[grp[0]] = tr, te_raw, te
     errors, ponder, ans_ponder, covered, seconds, params = {}, {}, {}, {}, 0.0, 0
     for grp in groups:

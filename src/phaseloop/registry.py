@@ -1,0 +1,189 @@
+"""The architecture registry: the one place that knows which architectures exist.
+
+An architecture is a plugin: one ``ArchSpec`` given to ``register_arch``. The built-in
+ones register on import (``rope.py``, ``three_phase.py``, ``universal.py``,
+``hyperloop.py``); a third-party package adds an entry point to the group
+``phaseloop.architectures`` (docs/extending.md), loaded the first time the registry is
+asked about an architecture it does not hold, or for the full list. ``ModelConfig``, the
+model skeleton, the CLI, ``compare``, the task runner and the exporters ask the registry;
+none of them names an architecture.
+
+Options: a plugin's own fields are *option groups*, small dataclasses with their own
+defaults and checks (``validate(self, cfg)``); an arch lists the groups it uses
+(``ArchSpec.options``), and ``register_options(cls)`` adds a group that composes with
+every architecture (3PT's phase structure).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .errors import ConfigError
+
+ENTRY_POINT_GROUP = "phaseloop.architectures"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Everything phaseloop needs to know about one architecture."""
+
+    name: str  # the value of ModelConfig.arch
+    trunk: Callable  # trunk class: trunk(cfg) -> a ``trunk.Trunk``
+    options: tuple[type, ...] = ()  # option groups only this arch (and others listing them) use
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # field values this arch changes
+    presets: Mapping[str, dict] = field(default_factory=dict)  # name -> fields (arch filled in)
+    layers: str = "n_layers distinct layers, applied once each"  # what n_layers counts
+    paper: str = ""  # the citation, for listings
+    # comparison recipes: other spellings of the arch, the "<prefix>-<scale>" preset names an
+    # alias picks (default: the name), and "+modifier" -> field overrides
+    aliases: tuple[str, ...] = ()
+    preset_prefixes: tuple[str, ...] = ()
+    modifiers: Mapping[str, dict] = field(default_factory=dict)
+    shrink: Callable | None = None  # dry run: cfg -> overrides for a CPU-test size of this arch
+    # task runs: the encoder-decoder of this arch (class(cfg, pad_id=...)) under --arch NAME
+    seq2seq: Callable | None = None
+    seq2seq_name: str | None = None
+    seq2seq_defaults: Callable | None = None  # d_model -> fields its task seq2seq preset needs
+    task_offsets: bool = False  # --paper task runs train with random position offsets (UT §4)
+    default: bool = False  # the architecture of ModelConfig() (one built-in baseline)
+    default_preset: str | None = None  # the preset of `phaseloop train` without --preset
+    commands: Callable | None = None  # commands(subparsers): its own subcommands (3PT: angles)
+
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        return self.preset_prefixes or (self.name,)
+
+
+ARCHS: dict[str, ArchSpec] = {}
+COMPOSABLE: list[type] = []  # option groups every architecture carries
+_loaded_entry_points = False
+
+
+def _check_group(cls: type) -> None:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"option group {cls.__name__} must be a dataclass")
+    from .config import ModelConfig  # field names must not collide with another group's
+
+    mine = {f.name for f in dataclasses.fields(cls)}
+    for other in [*COMPOSABLE, *(g for s in ARCHS.values() for g in s.options)]:
+        if other is not cls and mine & {f.name for f in dataclasses.fields(other)}:
+            raise TypeError(f"option group {cls.__name__} reuses fields of {other.__name__}: "
+                            f"{sorted(mine & {f.name for f in dataclasses.fields(other)})}")
+    clash = mine & {f.name for f in dataclasses.fields(ModelConfig)}
+    if clash:
+        raise TypeError(f"option group {cls.__name__} reuses ModelConfig fields {sorted(clash)}")
+
+
+def register_options(cls: type) -> type:
+    """Add an option group that composes with every architecture (usable as a decorator)."""
+    _check_group(cls)
+    if cls not in COMPOSABLE:
+        COMPOSABLE.append(cls)
+    return cls
+
+
+def register_arch(spec: ArchSpec) -> ArchSpec:
+    """Register an architecture (its presets too). Re-registering a name replaces it."""
+    if not spec.name.isidentifier():
+        raise ValueError(f"arch name {spec.name!r} must be an identifier (letters, digits, _)")
+    for group in spec.options:
+        _check_group(group)
+    from .config import PRESETS
+
+    for name, fields_ in spec.presets.items():
+        PRESETS[name] = {"arch": spec.name, **fields_}
+    ARCHS[spec.name] = spec
+    return spec
+
+
+def _load_entry_points() -> None:
+    """Import the third-party architectures installed in this environment (once)."""
+    global _loaded_entry_points
+    if _loaded_entry_points:
+        return
+    _loaded_entry_points = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()  # a module registers on import; an ArchSpec or a callable may be given
+        except Exception as e:  # noqa: BLE001  a broken plugin is named, not a traceback
+            _loaded_entry_points = False  # asked again, it fails again (never half-loaded quietly)
+            raise ConfigError(f"the architecture plugin {ep.name!r} ({ep.value}) failed to load: "
+                              f"{type(e).__name__}: {e}; reinstall or uninstall it") from None
+        if isinstance(obj, ArchSpec):
+            register_arch(obj)
+        elif callable(obj) and not isinstance(obj, type):
+            obj()
+
+
+def get_arch(name: str) -> ArchSpec:
+    """The spec of ``name``; a one-line ConfigError listing the registered ones otherwise."""
+    if name not in ARCHS:
+        _load_entry_points()
+    if name not in ARCHS:
+        raise ConfigError(f"invalid config: arch={name!r}: unknown architecture; registered: "
+                          f"{', '.join(arch_names())} (a plugin registers through the entry-point "
+                          f"group {ENTRY_POINT_GROUP!r}: pip install it)")
+    return ARCHS[name]
+
+
+def arch_names() -> list[str]:
+    _load_entry_points()
+    return list(ARCHS)
+
+
+def all_archs() -> list[ArchSpec]:
+    _load_entry_points()
+    return list(ARCHS.values())
+
+
+def default_arch() -> str:
+    return next(s.name for s in ARCHS.values() if s.default)
+
+
+def default_preset() -> str:
+    """The preset of `phaseloop train` / `params` without --preset (the baseline's)."""
+    return get_arch(default_arch()).default_preset
+
+
+def groups_of(spec: ArchSpec) -> list[type]:
+    """The option groups a config of this arch carries: the composable ones, then its own."""
+    return [*COMPOSABLE, *(g for g in spec.options if g not in COMPOSABLE)]
+
+
+def all_groups(load: bool = True) -> list[type]:
+    """Every registered option group (``load=False``: without importing plugins, e.g. while
+    phaseloop itself is being imported)."""
+    out = list(COMPOSABLE)
+    for s in (all_archs() if load else ARCHS.values()):
+        out += [g for g in s.options if g not in out]
+    return out
+
+
+def users_of(group: type) -> list[str]:
+    """The architectures that carry an option group."""
+    return [s.name for s in all_archs() if group in groups_of(s)]
+
+
+def by_alias(word: str) -> ArchSpec | None:
+    """The arch a recipe or task word names (its name or one of its aliases)."""
+    for s in all_archs():
+        if word == s.name or word in s.aliases:
+            return s
+    return None
+
+
+def modifiers() -> dict[str, dict]:
+    """Every registered "+modifier" of the comparison recipes."""
+    out: dict[str, dict] = {}
+    for s in all_archs():
+        out.update(s.modifiers)
+    return out
+
+
+def seq2seq_archs() -> dict[str, ArchSpec]:
+    """Task-run names of the encoder-decoders (e.g. "<alias>-seq2seq") -> their arch."""
+    return {s.seq2seq_name: s for s in all_archs() if s.seq2seq is not None and s.seq2seq_name}

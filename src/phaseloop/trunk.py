@@ -1,0 +1,56 @@
+"""The trunk interface: what the skeleton, the engine and the exporters may ask of the
+part of a model that applies the blocks (``ArchSpec.trunk``).
+
+Every trunk subclasses ``Trunk`` and sets ``depth``; the rest has defaults that a trunk
+overrides where it differs (a weight-shared loop, a data-dependent depth).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .errors import ConfigError
+
+
+class DerivedBuffers:
+    """A module holding buffers computed from its config (sinusoids, fixed offsets),
+    which a model loaded onto the meta device first must recompute: ``reset_buffers``."""
+
+    def reset_buffers(self) -> None:  # pragma: no cover - the interface
+        raise NotImplementedError
+
+
+def reset_derived_buffers(model: nn.Module) -> None:
+    """Recompute every derived buffer of ``model`` (after ``to_empty`` from the meta device)."""
+    for m in model.modules():
+        if isinstance(m, DerivedBuffers):
+            m.reset_buffers()
+
+
+class Trunk(nn.Module):
+    """``forward(x_BTD, ctx) -> x_BTD``; subclasses set ``depth`` in ``__init__``.
+
+    * ``depth``: residual layer applications per token (init scaling, FLOPs, depth matching).
+    * ``blocks()``: the distinct blocks, each once however often it is applied (FSDP units).
+    * ``set_depth(n)``: run ``n`` applications of the shared block(s) from now on, where the
+      architecture allows it (``dynamic_depth``); ``fix_depth()``: make the number of block
+      applications independent of the input (FSDP needs every rank to apply them equally).
+    * ``cache_slots()``: the KV-cache slots one forward may write (``layers.KVCache``).
+    """
+
+    depth: int
+    dynamic_depth = False  # set_depth works
+
+    def blocks(self) -> list[nn.Module]:
+        from .layers import Block
+
+        return [m for m in self.modules() if isinstance(m, Block)]
+
+    def set_depth(self, n: int) -> None:
+        raise ConfigError(f"{type(self).__name__} has a fixed depth; its weights define every layer")
+
+    def fix_depth(self) -> None:
+        """Nothing to do for a trunk whose depth never depends on the input."""
+
+    def cache_slots(self) -> list:
+        raise NotImplementedError(f"{type(self).__name__} does not list its cache slots")
