@@ -17,6 +17,7 @@ from ..engine import dist
 from ..engine.trainer import DivergedError, Interrupted, PeerFailed
 
 DISTRIBUTED = ("train", "compare")  # the commands that run across torchrun's processes
+from .. import registry
 from ..errors import PhaseloopError
 from . import commands as C
 
@@ -26,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int | None = None,
+def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int | None = None,
               seq_len: bool = True, device: bool = True) -> argparse.ArgumentParser:
     """A subcommand that reads a trained run, with the options such commands share."""
     p = sub.add_parser(name, help=hlp)
@@ -71,13 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument(flag, dest=field, type=typ, default=None, help=hlp)
     t.set_defaults(func=C.cmd_train)
 
-    e = _on_a_run(sub, "eval", "validation loss / perplexity / bits per byte of a run", C.cmd_eval,
+    e = on_a_run(sub, "eval", "validation loss / perplexity / bits per byte of a run", C.cmd_eval,
                   windows=64)
     e.add_argument("--split", choices=("val", "all"), default="val",
                    help="val: the held-out tail; all: every token (e.g. a separate test file)")
     e.add_argument("--json", action="store_true")
 
-    g = _on_a_run(sub, "generate", "sample text from a run", C.cmd_generate, data=False)
+    g = on_a_run(sub, "generate", "sample text from a run", C.cmd_generate, data=False)
     g.add_argument("--prompt", default="")
     g.add_argument("--max-new-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -100,13 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "print its parameter and FLOP counts next to the closed form")
     c.set_defaults(func=C.cmd_params)
 
-    a = _on_a_run(sub, "angles", "3PT: per-layer rotation-angle drift of a run (+ PNG)", C.cmd_angles,
-                  data=False, device=False)
-    a.add_argument("--png", help="plot path (default RUN/angle_drift.png)")
-
-    z = _on_a_run(sub, "zero-sum", "3PT: zero-sum diagnostic of a run's residual stream", C.cmd_zero_sum,
-                  windows=8, device=False)
-    z.add_argument("--phases", type=int, help="stripes to measure (default: the model's N)")
+    r = sub.add_parser("archs", help="the registered architectures (built in and plugins): options, "
+                       "presets, what n_layers counts")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=C.cmd_archs)
 
     m = sub.add_parser("compare", help="train model variants over seeds and report (default: the quick recipe)")
     m.add_argument("recipe", nargs="?", help="recipe .toml/.json (see recipes/) or a built-in name; default quick")
@@ -159,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         k.add_argument("--quiet", action="store_true")
         k.set_defaults(func=C.cmd_task if name == "task" else C.cmd_babi)
 
-    q = _on_a_run(sub, "quantize", "weight-only INT8/INT4 quantisation of a run, with validation "
+    q = on_a_run(sub, "quantize", "weight-only INT8/INT4 quantisation of a run, with validation "
                   "loss/BPB before and after", C.cmd_quantize, windows=64, seq_len=False)
     q.add_argument("--bits", type=int, choices=(8, 4), required=True)
     q.add_argument("--group-size", type=int, default=128, help="input columns per scale "
@@ -172,14 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
     q.add_argument("--out", help="folder for the weights and report (default: the run folder)")
 
-    x = _on_a_run(sub, "export", "a run as a Hugging Face folder (AutoModelForCausalLM.from_pretrained)",
+    x = on_a_run(sub, "export", "a run as a Hugging Face folder (AutoModelForCausalLM.from_pretrained)",
                   C.cmd_export, data=False, device=False)
     x.add_argument("--out", required=True, help="new (or empty) folder to write")
     x.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     x.add_argument("--quantized", metavar="FILE", help="a quant-*.safetensors of `phaseloop quantize`: "
                    "export its dequantised weights (the function the quantised model computes)")
 
-    v = _on_a_run(sub, "lm-eval", "lm-evaluation-harness on a run (local: lambada_local, "
+    v = on_a_run(sub, "lm-eval", "lm-evaluation-harness on a run (local: lambada_local, "
                   "wikitext2_local)", C.cmd_lm_eval, data=False)
     v.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     v.add_argument("--include-path", help="a folder of extra lm-eval task YAMLs")
@@ -219,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--layers", type=int, help="fixed-stack depth (default: one layer short)")
     d.set_defaults(func=C.cmd_demo)
+
+    for spec in registry.all_archs():  # an architecture's own commands (3PT: angles, zero-sum)
+        if spec.commands is not None:
+            spec.commands(sub)
     return p
 
 
@@ -249,7 +251,12 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()  # loads the installed architecture plugins
+    except PhaseloopError as e:
+        _say(f"phaseloop: error: {e}")
+        return 2
+    args = parser.parse_args(argv)
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread: leave signals alone

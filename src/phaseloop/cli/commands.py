@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from .. import compare, plots
+from .. import compare, plots, registry
 from ..checkpoint import load_run, read_json, write_json
 from ..config import ModelConfig
 from ..checkpoint import run_folder, run_tokenizer
@@ -282,44 +282,37 @@ def cmd_lm_eval(args) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------- 3PT analysis
-def cmd_angles(args) -> int:
-    """3PT: per-layer |θ_final − θ_init| of a trained run, printed and plotted."""
-    from ..three_phase import angle_drift
+def cmd_archs(args) -> int:
+    """Every registered architecture (``registry``), built in or a plugin's."""
+    import dataclasses
 
-    model, _ = load_run(args.run)
-    rows = angle_drift(model)
-    if not rows:
-        raise PhaseloopError(f"{args.run} has no phase rotation (train with --preset 3pt-* "
-                             "or --set phase_rotation=true)")
-    print(f"{'layer':>5} {'theta_init':>10} {'mean|drift|':>12} {'max|drift|':>11}")
+    from ..config import PRESETS
+
+    rows = []
+    for spec in registry.all_archs():
+        groups = registry.groups_of(spec)
+        rows.append({"arch": spec.name, "aliases": list(spec.aliases), "module": spec.trunk.__module__,
+                     "trunk": spec.trunk.__name__, "n_layers": spec.layers, "paper": spec.paper,
+                     "defaults": {k: v for k, v in spec.defaults.items()},
+                     "options": {g.__name__: [f.name for f in dataclasses.fields(g)] for g in groups},
+                     "modifiers": sorted(spec.modifiers), "seq2seq": spec.seq2seq_name,
+                     "presets": [n for n, d in PRESETS.items() if d.get("arch") == spec.name]})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
     for r in rows:
-        print(f"{r['layer']:>5} {r['init']:>10.4f} {r['mean_abs_drift']:>12.5f} {r['max_abs_drift']:>11.5f}")
-    run_dir = Path(args.run)
-    png = Path(args.png) if args.png else run_dir / "angle_drift.png"
-    plots.pyplot()  # refuse before writing anything when matplotlib is missing
-    write_json(run_dir / "angle_drift.json", rows)
-    plots.plot_angle_drift(rows, png)
-    print(f"wrote {png} and {run_dir / 'angle_drift.json'}")
-    return 0
-
-
-def cmd_zero_sum(args) -> int:
-    """3PT: Σ_i mean(stripe i) averaged over positions, at the embedding and each layer."""
-    from ..three_phase import zero_sum_profile
-
-    model, run_cfg = load_run(args.run)
-    if args.phases:
-        model.cfg = model.cfg.replace(n_phases=args.phases)
-    corpus = run_corpus(args.run, run_cfg, args.data)
-    seq_len = args.seq_len or model.cfg.max_seq_len
-    _, val = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
-    windows = eval_windows(val, seq_len, args.windows)[:, :-1]
-    N, T = model.cfg.n_phases, seq_len
-    expect = N * sum(1 / k for k in range(1, T + 1)) / T
-    print(f"zero-sum diagnostic, N={N}, T={T} (horn value N*H_T/T = {expect:.4f})")
-    for r in zero_sum_profile(model, windows):
-        print(f"  {r['site']:<10} {r['zero_sum']:+.5f}")
+        alias = f" (also {', '.join(r['aliases'])})" if r["aliases"] else ""
+        print(f"{r['arch']}{alias}: {r['trunk']} from {r['module']}")
+        print(f"  paper     {r['paper'] or '-'}")
+        print(f"  n_layers  {r['n_layers']}")
+        for g, names in r["options"].items():
+            print(f"  {g}: {', '.join(names)}")
+        if r["defaults"]:
+            print(f"  defaults  {', '.join(f'{k}={v!r}' for k, v in r['defaults'].items())}")
+        extra = [f"+{m}" for m in r["modifiers"]] + ([f"task --arch {r['seq2seq']}"] if r["seq2seq"] else [])
+        if extra:
+            print(f"  recipes   {', '.join(extra)}")
+        print(f"  presets   {', '.join(r['presets']) or '-'}")
     return 0
 
 
@@ -355,8 +348,9 @@ def cmd_task(args) -> int:
     cfg, arch, tc, seeds = _task_setup(args)
     train_len = args.train_len or ("40" if args.paper else "1-20")
     test_len = args.test_len or ("400" if args.paper else "40,80")
+    spec = registry.seq2seq_archs().get(arch) or cfg.spec  # the paper's offsets where it used them
     offsets = args.offsets if args.offsets is not None else (
-        "auto" if args.paper and "universal" in (arch or cfg.arch) else "0")
+        "auto" if args.paper and spec.task_offsets else "0")
     if offsets != "auto" and not offsets.isdigit():
         raise PhaseloopError(f"bad --offsets {offsets!r}; write auto or an integer >= 0")
     out = _task_out(args, f"task-{args.task.split(':')[0]}-{model_label(cfg, arch)}")

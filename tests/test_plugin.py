@@ -1,0 +1,133 @@
+"""An out-of-tree architecture (examples/phaseloop-parallel), pip-installed as a package
+with a ``phaseloop.architectures`` entry point: every command takes it, and the generic
+tests (causality, cache = full pass, HF equality, config round trips) pick it up with no
+list to edit. Without it installed, naming it is a one-line error."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, write_corpus
+
+PLUGIN = REPO / "examples" / "phaseloop-parallel"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The environment of a user who ran `pip install phaseloop-parallel` (into a folder)."""
+    src = tmp_path_factory.mktemp("plugin-src") / "phaseloop-parallel"
+    shutil.copytree(PLUGIN, src)  # pip builds in the source folder: keep the repository clean
+    site = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-build-isolation", "--disable-pip-version-check", "--target", str(site),
+                    str(src)], check=True, capture_output=True)
+    assert list(site.glob("phaseloop_parallel-*.dist-info/entry_points.txt"))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def phaseloop(env, *args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "phaseloop", *map(str, args)], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+def python(env, code: str):
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+
+TRAIN = ["--steps", "4", "--batch-size", "2", "--eval-every", "2", "--eval-windows", "2",
+         "--warmup", "1", "--quiet"]
+
+
+def test_every_command_takes_the_plugin(env, tmp_path, data_dir):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    run = tmp_path / "run"
+    r = phaseloop(env, "train", "--preset", "parallel-tiny", "--set", "sequential_layers=1",
+                  "--data", corpus, "--out", run, *TRAIN)
+    assert r.returncode == 0, r.stderr
+    saved = json.loads((run / "config.json").read_text())["model"]
+    assert saved["arch"] == "parallel" and saved["sequential_layers"] == 1
+    r = phaseloop(env, "eval", run, "--json", "--windows", "2")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["val_loss"] > 0
+    r = phaseloop(env, "generate", run, "--prompt", "the", "--max-new-tokens", "5", "--temperature", "0")
+    assert r.returncode == 0 and r.stdout.startswith("the"), r.stderr
+    r = phaseloop(env, "params", "--preset", "parallel-small", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["arch"] == "parallel", r.stderr
+    # compare: the arch and its alias in a recipe, at the plugin's own "-tiny" presets
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "p"\ndata = "{corpus}"\nscale = "tiny"\nseeds = [0]\n'
+                      'variants = ["rope", "gptj", "parallel sequential_layers=1"]\n'
+                      "[train]\nsteps = 2\nbatch_size = 2\nseq_len = 16\neval_every = 2\neval_windows = 1\n"
+                      "warmup_steps = 1\n")
+    r = phaseloop(env, "compare", recipe, "--out", tmp_path / "cmp", "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "cmp" / "summary.json").read_text())["variants"]
+    assert [v["model"]["arch"] for v in rows] == ["rope", "parallel", "parallel"]
+    # export, then transformers loads it (remote code) and its logits equal phaseloop's
+    r = phaseloop(env, "export", run, "--out", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    r = python(env, f"""
+import torch, phaseloop
+from transformers import AutoModelForCausalLM
+from phaseloop.checkpoint import load_run
+hf = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'hf')!r}, trust_remote_code=True).eval()
+ours, _ = load_run({str(run)!r}, torch.device('cpu'))
+idx = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+print((hf(idx).logits - ours.eval()(idx).logits).abs().max().item())
+""")
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.split()[-1]) <= 1e-6  # the tolerance docs/hf.md states for fp32
+    r = phaseloop(env, "lm-eval", run, "--tasks", "wikitext2_local", "--limit", "2", "--batch-size", "2",
+                  "--data-dir", data_dir)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((run / "lm_eval" / "results.json").read_text())["results"]["wikitext2_local"]
+    assert 0 < res["bits_per_byte,none"] < 10
+
+
+def test_generic_tests_pick_up_the_plugin(env):
+    """The same test files, run where the plugin is installed, test it too."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                        "tests/test_model.py", "tests/test_config.py", "tests/test_hf.py",
+                        "-k", "parallel"], env=env, cwd=REPO, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    passed = set(re.findall(r"^PASSED (\S+)", r.stdout, re.M))
+    for test in ("test_model.py::test_causal_no_future_leak[arch=parallel]",
+                 "test_model.py::test_kv_cache_equals_full_forward[arch=parallel]",
+                 "test_model.py::test_kv_cache_equals_full_forward[parallel-tiny]",
+                 "test_model.py::test_cached_generation_equals_uncached[arch=parallel]",
+                 "test_config.py::test_every_registered_arch_builds_from_its_defaults[parallel]",
+                 "test_hf.py::test_logits_equal_fp32_and_bf16[arch=parallel]",
+                 "test_hf.py::test_generate_greedy_cache_and_no_cache_equal_phaseloop[arch=parallel]"):
+        assert f"tests/{test}" in passed, (test, sorted(passed))
+
+
+def test_without_the_plugin_naming_it_is_one_line(tmp_path):
+    plain = {**os.environ}
+    r = phaseloop(plain, "train", "--preset", "parallel-tiny", "--out", tmp_path / "x", *TRAIN)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "unknown preset 'parallel-tiny'" in r.stderr
+    r = phaseloop(plain, "train", "--set", "arch=parallel", "--out", tmp_path / "y", *TRAIN)
+    assert r.returncode == 2 and "arch='parallel': unknown architecture" in r.stderr, r.stderr
+    assert "phaseloop.architectures" in r.stderr and not (tmp_path / "y").exists()
+
+
+def test_a_broken_plugin_is_named(tmp_path):
+    """An installed plugin that fails to import is one line naming it, not a traceback."""
+    site = tmp_path / "site"
+    (site / "broken_arch-0.1.dist-info").mkdir(parents=True)
+    (site / "broken_arch-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-arch\nVersion: 0.1\n")
+    (site / "broken_arch-0.1.dist-info" / "entry_points.txt").write_text(
+        "[phaseloop.architectures]\nbroken = broken_arch\n")
+    (site / "broken_arch.py").write_text("raise ImportError('needs torch 9')\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    r = phaseloop(env, "train", "--set", "arch=nope", "--out", tmp_path / "x", *TRAIN)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "plugin 'broken'" in r.stderr and "needs torch 9" in r.stderr
