@@ -19,6 +19,7 @@ from ..engine.trainer import DivergedError, Interrupted, PeerFailed
 DISTRIBUTED = ("train", "compare")  # the commands that run across torchrun's processes
 from ..errors import PhaseloopError
 from . import commands as C
+from .trainflags import add_train_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,12 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     _data_options(t)
     t.add_argument("--out", help="run folder (default runs/PRESET-TIMESTAMP)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
-    t.add_argument("--compile", action="store_true", help="torch.compile the model")
-    t.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
-    for flag, field, typ, hlp in C.TRAIN_OPTS:
-        t.add_argument(flag, dest=field, type=typ, default=None, help=hlp)
+    add_train_flags(t)
     t.set_defaults(func=C.cmd_train)
 
     e = _on_a_run(sub, "eval", "validation loss / perplexity / bits per byte of a run", C.cmd_eval,

@@ -19,33 +19,7 @@ from ..data import corpus_args, eval_windows, load_corpus, run_corpus
 from ..engine import TrainConfig, dist, resolve_device
 from ..errors import PhaseloopError
 from ..train import check_seq_len, evaluate, fit_vocab, train
-
-# train options: (flag, TrainConfig field, type, help)
-TRAIN_OPTS = [
-    ("--steps", "steps", int, "optimizer steps"),
-    ("--batch-size", "batch_size", int, "sequences per micro-batch"),
-    ("--grad-accum", "grad_accum", int, "micro-batches per step"),
-    ("--seq-len", "seq_len", int, "training window (default: the model's max_seq_len)"),
-    ("--lr", "lr", float, "peak learning rate"),
-    ("--min-lr-ratio", "min_lr_ratio", float, "cosine floor as a fraction of lr"),
-    ("--warmup", "warmup_steps", int, "linear warmup steps"),
-    ("--weight-decay", "weight_decay", float, "AdamW weight decay (on what --decay names)"),
-    ("--decay", "decay", str, "matrices (default: dim >= 2 only) | all (every parameter, as the 3PT author)"),
-    ("--loss-ignore-id", "loss_ignore_id", int, "leave targets equal to this id (e.g. the pad id) out of the loss"),
-    ("--grad-clip", "grad_clip", float, "gradient-norm clip"),
-    ("--seed", "seed", int, "random seed"),
-    ("--eval-every", "eval_every", int, "steps between evaluations"),
-    ("--eval-windows", "eval_windows", int, "validation windows per evaluation"),
-    ("--ckpt-every", "ckpt_every", int, "steps between checkpoints"),
-    ("--log-every", "log_every", int, "steps between metric records"),
-    ("--val-fraction", "val_fraction", float, "fraction of tokens held out"),
-    ("--device", "device", str, "auto | cpu | cuda[:N]"),
-    ("--parallel", "parallel", str, "under torchrun: ddp (default) or fsdp (FSDP2, sharded per block)"),
-    ("--peak-tflops", "peak_tflops", float, "peak TFLOP/s of one device, for MFU (default: known GPUs)"),
-    ("--skip-nonfinite", "skip_nonfinite", int, "skip up to K steps whose loss or gradient is "
-     "NaN/inf (not applied) before stopping; default 0: stop at the first"),
-]
-
+from . import trainflags
 
 def parse_overrides(items: list[str] | None) -> dict:
     """`key=value` pairs; values parsed as JSON where possible (3, 0.1, true, null)."""
@@ -75,11 +49,7 @@ def cmd_train(args) -> int:
         model_cfg = ModelConfig.from_dict({**saved["model"], **overrides})
     else:
         model_cfg = ModelConfig.from_preset(args.preset or "rope-small", **overrides)
-    explicit = {field: getattr(args, field) for _, field, _, _ in TRAIN_OPTS if getattr(args, field) is not None}
-    if args.compile:
-        explicit["compile"] = True
-    if args.checkpoint_activations:
-        explicit["checkpoint_activations"] = True
+    explicit = trainflags.given(args)
     tc = TrainConfig.from_dict({**(saved["train"] if saved else {}), **explicit})
     if saved is not None:  # the run's data and its copy of the tokenizer, unless given again
         largs = {**corpus_args(saved["data"]), **({"spec": args.data} if args.data else {})}
