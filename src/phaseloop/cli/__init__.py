@@ -45,11 +45,17 @@ def _on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int
 
 
 def _data_options(p) -> None:
-    p.add_argument("--tokenizer", help="bytes (default), a tokenizer.json or a folder holding one, "
+    """train's data flags: default None (not given), so a config file or a resumed run's
+    own settings apply (runconfig.DATA_DEFAULTS otherwise)."""
+    g = p.add_argument_group("data (a config file's [data])")
+    g.add_argument("--data", help="a file or folder (.txt, .jsonl, .parquet, .arrow, WikiText raw), "
+                   "stdlib (default), shakespeare, or hf:NAME[:CONFIG]")
+    g.add_argument("--tokenizer", help="bytes (default), a tokenizer.json or a folder holding one, "
                    "or a name trained with `phaseloop tokenizer train --name`")
-    p.add_argument("--text-column", default="text", help="column of .jsonl/.parquet/.arrow/hf data")
-    p.add_argument("--data-split", default="train", help="split of an hf: dataset")
-    p.add_argument("--streaming", action="store_true", help="stream an hf: dataset (no full download)")
+    g.add_argument("--text-column", help="column of .jsonl/.parquet/.arrow/hf data (default: text)")
+    g.add_argument("--data-split", help="split of an hf: dataset (default: train)")
+    g.add_argument("--streaming", action=argparse.BooleanOptionalAction,
+                   help="stream an hf: dataset (no full download; default: no)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,14 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a model on a data source")
-    t.add_argument("--preset", help="model preset (phaseloop params --all lists them); default rope-small")
+    t.add_argument("--config", metavar="FILE", help="a TOML file of [model], [train] and [data] settings "
+                   "(--print-config writes one); flags override it")
+    t.add_argument("--print-config", action="store_true", help="print the resolved configuration as "
+                   "TOML (a --config file) and exit: nothing is trained, no data is read")
+    t.add_argument("--preset", help="model preset (phaseloop params --all lists them; default rope-small); "
+                   "replaces a --config file's")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
-    t.add_argument("--data", help="a file or folder (.txt, .jsonl, .parquet, .arrow, WikiText raw), "
-                   "stdlib (default), shakespeare, or hf:NAME[:CONFIG]")
-    _data_options(t)
     t.add_argument("--out", help="run folder (default runs/PRESET-TIMESTAMP)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    _data_options(t)
     add_train_flags(t)
     t.set_defaults(func=C.cmd_train)
 
