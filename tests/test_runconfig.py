@@ -103,7 +103,7 @@ def test_the_flags_of_earlier_versions_still_parse():
     assert (args.preset, args.set, args.data, args.tokenizer, args.text_column, args.data_split, args.streaming,
             args.out, args.resume, args.quiet) == ("rope-tiny", ["n_layers=2"], "x.txt", "bytes", "body", "test",
                                                    True, "o", True, True)
-    assert parse("--warmup-steps", "5").warmup_steps == 5
+    assert parse("--warmup-steps", "5").warmup_steps == parse("--warm", "5").warmup_steps == 5  # one flag
 
 
 def test_optimizer_choices_come_from_the_registry(monkeypatch, capsys):

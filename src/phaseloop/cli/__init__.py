@@ -26,6 +26,13 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def _get_option_tuples(self, option_string):
+        # a prefix of two spellings of one flag (--warm: --warmup, --warmup-steps) is not ambiguous
+        found: dict = {}
+        for t in super()._get_option_tuples(option_string):
+            found.setdefault(id(t[0]), t)
+        return list(found.values())
+
 
 def _on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int | None = None,
               seq_len: bool = True, device: bool = True) -> argparse.ArgumentParser:
