@@ -157,7 +157,7 @@ def test_round_trip_with_a_learned_tokenizer(tmp_path, text_file, capsys):
 def test_none_values_are_comments_and_must_come_back_as_none(tmp_path):
     spec = resolve_run(preset="looped-tiny")
     text = spec.to_toml()
-    assert "\nn_begin = 1\n" in text and "# hc_res = none" in text
+    assert "\nn_begin = 1\n" in text and "\n# seq_len = none\n" in text
     (tmp_path / "r.toml").write_text(text)
     assert resolve_run(tmp_path / "r.toml").to_dict() == spec.to_dict()
     # n_begin=None (-> n_layers // 4) on a preset that sets n_begin: left out it would be 1
