@@ -85,7 +85,7 @@ def test_one_step_equals_a_hand_computed_adamw_step(decay):
         v = (1 - tc.beta2) * gr.square() / (1 - tc.beta2)
         want.append(p0 * (1 - lr * wd) - lr * m / (v.sqrt() + 1e-8))
 
-    trainer = Trainer(TinyLM, tc, FixedBatches(4), loss_fn)  # seeds 0, then builds: same init
+    trainer = Trainer(TinyLM, tc, FixedBatches(4), loss_fn).setup()  # seeds 0, then builds: same init
     torch.testing.assert_close(trainer.model.W.detach(), W0, rtol=0, atol=0)
     trainer.fit()
     torch.testing.assert_close(trainer.model.W.detach(), want[0], rtol=1e-12, atol=1e-14)
@@ -192,6 +192,8 @@ def test_engine_run_folder_resume_is_exact(tmp_path):
     part.fit(stop_after=3)  # checkpoint at 2, record of step 3 logged then lost
     again = Trainer(TinyLM, tc, FixedBatches(4), loss_fn,
                     run=RunFolder.open(tmp_path / "part", cfg, resume=True))
+    assert again.step == 0  # the constructor only stores; setup() restores the checkpoint
+    again.setup()
     assert again.step == 2
     again.fit()
     keys = ("step", "loss", "lr", "grad_norm", "tokens")
@@ -242,3 +244,79 @@ def test_task_run_resume_matches_uninterrupted(tmp_path, stop_at):
     assert summary["finished"] and math.isclose(summary["char_acc"], full["char_acc"])
     # a finished run resumed again is reloaded, not retrained: the same numbers
     assert _run_task(tmp_path / "part", resume=True)["preds"] == full["preds"]
+
+
+def test_wsd_schedule_follows_its_formula():
+    """Warmup, lr held, then 1-sqrt down to the floor over the last decay_fraction of the
+    steps (Hägele et al. 2024): lr_t = floor + (lr - floor)(1 - sqrt((t - S) / (steps - S)))."""
+    c = TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1, schedule="wsd")  # S = 80
+    want = {0: 0.1, 4: 0.5, 9: 1.0, 10: 1.0, 50: 1.0, 79: 1.0, 80: 1.0, 85: 0.55,
+            96: 0.1 + 0.9 * (1 - math.sqrt(16 / 20)), 99: 0.1 + 0.9 * (1 - math.sqrt(19 / 20)), 100: 0.1}
+    assert {s: lr_at(s, c) for s in want} == pytest.approx(want, rel=1e-12)
+    assert all(lr_at(s, c) >= lr_at(s + 1, c) for s in range(10, 100))
+    half = c.replace(decay_fraction=0.5)  # S = 50
+    assert lr_at(49, half) == 1.0 and lr_at(75, half) == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(0.5)))
+    assert [lr_at(s, c.replace(decay_fraction=0.0)) for s in (10, 99)] == [1.0, 1.0]  # no decay
+    long = TrainConfig(steps=10, warmup_steps=5, lr=1.0, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.9)
+    assert lr_at(5, long) == 1.0 and lr_at(7, long) == pytest.approx(1 - math.sqrt(2 / 5))  # decay from warmup's end
+
+
+def test_cosine_is_the_default_and_wsd_runs_in_the_trainer():
+    tc = TrainConfig(**{**TC, "steps": 5, "warmup_steps": 1})
+    assert (tc.optimizer, tc.schedule, tc.decay_fraction) == ("adamw", "cosine", 0.2)
+    wsd = tc.replace(schedule="wsd", decay_fraction=0.4)
+    t = Trainer(TinyLM, wsd, FixedBatches(4), loss_fn)
+    t.fit()
+    assert [r["lr"] for r in t.records] == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.01 + 0.09 * (1 - math.sqrt(0.5))])
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(schedule="linear"), "schedule='linear': choose cosine or wsd"),
+    (dict(optimizer="sgd"), "optimizer='sgd': choose adamw"),
+    (dict(decay_fraction=0.3), "decay_fraction=0.3: has no effect with schedule='cosine'"),
+    (dict(schedule="wsd", decay_fraction=1.5), "decay_fraction=1.5: must be in [0, 1]"),
+])
+def test_invalid_optimizer_and_schedule(kw, msg):
+    with pytest.raises(ConfigError) as ei:
+        TrainConfig(**kw)
+    assert msg in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_registries_take_another_optimizer_and_schedule(monkeypatch):
+    """A new entry in OPTIMIZERS / SCHEDULES is a valid TrainConfig value the Trainer uses,
+    with no edit to the engine: plain SGD at a halving lr, checked by hand."""
+    from phaseloop.engine import OPTIMIZERS, SCHEDULES
+
+    monkeypatch.setitem(OPTIMIZERS, "sgd", lambda model, tc: torch.optim.SGD(model.parameters(), lr=tc.lr))
+    monkeypatch.setitem(SCHEDULES, "halving", lambda step, tc: tc.lr / 2 ** step)
+    tc = TrainConfig(**{**TC, "steps": 2, "grad_clip": 1e9, "optimizer": "sgd", "schedule": "halving"})
+    torch.manual_seed(0)
+    ref, batches = TinyLM(), FixedBatches(4)
+    for step in range(2):
+        ref.zero_grad()
+        ref(*batches.next()).loss.backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= tc.lr / 2 ** step * p.grad
+    t = Trainer(TinyLM, tc, FixedBatches(4), loss_fn).setup()
+    assert type(t.optimizer) is torch.optim.SGD
+    t.fit()
+    assert [r["lr"] for r in t.records] == [0.1, 0.05]
+    torch.testing.assert_close(t.model.W, ref.W, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ConfigError, match="optimizer='lion': choose adamw or sgd"):
+        TrainConfig(optimizer="lion")
+
+
+def test_the_constructor_stores_and_setup_builds(tmp_path):
+    """Trainer(...) builds and writes nothing; setup() builds the model and optimiser and
+    starts the run folder, once; fit() sets up when it was not."""
+    tc = TrainConfig(**TC)
+    t = Trainer(TinyLM, tc, FixedBatches(4), loss_fn, run=RunFolder.open(tmp_path / "r", {"train": tc.to_dict()}))
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(AttributeError, match="once setup"):
+        t.model
+    assert t.setup() is t and (tmp_path / "r" / "config.json").exists()
+    model, opt = t.model, t.optimizer
+    assert t.setup().model is model and t.optimizer is opt
+    t.fit()
+    assert t.model is model and t.step == 3

@@ -48,7 +48,7 @@ TRAIN = ["--steps", "4", "--batch-size", "2", "--eval-every", "2", "--eval-windo
 def test_every_command_takes_the_plugin(env, tmp_path, data_dir):
     corpus = write_corpus(tmp_path / "corpus.txt")
     run = tmp_path / "run"
-    r = phaseloop(env, "train", "--preset", "parallel-tiny", "--set", "sequential_layers=1",
+    r = phaseloop(env, "train", "--arch", "parallel", "--set", "sequential_layers=1", "--set", "d_model=64",
                   "--data", corpus, "--out", run, *TRAIN)
     assert r.returncode == 0, r.stderr
     saved = json.loads((run / "config.json").read_text())["model"]
@@ -114,7 +114,7 @@ def test_without_the_plugin_naming_it_is_one_line(tmp_path):
     r = phaseloop(plain, "train", "--preset", "parallel-tiny", "--out", tmp_path / "x", *TRAIN)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "unknown preset 'parallel-tiny'" in r.stderr
-    r = phaseloop(plain, "train", "--set", "arch=parallel", "--out", tmp_path / "y", *TRAIN)
+    r = phaseloop(plain, "train", "--arch", "parallel", "--out", tmp_path / "y", *TRAIN)
     assert r.returncode == 2 and "arch='parallel': unknown architecture" in r.stderr, r.stderr
     assert "phaseloop.architectures" in r.stderr and not (tmp_path / "y").exists()
 

@@ -151,17 +151,20 @@ def test_resume_refuses_a_different_config(tmp_path, text_file):
 
 
 def test_resume_refuses_changed_author_switches_and_accepts_older_runs(tmp_path, text_file):
-    """decay, loss_ignore_id and init change what is trained: a resume that changes one is
-    refused by name; a run of an earlier version (no such keys) resumes at the defaults."""
+    """decay, loss_ignore_id, schedule and init change what is trained: a resume that
+    changes one is refused by name; a run of an earlier version (no such keys) resumes at
+    the defaults."""
     run = tmp_path / "run"
     train(CFG, tc(steps=2), text_file, run, progress=False)
     for model_cfg, c, what in ((CFG, tc(steps=2, decay="all"), "train config.*decay"),
                                (CFG, tc(steps=2, loss_ignore_id=0), "train config.*loss_ignore_id"),
+                               (CFG, tc(steps=2, schedule="wsd"), "train config.*schedule"),
                                (CFG.replace(init="torch"), tc(steps=2), "model config.*init")):
         with pytest.raises(CheckpointError, match=f"different {what}"):
             train(model_cfg, c, text_file, run, resume=True, progress=False)
     saved = json.loads((run / "config.json").read_text())
-    for section, key in (("train", "decay"), ("train", "loss_ignore_id"), ("model", "init")):
+    for section, key in (("train", "decay"), ("train", "loss_ignore_id"), ("model", "init"),
+                         ("train", "optimizer"), ("train", "schedule"), ("train", "decay_fraction")):
         del saved[section][key]
     (run / "config.json").write_text(json.dumps(saved))
     assert train(CFG, tc(steps=2), text_file, run, resume=True, progress=False)["step"] == 2

@@ -128,6 +128,7 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
                                                   tc.loss_ignore_id),
                       run=run, progress=progress, desc=run.path.name, on_step=on_step,
                       flops_per_token=measure(model_cfg, seq_len)["flops_per_token"])  # None: no MFU
+    trainer.setup()  # writes config.json: the tokenizer's copy goes in beside it
     if w.main and corpus.tokenizer.path is not None and not (run.path / TOKENIZER_COPY).exists():
         atomic_write_bytes(run.path / TOKENIZER_COPY, corpus.tokenizer.path.read_bytes())
     summary = {**trainer.fit(stop_after), "data": corpus.describe(), **({"world_size": w.size} if w.size > 1 else {})}

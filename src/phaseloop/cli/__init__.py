@@ -20,11 +20,19 @@ DISTRIBUTED = ("train", "compare")  # the commands that run across torchrun's pr
 from .. import registry
 from ..errors import PhaseloopError
 from . import commands as C
+from .trainflags import add_train_flags
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _get_option_tuples(self, option_string):
+        # a prefix of two spellings of one flag (--warm: --warmup, --warmup-steps) is not ambiguous
+        found: dict = {}
+        for t in super()._get_option_tuples(option_string):
+            found.setdefault(id(t[0]), t)
+        return list(found.values())
 
 
 def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int | None = None,
@@ -45,11 +53,17 @@ def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int 
 
 
 def _data_options(p) -> None:
-    p.add_argument("--tokenizer", help="bytes (default), a tokenizer.json or a folder holding one, "
+    """train's data flags: default None (not given), so a config file or a resumed run's
+    own settings apply (runconfig.DATA_DEFAULTS otherwise)."""
+    g = p.add_argument_group("data (a config file's [data])")
+    g.add_argument("--data", help="a file or folder (.txt, .jsonl, .parquet, .arrow, WikiText raw), "
+                   "stdlib (default), shakespeare, or hf:NAME[:CONFIG]")
+    g.add_argument("--tokenizer", help="bytes (default), a tokenizer.json or a folder holding one, "
                    "or a name trained with `phaseloop tokenizer train --name`")
-    p.add_argument("--text-column", default="text", help="column of .jsonl/.parquet/.arrow/hf data")
-    p.add_argument("--data-split", default="train", help="split of an hf: dataset")
-    p.add_argument("--streaming", action="store_true", help="stream an hf: dataset (no full download)")
+    g.add_argument("--text-column", help="column of .jsonl/.parquet/.arrow/hf data (default: text)")
+    g.add_argument("--data-split", help="split of an hf: dataset (default: train)")
+    g.add_argument("--streaming", action=argparse.BooleanOptionalAction,
+                   help="stream an hf: dataset (no full download; default: no)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,19 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a model on a data source")
-    t.add_argument("--preset", help="model preset (phaseloop params --all lists them); default rope-small")
+    t.add_argument("--config", metavar="FILE", help="a TOML file of [model], [train] and [data] settings "
+                   "(--print-config writes one); flags override it")
+    t.add_argument("--print-config", action="store_true", help="print the resolved configuration as "
+                   "TOML (a --config file) and exit: nothing is trained, no data is read")
+    t.add_argument("--preset", help="model preset (phaseloop params --all lists them; default: the "
+                   "baseline's, rope-small); replaces a --config file's")
+    t.add_argument("--arch", help="an architecture at its own defaults instead of a preset "
+                   "(phaseloop archs lists the registered ones, plugins included)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
-    t.add_argument("--data", help="a file or folder (.txt, .jsonl, .parquet, .arrow, WikiText raw), "
-                   "stdlib (default), shakespeare, or hf:NAME[:CONFIG]")
-    _data_options(t)
     t.add_argument("--out", help="run folder (default runs/PRESET-TIMESTAMP)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
-    t.add_argument("--compile", action="store_true", help="torch.compile the model")
-    t.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
-    for flag, field, typ, hlp in C.TRAIN_OPTS:
-        t.add_argument(flag, dest=field, type=typ, default=None, help=hlp)
+    _data_options(t)
+    add_train_flags(t)
     t.set_defaults(func=C.cmd_train)
 
     e = on_a_run(sub, "eval", "validation loss / perplexity / bits per byte of a run", C.cmd_eval,
@@ -87,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cache", action="store_true", help="recompute the full prefix every token")
 
     c = sub.add_parser("params", help="parameter and FLOP counts of a preset (no weights allocated)")
-    c.add_argument("--preset", help="preset name (default rope-small)")
+    c.add_argument("--preset", help="preset name (default: the baseline's, rope-small)")
     c.add_argument("--all", action="store_true", help="every preset")
     c.add_argument("--set", action="append", metavar="KEY=VALUE")
     c.add_argument("--seq-len", type=int, help="sequence length for FLOPs (default: the preset's)")
@@ -110,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("recipe", nargs="?", help="recipe .toml/.json (see recipes/) or a built-in name; default quick")
     m.add_argument("--out", help="comparison folder (default runs/compare-NAME); rerun to resume")
     m.add_argument("--variants", nargs="+", metavar="VARIANT",
-                   help="recipe variant names or specs, e.g. rope 'three_phase N=1' universal+act")
+                   help="recipe variant names or specs: ARCH[+MODIFIER] [KEY=VALUE ...] or a preset "
+                   "(phaseloop archs lists architectures and modifiers)")
     m.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1")
     m.add_argument("--steps", type=int, help="optimizer steps per run")
     m.add_argument("--data", help="a file or folder, stdlib | shakespeare | hf:NAME[:CONFIG]")

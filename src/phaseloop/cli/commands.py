@@ -12,39 +12,15 @@ import time
 from pathlib import Path
 
 from .. import compare, plots, registry
-from ..checkpoint import load_run, read_json, write_json
+from ..checkpoint import load_run, write_json
 from ..config import ModelConfig
 from ..checkpoint import run_folder, run_tokenizer
-from ..data import corpus_args, eval_windows, load_corpus, run_corpus
-from ..engine import TrainConfig, dist, resolve_device
+from ..data import eval_windows, load_corpus, run_corpus
+from ..engine import dist, resolve_device
 from ..errors import PhaseloopError
-from ..train import check_seq_len, evaluate, fit_vocab, train
-
-# train options: (flag, TrainConfig field, type, help)
-TRAIN_OPTS = [
-    ("--steps", "steps", int, "optimizer steps"),
-    ("--batch-size", "batch_size", int, "sequences per micro-batch"),
-    ("--grad-accum", "grad_accum", int, "micro-batches per step"),
-    ("--seq-len", "seq_len", int, "training window (default: the model's max_seq_len)"),
-    ("--lr", "lr", float, "peak learning rate"),
-    ("--min-lr-ratio", "min_lr_ratio", float, "cosine floor as a fraction of lr"),
-    ("--warmup", "warmup_steps", int, "linear warmup steps"),
-    ("--weight-decay", "weight_decay", float, "AdamW weight decay (on what --decay names)"),
-    ("--decay", "decay", str, "matrices (default: dim >= 2 only) | all (every parameter, as the 3PT author)"),
-    ("--loss-ignore-id", "loss_ignore_id", int, "leave targets equal to this id (e.g. the pad id) out of the loss"),
-    ("--grad-clip", "grad_clip", float, "gradient-norm clip"),
-    ("--seed", "seed", int, "random seed"),
-    ("--eval-every", "eval_every", int, "steps between evaluations"),
-    ("--eval-windows", "eval_windows", int, "validation windows per evaluation"),
-    ("--ckpt-every", "ckpt_every", int, "steps between checkpoints"),
-    ("--log-every", "log_every", int, "steps between metric records"),
-    ("--val-fraction", "val_fraction", float, "fraction of tokens held out"),
-    ("--device", "device", str, "auto | cpu | cuda[:N]"),
-    ("--parallel", "parallel", str, "under torchrun: ddp (default) or fsdp (FSDP2, sharded per block)"),
-    ("--peak-tflops", "peak_tflops", float, "peak TFLOP/s of one device, for MFU (default: known GPUs)"),
-    ("--skip-nonfinite", "skip_nonfinite", int, "skip up to K steps whose loss or gradient is "
-     "NaN/inf (not applied) before stopping; default 0: stop at the first"),
-]
+from ..train import check_seq_len, evaluate
+from ..runconfig import resolve_run, train_run
+from . import trainflags
 
 
 def parse_overrides(items: list[str] | None) -> dict:
@@ -68,31 +44,19 @@ def _stderr(msg: str) -> None:
 
 # ---------------------------------------------------------------------------- LM runs
 def cmd_train(args) -> int:
-    out = args.out or f"runs/{args.preset or 'rope-small'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    saved = read_json(Path(out) / "config.json") if args.resume and (Path(out) / "config.json").exists() else None
-    overrides = parse_overrides(args.set)
-    if saved is not None and args.preset is None:
-        model_cfg = ModelConfig.from_dict({**saved["model"], **overrides})
-    else:
-        model_cfg = ModelConfig.from_preset(args.preset or "rope-small", **overrides)
-    explicit = {field: getattr(args, field) for _, field, _, _ in TRAIN_OPTS if getattr(args, field) is not None}
-    if args.compile:
-        explicit["compile"] = True
-    if args.checkpoint_activations:
-        explicit["checkpoint_activations"] = True
-    tc = TrainConfig.from_dict({**(saved["train"] if saved else {}), **explicit})
-    if saved is not None:  # the run's data and its copy of the tokenizer, unless given again
-        largs = {**corpus_args(saved["data"]), **({"spec": args.data} if args.data else {})}
-        tok = args.tokenizer or run_tokenizer(out, saved)
-    else:
-        largs = dict(spec=args.data or "stdlib", text_column=args.text_column, split=args.data_split,
-                     streaming=args.streaming)
-        tok = args.tokenizer or "bytes"
-    with dist.main_first():  # rank 0 builds the token store, the others then read it
-        corpus = load_corpus(tokenizer=tok, progress=not args.quiet and dist.world().main, **largs)
-    model_cfg = fit_vocab(model_cfg, corpus.tokenizer, explicit=saved is not None or "vocab_size" in overrides,
-                          log=_stderr)
-    summary = train(model_cfg, tc, corpus, out, resume=args.resume, progress=not args.quiet, log=_stderr)
+    """Resolve the run once (preset or file, flags over it, a resumed run's settings), then
+    print it (--print-config) or train it."""
+    data = {k: v for k, v in (("source", args.data), ("tokenizer", args.tokenizer),
+                              ("text_column", args.text_column), ("split", args.data_split),
+                              ("streaming", args.streaming)) if v is not None}
+    spec = resolve_run(args.config, preset=args.preset, arch=args.arch, model=parse_overrides(args.set),
+                       train=trainflags.given(args), data=data, out=args.out, resume=args.resume)
+    if args.print_config:
+        for note in spec.notes:
+            _stderr(note)
+        sys.stdout.write(spec.to_toml())
+        return 0
+    summary = train_run(spec, progress=not args.quiet, log=_stderr)
     print(json.dumps({k: summary[k] for k in ("run", "step", "params", "val_loss", "val_bpb",
                                               "val_ppl", "tok_per_s") if k in summary}, indent=2))
     return 0
@@ -155,7 +119,7 @@ def cmd_params(args) -> int:
     if args.built:
         raise PhaseloopError(f"--built applies to the encoder-decoder presets ({', '.join(acc.PRESETS)}); "
                              "a decoder-only preset is always counted from its built model")
-    names = list(PRESETS) if args.all else [args.preset or "rope-small"]
+    names = list(PRESETS) if args.all else [args.preset or registry.default_preset()]
     rows = [count_params(ModelConfig.from_preset(n, **parse_overrides(args.set)), args.seq_len)
             | {"preset": n} for n in names]
     if args.json:

@@ -1,54 +1,88 @@
-"""The engine's one configuration: optimiser, schedule, loop and checkpoint settings."""
+"""The engine's one configuration: optimiser, schedule, loop and checkpoint settings.
+
+Each field carries its one line of help (and, for the enumerated strings, its choices)
+in its metadata: ``phaseloop train``'s flags and ``--help`` are generated from them
+(``cli.trainflags``), so a new field is a new flag."""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..validation import check_ints, check_types, strict_from_dict
 
 
+def _f(default, help: str, choices=None):
+    """A field with its help; ``choices``: a tuple, or a function returning one (a registry)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def _optimizers() -> tuple[str, ...]:
+    from .optim import OPTIMIZERS
+
+    return tuple(OPTIMIZERS)
+
+
+def _schedules() -> tuple[str, ...]:
+    from .optim import SCHEDULES
+
+    return tuple(SCHEDULES)
+
+
 @dataclass
 class TrainConfig:
     """Settings of one training run, whatever it trains (an LM on a corpus, a task model
-    on examples). AdamW with decoupled weight decay (on matrices; ``decay="all"``: on every
-    parameter), linear warmup then cosine to ``min_lr_ratio * lr``, gradient-norm
-    clipping, ``grad_accum`` micro-batches of ``batch_size`` per step. ``seq_len``,
-    ``eval_windows`` and ``val_fraction`` shape the windows of a corpus
-    (``phaseloop.train``); task runs leave them at their defaults."""
+    on examples). By default AdamW with decoupled weight decay (on matrices; ``decay="all"``:
+    on every parameter), linear warmup then cosine to ``min_lr_ratio * lr``, gradient-norm
+    clipping, ``grad_accum`` micro-batches of ``batch_size`` per step; ``optimizer`` and
+    ``schedule`` name others (``engine.optim``'s registries). ``seq_len``, ``eval_windows``
+    and ``val_fraction`` shape the windows of a corpus (``phaseloop.train``); task runs
+    leave them at their defaults."""
 
-    steps: int = 600
-    batch_size: int = 16
-    grad_accum: int = 1
-    seq_len: int | None = None  # None -> the model's max_seq_len
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
-    warmup_steps: int = 50
-    weight_decay: float = 0.1  # on the parameters ``decay`` names
-    decay: str = "matrices"  # matrices (dim >= 2) | all (every parameter: the 3PT author's AdamW)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 0
-    eval_every: int = 100
-    eval_windows: int = 32
-    ckpt_every: int = 100
-    log_every: int = 10
-    val_fraction: float = 0.1
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    compile: bool = False
-    skip_nonfinite: int = 0  # non-finite steps skipped before the run stops (not applied)
-    parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2 fully_shard per block, root last)
-    checkpoint_activations: bool = False  # recompute each block's activations in backward
-    peak_tflops: float | None = None  # per device, for MFU (default: known GPUs' bf16 peak)
-    # targets equal to this id are left out of the loss, like -100 (the 3PT author's
-    # CrossEntropyLoss(ignore_index=pad_id)); for (inputs, targets) batches of LM runs
-    loss_ignore_id: int | None = None
+    steps: int = _f(600, "optimizer steps")
+    batch_size: int = _f(16, "sequences per micro-batch")
+    grad_accum: int = _f(1, "micro-batches per step")
+    seq_len: int | None = _f(None, "training window (default: the model's max_seq_len)")
+    lr: float = _f(1e-3, "peak learning rate")
+    min_lr_ratio: float = _f(0.1, "the schedule's floor, as a fraction of lr")
+    warmup_steps: int = _f(50, "linear warmup steps")
+    schedule: str = _f("cosine", "cosine: warmup, then cosine to min_lr_ratio*lr; wsd: warmup, "
+                       "constant lr, then a 1-sqrt decay to min_lr_ratio*lr over the last "
+                       "decay_fraction of the steps", _schedules)
+    decay_fraction: float = _f(0.2, "wsd: fraction of the steps in the final decay")
+    optimizer: str = _f("adamw", "adamw: AdamW (beta1, beta2, decoupled weight decay)", _optimizers)
+    weight_decay: float = _f(0.1, "weight decay (on the parameters --decay names)")
+    decay: str = _f("matrices", "weight decay on: matrices (dim >= 2 only) or all (every parameter: "
+                    "norm gains and 3PT angles too, as the 3PT author)", ("matrices", "all"))
+    beta1: float = _f(0.9, "Adam's first-moment decay")
+    beta2: float = _f(0.95, "Adam's second-moment decay")
+    grad_clip: float = _f(1.0, "gradient-norm clip")
+    seed: int = _f(0, "random seed")
+    eval_every: int = _f(100, "steps between evaluations")
+    eval_windows: int = _f(32, "validation windows per evaluation")
+    ckpt_every: int = _f(100, "steps between checkpoints")
+    log_every: int = _f(10, "steps between metric records")
+    val_fraction: float = _f(0.1, "fraction of tokens held out")
+    device: str = _f("auto", "auto | cpu | cuda[:N]")
+    compile: bool = _f(False, "torch.compile the model")
+    skip_nonfinite: int = _f(0, "skip up to K steps whose loss or gradient is NaN/inf (not applied) "
+                             "before stopping; 0: stop at the first")
+    parallel: str = _f("ddp", "under torchrun: ddp, or fsdp (FSDP2 fully_shard per block, root last)",
+                       ("ddp", "fsdp"))
+    checkpoint_activations: bool = _f(False, "recompute each block's activations in backward "
+                                      "(less memory, ~1/3 more compute)")
+    peak_tflops: float | None = _f(None, "peak TFLOP/s of one device, for MFU (default: known GPUs' bf16 peak)")
+    # the 3PT author's CrossEntropyLoss(ignore_index=pad_id); (inputs, targets) batches of LM runs
+    loss_ignore_id: int | None = _f(None, "leave targets equal to this id (e.g. the pad id) out of the loss")
 
     def __post_init__(self) -> None:
         what = "train config"
         check_types(self, what)
+        for name, tp in typing.get_type_hints(TrainConfig).items():  # 1 -> 1.0: one spelling on disk
+            if tp in (float, float | None) and isinstance(getattr(self, name), int):
+                setattr(self, name, float(getattr(self, name)))
         check_ints(self, ("steps", "batch_size", "grad_accum", "eval_every", "eval_windows",
                           "ckpt_every", "log_every"), what)
         check_ints(self, ("seq_len",), what, optional=True)
@@ -56,7 +90,7 @@ class TrainConfig:
         check_ints(self, ("warmup_steps", "seed", "skip_nonfinite"), what, minimum=0)
         if not self.lr > 0:
             raise ConfigError(f"invalid train config: lr={self.lr!r}: must be > 0")
-        for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2"):
+        for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2", "decay_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"invalid train config: {name}={getattr(self, name)!r}: must be in [0, 1]")
         if not 0 < self.val_fraction < 1:
@@ -65,11 +99,14 @@ class TrainConfig:
             raise ConfigError(f"invalid train config: grad_clip={self.grad_clip!r}: must be > 0")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"invalid train config: peak_tflops={self.peak_tflops!r}: must be > 0")
-        if self.decay not in ("matrices", "all"):
-            raise ConfigError(f"invalid train config: decay={self.decay!r}: choose matrices (weight decay "
-                              "on dim >= 2 only) or all (every parameter, norm gains and 3PT angles too)")
-        if self.parallel not in ("ddp", "fsdp"):
-            raise ConfigError(f"invalid train config: parallel={self.parallel!r}: choose ddp or fsdp")
+        for f in dataclasses.fields(self):
+            allowed = choices(f.name)
+            if allowed is not None and getattr(self, f.name) not in allowed:
+                raise ConfigError(f"invalid train config: {f.name}={getattr(self, f.name)!r}: choose "
+                                  f"{_one_of(allowed)} ({f.metadata['help']})")
+        if self.schedule == "cosine" and self.decay_fraction != 0.2:
+            raise ConfigError(f"invalid train config: decay_fraction={self.decay_fraction!r}: has no effect "
+                              f"with schedule={self.schedule!r}; drop it or set schedule=wsd (--schedule wsd)")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError(f"invalid train config: device={self.device!r}: use auto, cpu or cuda[:N]")
 
@@ -82,3 +119,13 @@ class TrainConfig:
 
     def replace(self, **overrides) -> "TrainConfig":
         return TrainConfig.from_dict({**self.to_dict(), **overrides})
+
+
+def _one_of(names) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def choices(name: str) -> tuple[str, ...] | None:
+    """The values a TrainConfig field may take (None: not an enumerated field)."""
+    c = TrainConfig.__dataclass_fields__[name].metadata.get("choices")
+    return c() if callable(c) else c

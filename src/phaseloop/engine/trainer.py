@@ -69,13 +69,15 @@ def ignore_targets(batch, ignore_id: int | None):
 
 
 class Trainer:
-    """Train ``build()``'s model on ``batches`` for ``tc.steps`` optimiser steps.
+    """Train ``build()``'s model on ``batches`` for ``tc.steps`` optimiser steps:
+    ``Trainer(...)`` holds the parts, ``setup()`` builds the model, optimiser and state
+    (resuming a checkpoint), ``fit()`` runs (setting up first if needed).
 
-    Each step: lr from the schedule, ``grad_accum`` micro-batches (loss / grad_accum
+    Each step: lr from ``tc.schedule``, ``grad_accum`` micro-batches (loss / grad_accum
     backpropagated under autocast; targets equal to ``tc.loss_ignore_id`` left out),
-    gradient clipping, AdamW. Every ``log_every`` steps a record (loss = mean
-    cross-entropy of the step's micro-batches, aux losses, lr, grad norm, tokens,
-    tokens/s, training time) goes to ``records``, the run's metrics.jsonl and
+    gradient clipping, a step of ``tc.optimizer``. Every ``log_every`` steps a record
+    (loss = mean cross-entropy of the step's micro-batches, aux losses, lr, grad norm,
+    tokens, tokens/s, training time) goes to ``records``, the run's metrics.jsonl and
     ``on_step(step, record)``; every ``eval_every`` steps ``evaluate(model)``'s dict
     is logged; every ``ckpt_every`` steps (and at the end) a checkpoint is written. With
     ``run`` None nothing is written (an in-memory run).
@@ -90,24 +92,39 @@ class Trainer:
                  run: RunFolder | None = None, progress: bool = False, desc: str = "train",
                  on_step: Callable[[int, dict], None] | None = None,
                  flops_per_token: float | None = None):
-        self.tc, self.batches, self.loss_fn, self.evaluate = tc, batches, loss_fn, evaluate
+        """Store what the run is made of; nothing is built or written until ``setup``."""
+        self.build, self.tc, self.batches, self.loss_fn, self.evaluate = build, tc, batches, loss_fn, evaluate
         self.flops_per_token = flops_per_token  # forward, for MFU
         self.run, self.progress, self.desc, self.on_step = run, progress, desc, on_step
         self.world = dist.world()
         self.device = resolve_device(dist.local_device(tc.device, self.world))
-        with torch.device("meta"):  # refuse what cannot fit before allocating it
-            check_memory(build(), self.device, 16, "training")
-        if run is not None:
-            run.check()
-        torch.manual_seed(tc.seed)  # the same initial weights on every rank
-        self.model = build().to(self.device)
-        if self.world.rank > 0:  # dropout masks differ between ranks
-            self._seed_rank(0)
         self.step, self.elapsed, self.tokens, self.skipped = 0, 0.0, 0, 0
         self.saved: int | None = None  # step of the checkpoint on disk
         self.ran = 0  # steps run by this process (0 when resuming a finished run)
         self.records: list[dict] = []
         self.last_eval: dict = {}
+        self._ready = False
+
+    def __getattr__(self, name: str):  # only called for attributes not set yet
+        if name in ("model", "fwd", "optimizer", "peak"):
+            raise AttributeError(f"Trainer.{name} exists once setup() has run (fit() runs it)")
+        raise AttributeError(name)
+
+    def setup(self) -> "Trainer":
+        """Build the model (seeded, checked against the device's memory first), place and
+        parallelise it, make the optimiser, restore a checkpoint being resumed and start
+        the run folder. Runs once; ``fit`` calls it."""
+        if self._ready:
+            return self
+        tc, run = self.tc, self.run
+        with torch.device("meta"):  # refuse what cannot fit before allocating it
+            check_memory(self.build(), self.device, 16, "training")
+        if run is not None:
+            run.check()
+        torch.manual_seed(tc.seed)  # the same initial weights on every rank
+        self.model = self.build().to(self.device)
+        if self.world.rank > 0:  # dropout masks differ between ranks
+            self._seed_rank(0)
         ckpt = run.checkpoint if run is not None else None
         restored = self._restore_model(ckpt) if ckpt is not None else None
         if tc.checkpoint_activations:  # before FSDP2 wraps the blocks, as torchtitan does
@@ -120,6 +137,8 @@ class Trainer:
         if run is not None and self.world.main:
             run.start(self.step)
         dist.barrier()
+        self._ready = True
+        return self
 
     @property
     def writes(self) -> bool:
@@ -231,6 +250,7 @@ class Trainer:
     def fit(self, stop_after: int | None = None) -> dict:
         """Run to ``tc.steps`` (or ``stop_after`` more steps, leaving the run unfinished:
         used to test interruption); returns the summary (also summary.json when done)."""
+        self.setup()
         tc = self.tc
         fwd = torch.compile(self.fwd) if tc.compile else self.fwd
         bar = None

@@ -1,0 +1,55 @@
+"""``phaseloop train``'s training flags, generated from ``TrainConfig``'s fields (their
+help and choices are in the fields' metadata): every field is ``--its-name`` in kebab
+case, plus the spellings of earlier versions in ``ALIASES``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from ..engine import TrainConfig
+from ..engine.config import choices
+
+# spellings kept from before the flags were generated
+ALIASES = {"warmup_steps": ("--warmup",)}
+
+
+def flags(name: str) -> tuple[str, ...]:
+    """The flags of a TrainConfig field, the old spelling first (it names the field in --help)."""
+    return (*ALIASES.get(name, ()), "--" + name.replace("_", "-"))
+
+
+def _base(tp) -> type:
+    """int for ``int | None``, and so on."""
+    opts = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    return next(t for t in opts if t is not type(None))
+
+
+def _show(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field, default None (= not given: the file, a resumed run
+    or the field's default decides); booleans get --no-NAME too."""
+    group = parser.add_argument_group("training (TrainConfig fields; a config file's [train])")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        tp = _base(hints[f.name])
+        hlp = f.metadata["help"] + ("" if f.default is None else f" (default: {_show(f.default)})")
+        kw = {"dest": f.name, "default": None, "help": hlp.replace("%", "%%")}
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = tp
+            if choices(f.name) is not None:
+                kw["choices"] = choices(f.name)
+        group.add_argument(*flags(f.name), **kw)
+
+
+def given(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields given on the command line."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+            if getattr(args, f.name, None) is not None}
