@@ -185,6 +185,44 @@ def test_kv_cache_equals_full_forward(preset):
 
 
 @pytest.mark.parametrize("preset", TINY)
+def test_cache_holds_the_declared_slots(preset):
+    """A cached forward writes the slots the trunk declares (Trunk.cache_slots): all of
+    them, or a subset where the depth depends on the input (ACT's early exit)."""
+    m = build_model(_config(preset)).eval()
+    cache = KVCache()
+    m(torch.randint(0, 256, (2, 8)), cache=cache)
+    written, declared = set(cache.entries), set(m.trunk.cache_slots())
+    assert written and written <= declared, written - declared
+    if not m.cfg.act:
+        assert written == declared
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_trunk_interface(preset):
+    """Every trunk declares its depth and distinct blocks; set_depth works where
+    dynamic_depth says so (and changes the output) and is refused by name elsewhere."""
+    from phaseloop.layers import Block
+    from phaseloop.trunk import Trunk
+
+    m = build_model(_config(preset)).eval()
+    trunk = m.trunk
+    assert isinstance(trunk, Trunk)
+    blocks = trunk.blocks()
+    assert blocks and all(isinstance(b, Block) for b in blocks) and len({id(b) for b in blocks}) == len(blocks)
+    assert trunk.depth >= len(blocks)  # each block applied at least once
+    idx = torch.randint(0, 256, (1, 6))
+    if trunk.dynamic_depth:
+        before = m(idx).logits
+        trunk.set_depth(trunk.depth + 2)
+        # (under ACT, positions that halted earlier ignore further steps: no change to check)
+        assert m.cfg.act or not torch.allclose(m(idx).logits, before)
+    else:
+        with pytest.raises(ConfigError, match="fixed depth"):
+            trunk.set_depth(2)
+        trunk.fix_depth()  # FSDP2's request: a no-op here
+
+
+@pytest.mark.parametrize("preset", TINY)
 def test_cached_generation_equals_uncached(preset):
     m = build_model(_config(preset))
     idx = torch.randint(0, 256, (1, 5))

@@ -199,8 +199,9 @@ class UniversalTrunk(Trunk):
     def fix_depth(self) -> None:
         self.early_exit = False  # every step runs; halted positions keep weight 0 (same output)
 
-    def cache_slots(self) -> list:
-        return [("ut", t) for t in range(self.steps)]
+    def cache_slots(self) -> list:  # ACT also keeps the pending step inputs ("ut_in", t)
+        pending = [("ut_in", t) for t in range(1, self.steps + 1)] if self.halting is not None else []
+        return [("ut", t) for t in range(self.steps)] + pending
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context, steps: int | None = None) -> torch.Tensor:
         steps = self.steps if steps is None else steps
