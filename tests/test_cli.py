@@ -107,3 +107,16 @@ def test_module_entry_point_exit_code(tmp_path):
     r = subprocess.run([sys.executable, "-m", "phaseloop", "eval", str(tmp_path / "missing")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_archs_lists_every_registered_architecture(capsys):
+    from phaseloop import registry
+
+    assert main(["archs", "--json"]) == 0
+    rows = {r["arch"]: r for r in json.loads(capsys.readouterr().out)}
+    assert list(rows) == registry.arch_names()
+    assert rows["looped"]["layers"] == {"n_unique_layers": registry.get_arch("looped").layers}
+    assert "UniversalOptions" in rows["universal"]["options"] and rows["universal"]["defaults"] == {"n_layers": 1}
+    assert "3pt-tiny" in rows["three_phase"]["presets"]
+    assert main(["archs"]) == 0
+    assert "n_unique_layers: unique layers" in capsys.readouterr().out

@@ -79,7 +79,8 @@ def test_every_registered_arch_builds_from_its_defaults(arch):
     assert model.trunk.depth >= 1 and model.trunk.blocks()
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     groups = registry.groups_of(registry.get_arch(arch))
-    want = [f.name for f in dataclasses.fields(ModelConfig)] + [
+    layers = registry.get_arch(arch).layers_name  # n_layers under the arch's own name for it
+    want = [layers if f.name == "n_layers" else f.name for f in dataclasses.fields(ModelConfig)] + [
         f.name for g in groups for f in dataclasses.fields(g)]
     assert list(cfg.to_dict()) == want
 

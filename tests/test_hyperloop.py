@@ -455,7 +455,9 @@ def test_composes_with_three_phase_structure():
 @pytest.mark.parametrize("over,field", [
     (dict(arch="rope", n_loops=4), "n_loops"),
     (dict(arch="rope", n_streams=8), "n_streams"),
-    (dict(arch="looped", n_layers=4, n_begin=2, n_end=2), "n_layers"),
+    (dict(arch="looped", n_layers=4, n_begin=2, n_end=2), "n_unique_layers"),  # its name there
+    (dict(arch="looped", n_unique_layers=4, n_begin=2, n_end=2), "n_unique_layers"),
+    (dict(arch="rope", n_unique_layers=4), "n_unique_layers"),  # the looped archs' name
     (dict(arch="hyperloop", hc_res="full"), "hc_res"),
     (dict(arch="hyperloop", n_streams=1), "n_streams"),
     (dict(arch="hyperloop", hc_transition="pooled_mlp", hc_res="sinkhorn"), "hc_transition"),
@@ -472,6 +474,11 @@ def test_config_errors_name_the_field(over, field):
 
 def test_default_split():
     assert ModelConfig(arch="looped", n_layers=8).loop_split == (2, 4, 2)
+    # looped archs write their layer count as n_unique_layers; n_layers (earlier versions) loads
+    cfg = ModelConfig(arch="hyperloop", n_unique_layers=8)
+    assert cfg.n_layers == cfg.n_unique_layers == 8 and cfg == ModelConfig(arch="hyperloop", n_layers=8)
+    assert "n_unique_layers" in cfg.to_dict() and "n_layers" not in cfg.to_dict()
+    assert cfg.replace(n_layers=4).loop_split == (1, 2, 1) == cfg.replace(n_unique_layers=4).loop_split
     assert ModelConfig(arch="looped", n_layers=2).loop_split == (0, 2, 0)
     assert ModelConfig(arch="hyperloop").hc_res_form == "diagonal"
     assert ModelConfig(arch="mhc").hc_res_form == "sinkhorn"

@@ -58,6 +58,11 @@ def test_every_command_takes_the_plugin(env, tmp_path, data_dir):
     assert json.loads(r.stdout)["val_loss"] > 0
     r = phaseloop(env, "generate", run, "--prompt", "the", "--max-new-tokens", "5", "--temperature", "0")
     assert r.returncode == 0 and r.stdout.startswith("the"), r.stderr
+    r = phaseloop(env, "archs", "--json")
+    listed = {row["arch"]: row for row in json.loads(r.stdout)}
+    assert listed["parallel"]["options"] == {"ParallelOptions": ["sequential_layers"]} | {
+        k: v for k, v in listed["rope"]["options"].items()}  # its own group beside the composable ones
+    assert listed["parallel"]["presets"] == ["parallel-tiny", "parallel-small"]
     r = phaseloop(env, "params", "--preset", "parallel-small", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["arch"] == "parallel", r.stderr
     # compare: the arch and its alias in a recipe, at the plugin's own "-tiny" presets

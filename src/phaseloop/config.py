@@ -44,7 +44,8 @@ class ModelConfig:
     arch: str = None  # type: ignore[assignment]  # None -> registry.default_arch()
     vocab_size: int = 256
     d_model: int = 128
-    n_layers: int = 4  # what it counts is the architecture's (ArchSpec.layers, `phaseloop archs`)
+    n_layers: int = 4  # what it counts is the architecture's: ArchSpec.layers, and its name
+    # in config.json / --set is ArchSpec.layers_name (looped archs: n_unique_layers)
     n_heads: int = 4
     n_kv_heads: int | None = None  # None -> n_heads (plain multi-head attention)
     d_ff: int | None = None  # None -> 8/3 * d_model rounded up to 32 (SwiGLU); 4 * d_model (relu)
@@ -67,13 +68,14 @@ class ModelConfig:
         if arch is not None and not isinstance(arch, str):
             _fail("arch", arch, "must be a string naming a registered architecture")
         spec = registry.get_arch(registry.default_arch() if arch is None else arch)
+        kw = _layers_by_name(spec, kw)
         groups = registry.groups_of(spec)
         core = _defaults(ModelConfig)
         own = {name: g for g in groups for name in _defaults(g)}
         foreign = {name: g for g in registry.all_groups() if g not in groups for name in _defaults(g)}
         unknown = sorted(set(kw) - set(core) - set(own) - set(foreign))
         if unknown:
-            known = sorted([*core, *own, *foreign])
+            known = sorted([*core, *own, *foreign, *registry.layer_names()])
             close = difflib.get_close_matches(unknown[0], known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"invalid config: unknown field(s) {', '.join(unknown)}{hint}; "
@@ -106,6 +108,8 @@ class ModelConfig:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
+        if name == self.spec.layers_name:  # e.g. cfg.n_unique_layers of a looped arch
+            return self.n_layers
         for inst in self.__dict__.get("_groups", {}).values():
             if name in inst.__dataclass_fields__ or hasattr(type(inst), name):
                 return getattr(inst, name)
@@ -132,7 +136,7 @@ class ModelConfig:
         return f"ModelConfig({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
     def __getstate__(self) -> dict:  # copy / pickle: the explicit fields, derived again
-        return {k: v for k, v in self.to_dict().items() if k in self._given or k == "arch"}
+        return self._explicit()
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
@@ -143,8 +147,10 @@ class ModelConfig:
 
     @classmethod
     def field_names(cls, load: bool = True) -> list[str]:
-        """Every field a config can hold: the core, then every registered option group's."""
-        return [*_defaults(cls), *(n for g in registry.all_groups(load) for n in _defaults(g))]
+        """Every field a config can hold: the core, then every registered option group's (and
+        the architectures' own names of n_layers)."""
+        return [*_defaults(cls), *(n for g in registry.all_groups(load) for n in _defaults(g)),
+                *registry.layer_names(load)]
 
     @classmethod
     def default_of(cls, name: str) -> Any:
@@ -187,8 +193,10 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def to_dict(self) -> dict:
-        """Flat: the core fields, then the fields of the option groups this arch carries."""
-        d = {f.name: getattr(self, f.name) for f in fields(ModelConfig)}
+        """Flat: the core fields (n_layers under the arch's name for it), then the fields of
+        the option groups this arch carries."""
+        name = self.spec.layers_name
+        d = {(name if f.name == "n_layers" else f.name): getattr(self, f.name) for f in fields(ModelConfig)}
         for inst in self._groups.values():
             d.update(dataclasses.asdict(inst))
         return d
@@ -202,8 +210,17 @@ class ModelConfig:
     def replace(self, **overrides) -> "ModelConfig":
         """The config built from this one's explicit fields plus ``overrides``: values that
         were derived (d_ff, n_kv_heads, the architecture's defaults) are derived again."""
-        d = {k: v for k, v in self.to_dict().items() if k in self._given or k == "arch"}
+        d = self._explicit()
+        if {"n_layers", *registry.layer_names()} & set(overrides):  # the count under either name
+            d.pop("n_layers", None)
         return ModelConfig(**{**d, **overrides})
+
+    def _explicit(self) -> dict:
+        """The fields given explicitly (core names), from which the rest is derived."""
+        d = {f.name: getattr(self, f.name) for f in fields(ModelConfig)}
+        for inst in self._groups.values():
+            d.update(dataclasses.asdict(inst))
+        return {k: v for k, v in d.items() if k in self._given or k == "arch"}
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":
@@ -213,6 +230,23 @@ class ModelConfig:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"unknown preset {name!r}{hint}; available: {', '.join(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
+
+
+def _layers_by_name(spec, kw: dict) -> dict:
+    """n_layers given under the arch's own name for it (``ArchSpec.layers_name``), which
+    must then not disagree with an n_layers given too; another arch's name is refused."""
+    kw = dict(kw)
+    for name, archs in registry.layer_names().items():
+        if name not in kw:
+            continue
+        if name != spec.layers_name:
+            _fail(name, kw[name], f"is the layer count of {', '.join(archs)}; arch={spec.name!r} "
+                  f"counts {spec.layers} as {spec.layers_name}")
+        value = kw.pop(name)
+        if kw.get("n_layers", value) != value:
+            _fail(name, value, f"and n_layers={kw['n_layers']!r} name the same count; give one")
+        kw["n_layers"] = value
+    return kw
 
 
 # name -> ModelConfig fields; each architecture adds its own (ArchSpec.presets)

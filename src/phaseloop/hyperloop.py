@@ -33,10 +33,11 @@ from .validation import check_ints
 # ---------------------------------------------------------------------------- options
 @dataclass
 class LoopOptions:
-    """Looped trunks (Hyperloop §2): n_layers counts *unique* layers, begin + middle + end."""
+    """Looped trunks (Hyperloop §2): n_unique_layers (ModelConfig.n_layers) counts *unique*
+    layers, begin + middle + end."""
 
-    n_begin: int | None = None  # layers before the loop (None -> n_layers // 4)
-    n_end: int | None = None  # layers after the loop (None -> n_layers // 4); middle = the rest
+    n_begin: int | None = None  # layers before the loop (None -> n_unique_layers // 4)
+    n_end: int | None = None  # layers after the loop (None -> n_unique_layers // 4); middle = the rest
     n_loops: int = 3  # L, applications of the shared middle block
 
     @property
@@ -52,8 +53,8 @@ class LoopOptions:
         check_ints(self, ("n_loops",), "config")
         b, m, e = self.loop_split
         if m < 1:
-            fail("n_layers", cfg.n_layers, f"leaves no middle layer after n_begin={b} and "
-                 f"n_end={e}; raise n_layers or lower n_begin/n_end")
+            fail("n_unique_layers", cfg.n_layers, f"leaves no middle layer after n_begin={b} and "
+                 f"n_end={e}; raise n_unique_layers or lower n_begin/n_end")
 
 
 @dataclass
@@ -288,7 +289,7 @@ _PRESETS = {
 }
 _PAPER = "Zeitoun, Torroba-Hennigen, Kim, Hyperloop Transformers, arXiv 2604.21254 (2026)"
 _LOOPED_LAYERS = ("unique layers n_begin + middle + n_end (the depth is n_begin + middle x n_loops "
-                  "+ n_end; n_begin, n_end default to n_layers // 4)")
+                  "+ n_end; n_begin, n_end default to n_unique_layers // 4)")
 
 
 def _shrink_looped(cfg: ModelConfig) -> dict:
@@ -296,9 +297,11 @@ def _shrink_looped(cfg: ModelConfig) -> dict:
 
 
 register_arch(ArchSpec(name="looped", trunk=Looped, options=(LoopOptions,), layers=_LOOPED_LAYERS,
+                       layers_name="n_unique_layers",
                        paper=_PAPER + " (its baseline)", shrink=_shrink_looped))
 register_arch(ArchSpec(name="hyperloop", trunk=Hyperloop,
                        options=(LoopOptions, HCOptions, HyperloopOptions), layers=_LOOPED_LAYERS,
+                       layers_name="n_unique_layers",
                        paper=_PAPER, shrink=_shrink_looped))
 register_arch(ArchSpec(name="mhc", trunk=MHC, options=(HCOptions,), defaults={"hc_res": "sinkhorn"},
                        paper="Xie et al., mHC, arXiv 2512.24880; Zhu et al., Hyper-Connections, ICLR 2025"))

@@ -34,7 +34,10 @@ class ArchSpec:
     options: tuple[type, ...] = ()  # option groups only this arch (and others listing them) use
     defaults: Mapping[str, Any] = field(default_factory=dict)  # field values this arch changes
     presets: Mapping[str, dict] = field(default_factory=dict)  # name -> fields (arch filled in)
-    layers: str = "n_layers distinct layers, applied once each"  # what n_layers counts
+    layers: str = "distinct layers, applied once each"  # what the layer count counts
+    # the name under which this arch's layer count (ModelConfig.n_layers) is written and
+    # read; "n_layers" is accepted too (what earlier versions wrote)
+    layers_name: str = "n_layers"
     paper: str = ""  # the citation, for listings
     # comparison recipes: other spellings of the arch, the "<prefix>-<scale>" preset names an
     # alias picks (default: the name), and "+modifier" -> field overrides
@@ -152,6 +155,15 @@ def default_preset() -> str:
 def groups_of(spec: ArchSpec) -> list[type]:
     """The option groups a config of this arch carries: the composable ones, then its own."""
     return [*COMPOSABLE, *(g for g in spec.options if g not in COMPOSABLE)]
+
+
+def layer_names(load: bool = True) -> dict[str, list[str]]:
+    """Each architecture-specific name of ModelConfig.n_layers -> the archs that use it."""
+    out: dict[str, list[str]] = {}
+    for s in (all_archs() if load else ARCHS.values()):
+        if s.layers_name != "n_layers":
+            out.setdefault(s.layers_name, []).append(s.name)
+    return out
 
 
 def all_groups(load: bool = True) -> list[type]:

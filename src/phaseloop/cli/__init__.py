@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(--print-config writes one); flags override it")
     t.add_argument("--print-config", action="store_true", help="print the resolved configuration as "
                    "TOML (a --config file) and exit: nothing is trained, no data is read")
-    t.add_argument("--preset", help="model preset (phaseloop params --all lists them; default: the "
-                   "baseline's, rope-small); replaces a --config file's")
+    t.add_argument("--preset", help="model preset (phaseloop params --all lists them; default "
+                   f"{registry.default_preset()}); replaces a --config file's")
     t.add_argument("--arch", help="an architecture at its own defaults instead of a preset "
                    "(phaseloop archs lists the registered ones, plugins included)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cache", action="store_true", help="recompute the full prefix every token")
 
     c = sub.add_parser("params", help="parameter and FLOP counts of a preset (no weights allocated)")
-    c.add_argument("--preset", help="preset name (default: the baseline's, rope-small)")
+    c.add_argument("--preset", help=f"preset name (default {registry.default_preset()})")
     c.add_argument("--all", action="store_true", help="every preset")
     c.add_argument("--set", action="append", metavar="KEY=VALUE")
     c.add_argument("--seq-len", type=int, help="sequence length for FLOPs (default: the preset's)")
@@ -158,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
             k.add_argument("--joint", action="store_true", help="one model on all tasks (default: one per task)")
             k.add_argument("--max-sentences", default="20", help="keep the last N story sentences, or all")
             k.add_argument("--n-test", type=int, help="score the first N test questions per task (default all)")
-        k.add_argument("--arch", help="any decoder arch (uses its -tiny preset), or transformer-seq2seq | "
-                       "universal-seq2seq")
+        k.add_argument("--arch", help="any decoder arch (uses its -tiny preset), or an encoder-decoder: "
+                       f"{' | '.join(registry.seq2seq_archs())}")
         k.add_argument("--preset", help="model preset (overrides the -tiny default)")
         k.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
         k.add_argument("--steps", type=int, help="optimizer steps (default 400)")

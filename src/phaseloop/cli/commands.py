@@ -256,7 +256,8 @@ def cmd_archs(args) -> int:
     for spec in registry.all_archs():
         groups = registry.groups_of(spec)
         rows.append({"arch": spec.name, "aliases": list(spec.aliases), "module": spec.trunk.__module__,
-                     "trunk": spec.trunk.__name__, "n_layers": spec.layers, "paper": spec.paper,
+                     "trunk": spec.trunk.__name__, "layers": {spec.layers_name: spec.layers},
+                     "paper": spec.paper,
                      "defaults": {k: v for k, v in spec.defaults.items()},
                      "options": {g.__name__: [f.name for f in dataclasses.fields(g)] for g in groups},
                      "modifiers": sorted(spec.modifiers), "seq2seq": spec.seq2seq_name,
@@ -267,16 +268,17 @@ def cmd_archs(args) -> int:
     for r in rows:
         alias = f" (also {', '.join(r['aliases'])})" if r["aliases"] else ""
         print(f"{r['arch']}{alias}: {r['trunk']} from {r['module']}")
-        print(f"  paper     {r['paper'] or '-'}")
-        print(f"  n_layers  {r['n_layers']}")
+        print(f"  paper: {r['paper'] or '-'}")
+        (name, what), = r["layers"].items()
+        print(f"  {name}: {what}")
         for g, names in r["options"].items():
             print(f"  {g}: {', '.join(names)}")
         if r["defaults"]:
-            print(f"  defaults  {', '.join(f'{k}={v!r}' for k, v in r['defaults'].items())}")
+            print(f"  defaults: {', '.join(f'{k}={v!r}' for k, v in r['defaults'].items())}")
         extra = [f"+{m}" for m in r["modifiers"]] + ([f"task --arch {r['seq2seq']}"] if r["seq2seq"] else [])
         if extra:
-            print(f"  recipes   {', '.join(extra)}")
-        print(f"  presets   {', '.join(r['presets']) or '-'}")
+            print(f"  recipes: {', '.join(extra)}")
+        print(f"  presets: {', '.join(r['presets']) or '-'}")
     return 0
 
 

@@ -4,7 +4,7 @@ report losses, speedups and whether each difference from the reference exceeds s
 A *recipe* (TOML or JSON; see ``QUICK_TOML`` and ``recipes/``) names the data, the
 variants, the seeds and the budget. A variant is a name plus a spec string::
 
-    BASE[+MODIFIER...] [KEY=VALUE ...]      e.g. "three_phase N=1", "universal+act"
+    BASE[+MODIFIER...] [KEY=VALUE ...]      e.g. "ARCH N=1", "ARCH+MODIFIER d_model=64"
 
 BASE is a registered architecture or one of its aliases (``ArchSpec.aliases``), resolved
 to its ``<prefix>-<scale>`` preset, or a preset name. MODIFIERs add overrides (each

@@ -8,6 +8,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +47,10 @@ def _suggest(word: str, options) -> str:
 KEY_ALIASES = {"N": "n_phases", "L": "n_layers", "D": "d_model"}
 
 
+def _example() -> str:
+    return registry.default_arch()
+
+
 def _parse_value(text: str):
     try:
         return json.loads(text)
@@ -55,10 +60,11 @@ def _parse_value(text: str):
 
 
 def parse_spec(spec: str) -> tuple[str, list[str], dict]:
-    """'three_phase+act N=3 lr=..' -> ('three_phase', ['act'], {'n_phases': 3})."""
+    """'ARCH+MOD N=3' -> ('ARCH', ['MOD'], {'n_phases': 3})."""
     tokens = str(spec).split()
     if not tokens:
-        raise RecipeError("empty variant spec; write e.g. 'rope' or 'three_phase N=3'")
+        raise RecipeError(f"empty variant spec; write e.g. {_example()!r} or '{_example()} d_model=64' "
+                          "(phaseloop archs lists the architectures)")
     base, *mods = tokens[0].split("+")
     overrides = {}
     for tok in tokens[1:]:
@@ -94,7 +100,7 @@ class Variant:
             raise RecipeError(f"{where}: a variant is a spec string or a table, got {item!r}")
         _check_keys(cls, item, where, "variant key")
         if "spec" not in item:
-            raise RecipeError(f"{where}: variant table needs spec = 'ARCH ...' (e.g. 'rope')")
+            raise RecipeError(f"{where}: variant table needs spec = 'ARCH ...' (e.g. {_example()!r})")
         if not isinstance(item.get("set", {}), dict):
             raise RecipeError(f"{where}: set must be a table of ModelConfig fields")
         v = cls(name=str(item.get("name", item["spec"])), spec=str(item["spec"]),
@@ -123,7 +129,7 @@ def resolve_variant(v: Variant, scale: str, vocab_size: int | None = None):
     if base in PRESETS:
         preset = base
     elif spec is not None:
-        # a preset for the composition (e.g. universal-act-small) beats base + overrides
+        # a preset for the composition (e.g. "<prefix>-act-small" for +act) beats base + overrides
         prefixes = tuple(dict.fromkeys((base, *spec.prefixes)))  # "transformer-small" first
         tags = [f"{p}-{'-'.join(mods)}-{scale}" for p in prefixes] if mods else []
         found = [n for n in tags + [f"{p}-{scale}" for p in prefixes] if n in PRESETS]
@@ -179,7 +185,7 @@ class Recipe:
     eval_tasks: list[str] = field(default_factory=list)
     eval_limit: int | None = None
     # what the paper reports for this comparison (free-form; printed in report.md beside
-    # the measured table), e.g. {source = "...", ppl = {rope = 17.31, "3pt N=3" = 16.06}}
+    # the measured table), e.g. {source = "...", ppl = {baseline = 17.31, "mine N=3" = 16.06}}
     paper: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -191,7 +197,7 @@ class Recipe:
         except ConfigError as e:
             raise RecipeError(str(e)) from None
         if not self.variants:
-            raise RecipeError("recipe has no variants; add e.g. variants = ['rope', 'three_phase']")
+            raise RecipeError(f"recipe has no variants; add e.g. variants = {registry.arch_names()[:2]!r}")
         names = [v.name for v in self.variants]
         for n in names:
             if names.count(n) > 1:
@@ -235,7 +241,7 @@ class Recipe:
                               "e.g. ['lambada_local', 'wikitext2_local']")
         if not isinstance(self.paper, dict):
             raise RecipeError("paper must be a table of the paper's numbers, e.g. "
-                              "paper = { source = \"arXiv ...\", ppl = { rope = 17.31 } }")
+                              "paper = { source = \"arXiv ...\", ppl = { VARIANT = 17.31 } }")
         if self.eval_limit is not None and (not isinstance(self.eval_limit, int) or self.eval_limit < 1):
             raise RecipeError(f"eval_limit={self.eval_limit!r}: must be a positive integer (examples per task)")
         if "seed" in self.train:
@@ -260,7 +266,7 @@ class Recipe:
             raise RecipeError(f"{source}: a recipe is a table of keys")
         _check_keys(cls, d, source, "key")
         if "variants" not in d:
-            raise RecipeError(f"{source}: no variants; add e.g. variants = ['rope', 'three_phase']")
+            raise RecipeError(f"{source}: no variants; add e.g. variants = {registry.arch_names()[:2]!r}")
         items = d["variants"]
         if not isinstance(items, list):
             raise RecipeError(f"{source}: variants must be a list")
@@ -268,36 +274,9 @@ class Recipe:
         return cls(**{**d, "variants": variants})
 
 
-# Built-in default: the README's main job (`phaseloop compare` with no recipe). Kept equal
-# to recipes/quick.toml by a test.
-QUICK_TOML = """\
-# The README's main job: the RoPE-only baseline vs the Three-Phase Transformer vs
-# Hyperloop, small byte-level models on the built-in corpus (the Python standard
-# library), equal steps and tokens, 3 seeds: about 15 minutes on 2 CPU cores.
-# Each variant runs in the regime its paper trains it in: RoPE and Hyperloop with
-# Llama-style N(0, 0.02) weights and embeddings (the Hyperloop paper's setting); 3PT with
-# the author's N(0, 1) embedding and PyTorch-default linear init. At 0.02 the 3PT horn
-# writes a DC value of 1.0 at position 0 into a stream of RMS ~0.02 and one seed lags by
-# 0.3 nats (docs/results_three_phase.md). The optimiser is shared (decay on matrices).
-name = "quick"
-description = "RoPE-only vs Three-Phase Transformer (N=3) vs Hyperloop, small byte-level models, each in its paper's regime"
-data = "stdlib"
-scale = "small"
-seeds = [0, 1, 2]
-reference = "rope"
-variants = ["rope", { name = "three_phase N=3", spec = "three_phase N=3", set = { embed_init_std = 1.0, init = "torch" } }, "hyperloop"]
-
-[train]
-steps = 300
-batch_size = 16
-seq_len = 128
-lr = 0.002
-warmup_steps = 25
-eval_every = 25
-eval_windows = 32
-ckpt_every = 50
-log_every = 5
-"""
+# Built-in default: the README's main job (`phaseloop compare` with no recipe), the file
+# quick.toml beside this one. Kept equal to recipes/quick.toml by a test.
+QUICK_TOML = (resources.files(__package__) / "quick.toml").read_text()  # package data
 BUILTIN_RECIPES = {"quick": QUICK_TOML}
 
 
