@@ -183,7 +183,8 @@ def test_jsonl_parquet_arrow_records_and_text_column(tmp_path):
 
     rows = [{"text": f"document number {i}\n", "id": i} for i in range(5)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    table = pa.table({"body": [r["text"] for r in rows], "id": [r["id"] for r in rows]})
+    table = pa.table({"body": [r["text"] for r in rows], "id": [r["id"] for r in rows],
+                      "title": [f"title {i}" for i in range(5)]})
     pq.write_table(table, tmp_path / "d.parquet")
     with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as fh, pa.ipc.new_file(fh, table.schema) as w:
         w.write_table(table)
@@ -196,7 +197,9 @@ def test_jsonl_parquet_arrow_records_and_text_column(tmp_path):
         with pytest.raises(DataError, match="no column 'text'.*body"):
             load_corpus(tmp_path / name)
     assert load_corpus(tmp_path / "d.parquet", text_column="body").fingerprint != \
-        load_corpus(tmp_path / "d.parquet", text_column="id").fingerprint
+        load_corpus(tmp_path / "d.parquet", text_column="title").fingerprint
+    with pytest.raises(DataError, match="record 1: 'id' is a number"):  # never read as its repr
+        load_corpus(tmp_path / "d.parquet", text_column="id")
 
 
 def test_wikitext_articles_are_documents_and_split_by_document(data_dir):

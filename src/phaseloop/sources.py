@@ -112,14 +112,38 @@ class Source:
         return d
 
     def documents(self, split_anywhere: bool = False) -> Iterator[Iterator[bytes]]:
+        """Every document, in order. Once they are all read, a source whose documents hold
+        no text (none at all, or only whitespace) is refused: every reader (the token store,
+        tokenizer training) gets the same check, at no extra pass over the data."""
+        seen = {"docs": 0, "bytes": 0, "text": False}
+
+        def watch(doc):
+            for piece in doc:
+                seen["bytes"] += len(piece)
+                if not seen["text"] and piece.strip():
+                    seen["text"] = True
+                yield piece
+
+        for doc in self._documents(split_anywhere):
+            seen["docs"] += 1
+            yield watch(doc)
+        if not seen["text"]:
+            what = (f"only whitespace ({seen['bytes']} bytes)" if seen["bytes"] else
+                    f"no text: its {seen['docs']} {'records are' if self.kind in ('records', 'hf') else 'documents are'} "
+                    "all empty" + (" or null" if self.kind in ("records", "hf") else ""))
+            raise DataError(f"data {self.name!r} holds {what}; pass --data with text"
+                            + (" (or another --text-column)" if self.kind in ("records", "hf") else ""))
+
+    def _documents(self, split_anywhere: bool) -> Iterator[Iterator[bytes]]:
         if self.kind == "hf":
-            for row in self.dataset:
-                yield iter(safe_pieces([_text(row, self.text_column, self.name).encode()], split_anywhere))
+            for i, row in enumerate(self.dataset, 1):
+                yield iter(safe_pieces([_text(row, self.text_column, f"{self.name}: row {i}").encode("utf-8", "replace")],
+                                       split_anywhere))
             return
         for f in self.files:
             if f.suffix in RECORD_SUFFIXES:
                 for text in _records(f, self.text_column):
-                    yield safe_pieces([text.encode()], split_anywhere)
+                    yield safe_pieces([text.encode("utf-8", "replace")], split_anywhere)
             elif _WIKITEXT.match(f.name):
                 yield from _articles(f, split_anywhere)
             else:
@@ -130,8 +154,22 @@ def _text(row: dict, col: str, where: str) -> str:
     if col not in row:
         raise DataError(f"{where}: no column {col!r} (columns: {', '.join(map(str, row))}); "
                         "pass --text-column with one of them")
-    v = row[col]
-    return v if isinstance(v, str) else "" if v is None else str(v)
+    return _as_text(row[col], col, where)
+
+
+def _as_text(v, col: str, where: str) -> str:
+    """A record's text: a string, or null (an empty document). Anything else (a list, an
+    object, a number, a boolean) is refused by record rather than read as its Python repr."""
+    if isinstance(v, str):
+        return v
+    if v is None:
+        return ""
+    kind = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object",
+            bytes: "bytes"}.get(type(v), type(v).__name__)
+    shown = repr(v)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise DataError(f"{where}: {col!r} is {kind} ({shown}), not text; fix the record, or pass "
+                    "--text-column with a column of strings")
 
 
 def _records(path: Path, col: str) -> Iterator[str]:
@@ -168,9 +206,11 @@ def _records(path: Path, col: str) -> Iterator[str]:
     if batches is None or col not in names:
         raise DataError(f"{path}: no column {col!r} (columns: {', '.join(names)}); pass "
                         "--text-column with one of them")
+    i = 0
     for b in batches:
         for v in b.column(col).to_pylist():
-            yield v if isinstance(v, str) else "" if v is None else str(v)
+            i += 1
+            yield _as_text(v, col, f"{path}: record {i}")
 
 
 def _articles(path: Path, split_anywhere: bool) -> Iterator[Iterator[bytes]]:
@@ -239,12 +279,38 @@ def _fingerprint(files: list[Path], root: Path, text_column: str) -> str:
     return fp
 
 
-def resolve(spec: str | os.PathLike, text_column: str = "text", split: str = "train",
+def _refuse_options(spec: str, kind: str, text_column: str, split: str, streaming: bool) -> None:
+    """Options that do not apply to a source are refused, not ignored (as ``task`` does):
+    ``--text-column`` reads records (.jsonl/.parquet/.arrow, datasets), ``--data-split``
+    chooses a split of a dataset, ``--streaming`` streams an ``hf:NAME`` one. Their default
+    values (``text``, ``train``, off) are what every source reads, so they always pass:
+    a run's config.json and a printed config name them whatever the source."""
+    given = []
+    if text_column != "text" and kind not in ("records", "hf", "disk"):
+        given.append(f"--text-column {text_column}")
+    if split != "train" and kind not in ("hf", "disk"):
+        given.append(f"--data-split {split}")
+    if streaming and kind != "hf":
+        given.append("--streaming")
+    if given:
+        what = {"records": "a file of records", "disk": "a folder saved with save_to_disk",
+                "files": "plain text", "wikitext": "WikiText", "named": "a built-in source"}[kind]
+        applies = ("--text-column applies to .jsonl/.parquet/.arrow records and datasets, --data-split to "
+                   "datasets (hf:NAME or a save_to_disk folder), --streaming to hf:NAME")
+        raise DataError(f"{' and '.join(given)} do{'es' if len(given) == 1 else ''} not apply to data "
+                        f"{spec!r} ({what}): {applies}; drop {'it' if len(given) == 1 else 'them'}")
+
+
+def resolve(spec: str | os.PathLike, text_column: str | None = "text", split: str | None = "train",
             streaming: bool = False) -> Source:
     """-> Source. Raises DataError naming the fix."""
     spec = str(spec)
+    text_column = "text" if text_column is None else text_column
+    split = "train" if split is None else split
     if spec.startswith("hf:"):
         return _hf(spec[3:], text_column, split, streaming)
+    if spec in ("stdlib", "shakespeare"):
+        _refuse_options(spec, "named", text_column, split, streaming)
     if spec == "stdlib":
         root, files = stdlib_files()
         name = "stdlib"
@@ -257,12 +323,25 @@ def resolve(spec: str | os.PathLike, text_column: str = "text", split: str = "tr
             why = why_missing(p)
             raise DataError(f"data path {spec!r} {why}; pass --data with an existing file "
                             f"or folder, or one of: {', '.join(NAMED_SOURCES)}")
+        if not p.is_dir() and not p.is_file():
+            import stat
+
+            mode = p.stat().st_mode
+            what = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            raise DataError(f"data path {spec!r} is {what}, which cannot be read twice (fingerprint, "
+                            "then tokens); save its text to a file and pass --data with that file")
         if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
+            _refuse_options(spec, "disk", text_column, split, streaming)
             return _hf(str(p), text_column, split, streaming, from_disk=True)
         root = p if p.is_dir() else p.parent
         files = [p] if p.is_file() else sorted(
             f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
         name = str(p.resolve())
+    kind = "records" if any(f.suffix in RECORD_SUFFIXES for f in files) else \
+        "wikitext" if any(_WIKITEXT.match(f.name) for f in files) else "files"
+    if spec not in ("stdlib", "shakespeare"):
+        _refuse_options(spec, kind, text_column, split, streaming)
     try:
         total = sum(f.stat().st_size for f in files)
         fp = _fingerprint(files, root, text_column)
@@ -270,8 +349,6 @@ def resolve(spec: str | os.PathLike, text_column: str = "text", split: str = "tr
         raise DataError(f"cannot read data {spec!r}: {e.strerror}; check the path and permissions") from None
     if total == 0:
         raise DataError(f"data {spec!r} is empty; pass --data with a non-empty text file or folder")
-    kind = "records" if any(f.suffix in RECORD_SUFFIXES for f in files) else \
-        "wikitext" if any(_WIKITEXT.match(f.name) for f in files) else "files"
     return Source(name, fp, len(files), kind, files, text_column if kind == "records" else None)
 
 
