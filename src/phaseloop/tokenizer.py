@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 from .files import why_missing
 
 # Special ids of the task vocabularies (tasks/) and the encoder-decoders (seq2seq.py): one
@@ -56,6 +56,29 @@ class Tokenizer(Protocol):
     def window_bytes(self, ids_NT) -> np.ndarray: ...
 
 
+def _not_utf8(text: str) -> DataError:
+    """The error for text holding bytes that are not UTF-8 (Python keeps such bytes of a
+    command-line argument as lone surrogates)."""
+    i = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    b = text[i].encode("utf-8", "surrogateescape")
+    byte = f"byte 0x{b[0]:02x}" if len(b) == 1 else "a lone surrogate"
+    return DataError(f"the text is not UTF-8 ({byte} at character {i}: {text[max(0, i - 12):i]!r} "
+                     f"before it); pass UTF-8 text (e.g. convert it with iconv -t UTF-8)")
+
+
+def utf8_text(data: bytes | str) -> str:
+    """Text for a tokenizer that reads Unicode: bytes are decoded as UTF-8 (bytes that are
+    not UTF-8 become U+FFFD, as a corpus is read); a string holding non-UTF-8 bytes (a
+    command-line argument in another encoding) is refused, naming the byte."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _not_utf8(data) from None
+        return data
+    return bytes(data).decode("utf-8", errors="replace")
+
+
 class ByteTokenizer:
     """Token = byte: any file works, nothing is unknown, BPB = nats/token / ln 2."""
 
@@ -66,7 +89,10 @@ class ByteTokenizer:
 
     def encode(self, data: bytes | str) -> np.ndarray:
         if isinstance(data, str):
-            data = data.encode("utf-8")
+            try:
+                data = data.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _not_utf8(data) from None
         return np.frombuffer(data, dtype=np.uint8).copy()
 
     def encode_batch(self, pieces):
@@ -122,6 +148,11 @@ class HFTokenizer:
         self.kind = {"BPE": "bpe", "WordLevel": "wordlevel"}.get(model, "other")
         if self.kind == "bpe" and self._pre != "ByteLevel":
             self.kind = "other"
+        if self.vocab_size == 0:
+            raise ConfigError(f"{self.path} has an empty vocabulary (0 tokens), so no text can be "
+                              "encoded; pass a trained tokenizer (`phaseloop tokenizer train`)")
+        unk = (spec.get("model") or {}).get("unk_token")
+        self._no_unk = model == "WordLevel" and (unk is None or self.tok.token_to_id(unk) is None)
 
     @cached_property
     def chunk_safe(self) -> bool:
@@ -133,22 +164,50 @@ class HFTokenizer:
         for text in probe:
             cuts = [m.start() for m in re.finditer(CUT_PATTERN, text) if m.start()]
             parts = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-            if np.concatenate(self.encode_batch(parts)).tolist() != self.encode(text).tolist():
+            try:
+                if np.concatenate(self.encode_batch(parts)).tolist() != self.encode(text).tolist():
+                    return False
+            except DataError:  # cannot encode the probe (a WordLevel without [UNK]): whole documents
                 return False
         return True
 
-    @staticmethod
-    def _text(data) -> str:
-        return data if isinstance(data, str) else data.decode("utf-8", errors="replace")
+    _text = staticmethod(utf8_text)
+
+    def _cannot(self, e: Exception, texts: list[str]) -> DataError:
+        """The library refused to encode (a foreign tokenizer: a WordLevel vocabulary without
+        an unknown token meets a word outside it, ...): one error naming the word and the fix."""
+        why = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+        if self._no_unk:
+            vocab = self.tok.get_vocab(with_added_tokens=True)
+            pre = self.tok.pre_tokenizer
+            for t in texts:
+                words = [w for w, _ in pre.pre_tokenize_str(t)] if pre is not None else t.split()
+                word = next((w for w in words if w not in vocab), None)
+                if word is not None:
+                    return DataError(f"tokenizer {self.path} cannot encode the word {word[:40]!r}: its "
+                                     "WordLevel vocabulary has no unknown token for words outside it; "
+                                     "add an unk_token to the file, or train one with `phaseloop "
+                                     "tokenizer train --kind wordlevel` (which has [UNK])")
+        return DataError(f"tokenizer {self.path} cannot encode this text ({why}); use a tokenizer "
+                         "that covers it, e.g. a byte-level BPE from `phaseloop tokenizer train`")
 
     def encode(self, data: bytes | str) -> np.ndarray:
-        return np.asarray(self.tok.encode(self._text(data), add_special_tokens=False).ids, dtype=np.int64)
+        text = self._text(data)
+        try:
+            ids = self.tok.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # the library's own error type
+            raise self._cannot(e, [text]) from None
+        return np.asarray(ids, dtype=np.int64)
 
     def encode_batch(self, pieces):
         """Encoded in parallel over the cores by the library (without offsets, which a
         corpus never needs, where the library offers that)."""
         fn = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
-        encs = fn([self._text(p) for p in pieces], add_special_tokens=False)
+        texts = [self._text(p) for p in pieces]
+        try:
+            encs = fn(texts, add_special_tokens=False)
+        except Exception as e:
+            raise self._cannot(e, texts) from None
         return [np.asarray(e.ids, dtype=np.int64) for e in encs]
 
     def decode(self, ids) -> str:
