@@ -9,15 +9,18 @@ bytes for a folder; nothing between WikiText articles, so the store is the file)
 
 Layout of ``<cache>/tokens/<source fingerprint>-<tokenizer id>/``: ``tokens-NNNNN.bin``
 (uint8 / uint16 / uint32 by vocabulary size), ``docs.i64`` (the start of every document),
-``manifest.json`` (source, tokenizer hash, dtype, per-shard token counts, documents,
-bytes). The folder is built under a temporary name and renamed once its manifest is
-written, so an interrupted build never leaves a store a later run trusts; a store whose
-shards do not match their manifest is refused.
+``manifest.json`` (source, tokenizer hash, dtype, per-shard token counts and sha256,
+documents, bytes, the document index's sha256). The folder is built under a temporary
+name and renamed once its manifest is written, so an interrupted build never leaves a
+store a later run trusts. Opening a store verifies it (``Store``): sizes always, the
+digests and every id against the vocabulary once per state of the files; a damaged store
+is refused naming the file and the folder to delete, never rebuilt over or trained on.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 import shutil
@@ -27,9 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataError
-from .sources import Source, cache_dir
+from .files import atomic_write_bytes
+from .sources import Source, cache_dir, sha256_file
 
-FORMAT = "phaseloop.tokens.v1"
+FORMAT = "phaseloop.tokens.v2"  # v1: the same without sha256 digests
+VERIFIED = "verified.json"
 
 
 def dtype_for(vocab_size: int):
@@ -82,9 +87,18 @@ class TokenView:
 
 
 class Store:
-    """A built store: its manifest, the tokens (``TokenView``) and the document starts."""
+    """A built store: its manifest, the tokens (``TokenView``) and the document starts.
 
-    def __init__(self, path: Path):
+    Opening verifies it: every shard's size against the manifest, then (once per state of
+    the files) its sha256 against the digest written at build time, the document index,
+    and every id against the vocabulary. The files' size, mtime, ctime and inode are then
+    kept in ``verified.json``, so later opens of an unchanged store cost a ``stat`` per file;
+    any write to a file changes its ctime and brings the full check back. Damage is refused
+    by name (never rebuilt over: the folder to delete is named). Stores written before
+    digests existed (no ``sha256`` in the manifest) open after the same checks less the
+    digest comparison."""
+
+    def __init__(self, path: Path, vocab_size: int | None = None, written: bool = False):
         self.path = path
         try:
             self.manifest = json.loads((path / "manifest.json").read_text())
@@ -93,18 +107,68 @@ class Store:
             for sh in self.manifest["shards"]:
                 f = path / sh["file"]
                 if f.stat().st_size != sh["tokens"] * dtype.itemsize:
-                    raise DataError(f"token store {path} is damaged ({sh['file']} has "
-                                    f"{f.stat().st_size} bytes, its manifest says {sh['tokens']} tokens); "
-                                    "delete the folder and run again to rebuild it")
+                    raise self._damaged(f"{sh['file']} has {f.stat().st_size} bytes, its manifest says "
+                                        f"{sh['tokens']} tokens")
                 shards.append(np.memmap(f, dtype=dtype, mode="r") if sh["tokens"] else np.zeros(0, dtype))
             self.docs = np.fromfile(path / "docs.i64", dtype=np.int64)
-        except (OSError, ValueError, KeyError) as e:
-            raise DataError(f"token store {path} is damaged ({type(e).__name__}); delete the folder "
-                            "and run again to rebuild it") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise self._damaged(type(e).__name__) from None
         if len(self.docs) != self.manifest["documents"]:
-            raise DataError(f"token store {path} is damaged (document index); delete the folder and "
-                            "run again to rebuild it")
+            raise self._damaged("document index")
         self.tokens = TokenView(shards)
+        self.vocab_size = vocab_size
+        if written:  # this process wrote it: its digests are the bytes just written
+            self._stamp(self._stats(), max_id=None)
+        else:
+            self._verify(shards)
+
+    def _damaged(self, what: str) -> DataError:
+        return DataError(f"token store {self.path} is damaged ({what}); delete the folder {self.path} "
+                         "and run again to rebuild it")
+
+    def _files(self) -> list[str]:
+        return [sh["file"] for sh in self.manifest["shards"]] + ["docs.i64"]
+
+    def _stats(self) -> dict:
+        out = {}
+        for name in self._files():
+            st = (self.path / name).stat()
+            out[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        return out
+
+    def _stamp(self, stats: dict, max_id: int | None) -> None:
+        try:
+            atomic_write_bytes(self.path / VERIFIED, (json.dumps({"files": stats, "max_id": max_id}) + "\n").encode())
+        except OSError:  # a read-only cache: the next open checks again
+            pass
+
+    def _verify(self, shards: list[np.ndarray]) -> None:
+        stats = self._stats()
+        try:
+            stamp = json.loads((self.path / VERIFIED).read_text())
+        except (OSError, ValueError):
+            stamp = None
+        if isinstance(stamp, dict) and stamp.get("files") == stats:
+            max_id = stamp.get("max_id")
+        else:
+            digests = {sh["file"]: sh.get("sha256") for sh in self.manifest["shards"]}
+            digests["docs.i64"] = self.manifest.get("docs_sha256")
+            for name, want in digests.items():
+                if want is not None and sha256_file(self.path / name) != want:
+                    raise self._damaged(f"{name} differs from the file written: its sha256 does not match "
+                                        "the manifest")
+            max_id = max((int(_chunked_max(s)) for s in shards if len(s)), default=0)
+            d = self.docs
+            n = len(self.tokens)
+            if len(d) and (d[0] != 0 or (np.diff(d) < 0).any() or d[-1] > n):
+                raise self._damaged("document index: starts out of order or beyond the tokens")
+            self._stamp(stats, max_id)
+        if self.vocab_size is not None and max_id is not None and max_id >= self.vocab_size:
+            raise self._damaged(f"id {max_id} is beyond the tokenizer's vocabulary of {self.vocab_size}")
+
+
+def _chunked_max(a: np.ndarray, step: int = 1 << 24):
+    return max(a[i: i + step].max() for i in range(0, len(a), step))
 
 
 def build(source: Source, tok, batch_bytes: int = 2 << 20, shard_tokens: int = 1 << 28,
@@ -112,7 +176,7 @@ def build(source: Source, tok, batch_bytes: int = 2 << 20, shard_tokens: int = 1
     """Tokenise ``source`` into its store (or open the one already built)."""
     final = store_dir(source, tok)
     if (final / "manifest.json").exists():
-        return Store(final)
+        return Store(final, tok.vocab_size)
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".{final.name}.tmp-*"):  # an interrupted earlier build
         shutil.rmtree(stale, ignore_errors=True)
@@ -125,23 +189,22 @@ def build(source: Source, tok, batch_bytes: int = 2 << 20, shard_tokens: int = 1
             os.replace(tmp, final)
         except OSError:  # another process finished the same store first
             shutil.rmtree(tmp, ignore_errors=True)
+            return Store(final, tok.vocab_size)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Store(final)
+    return Store(final, tok.vocab_size, written=True)
 
 
 def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, progress: bool) -> dict:
     dtype = dtype_for(tok.vocab_size)
     sep = tok.encode(source.joiner).astype(dtype) if source.joiner else np.zeros(0, dtype)
     shards: list[dict] = []
+    hashes: list = []  # sha256 of each shard, as written
+    docs_hash = hashlib.sha256()
     state = {"shard": None, "in_shard": 0, "tokens": 0, "bytes": 0, "docs": 0}
     docs_f = open(out / "docs.i64", "wb")
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="tokenize", dynamic_ncols=True)
+    bar = None  # made at the first batch encoded, so a refusal before it prints only its line
 
     def emit(ids: np.ndarray) -> None:
         while len(ids):
@@ -150,9 +213,12 @@ def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, 
                     state["shard"].close()
                 name = f"tokens-{len(shards):05d}.bin"
                 shards.append({"file": name, "tokens": 0})
+                hashes.append(hashlib.sha256())
                 state["shard"], state["in_shard"] = open(out / name, "wb"), 0
             take = ids[: shard_tokens - state["in_shard"]]
-            take.astype(dtype, copy=False).tofile(state["shard"])
+            raw = np.ascontiguousarray(take, dtype=dtype)
+            raw.tofile(state["shard"])
+            hashes[-1].update(raw)
             shards[-1]["tokens"] += len(take)
             state["in_shard"] += len(take)
             state["tokens"] += len(take)
@@ -162,24 +228,31 @@ def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, 
     size = 0
 
     def flush() -> None:
-        nonlocal pending, size
+        nonlocal pending, size, bar
         texts = [p for p in pending if p is not None]
         encoded = iter(tok.encode_batch(texts)) if texts else iter(())
         for p in pending:
             if p is None:  # a document starts here: separator, then record its start
                 if state["docs"]:
                     emit(sep)
-                np.asarray([state["tokens"]], dtype=np.int64).tofile(docs_f)
+                start = np.asarray([state["tokens"]], dtype=np.int64)
+                start.tofile(docs_f)
+                docs_hash.update(start)
                 state["docs"] += 1
             else:
                 ids = next(encoded)
                 if len(ids) and int(ids.max()) >= tok.vocab_size:
                     raise DataError(f"tokenizer {tok.name} produced id {int(ids.max())} >= its vocabulary")
                 emit(ids)
+        if progress and bar is None:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="tokenize", dynamic_ncols=True)
         if bar is not None:
             bar.update(size)
         pending, size = [], 0
 
+    ok = False
     try:
         for doc in source.documents(split_anywhere=tok.name == "bytes"):
             pending.append(None)
@@ -191,15 +264,20 @@ def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, 
                 if size >= batch_bytes:
                     flush()
         flush()
+        ok = True
     finally:
         if state["shard"] is not None:
             state["shard"].close()
         docs_f.close()
         if bar is not None:
+            bar.leave = ok  # a refusal leaves its one line, not a progress bar
             bar.close()
     if state["tokens"] == 0:
-        raise DataError(f"data {source.name!r} holds no text (0 tokens); pass --data with a non-empty "
-                        "source, or another --data-split / --text-column")
+        raise DataError(f"tokenizer {tok.name} encoded the {state['bytes']} bytes of data {source.name!r} "
+                        "to 0 tokens; pass a tokenizer whose vocabulary covers this text")
+    for sh, h in zip(shards, hashes):
+        sh["sha256"] = h.hexdigest()
     return {"format": FORMAT, "source": source.describe(), "tokenizer": tok.name,
             "tokenizer_sha256": tok.sha256, "dtype": np.dtype(dtype).name, "shards": shards,
-            "tokens": state["tokens"], "documents": state["docs"], "bytes": state["bytes"]}
+            "tokens": state["tokens"], "documents": state["docs"], "bytes": state["bytes"],
+            "docs_sha256": docs_hash.hexdigest()}
