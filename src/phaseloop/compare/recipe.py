@@ -301,9 +301,14 @@ def load_recipe(spec: str | os.PathLike | None = None) -> Recipe:
     p = Path(spec).expanduser()
     if p.is_file():
         try:
-            text = p.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise RecipeError(f"cannot read recipe {spec}: {e.__class__.__name__}") from None
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = p.read_bytes()[: e.start].count(b"\n") + 1
+            raise RecipeError(f"recipe {spec} is not UTF-8 (byte 0x{e.object[e.start]:02x} on line {line}); "
+                              "save it as UTF-8 (e.g. iconv -t UTF-8)") from None
+        except OSError as e:
+            raise RecipeError(f"cannot read recipe {spec}: {e.strerror or e.__class__.__name__}; check the "
+                              "path and its permissions") from None
         if p.suffix == ".json":
             try:
                 d = json.loads(text)
