@@ -177,13 +177,15 @@ def load_babi(
         files = {t: p for t, p in babi_files(folder, split).items() if t == task}
         if not files:
             raise TaskDataNotFound(
-                f"no bAbI file qa{task}_*_{split}.txt in {folder}{_hint(folder, split)}"
+                f"no bAbI file qa{task}_*_{split}.txt in {folder}{_hint(folder, split)}; pass --data-dir "
+                f"with the folder holding both qa{task}_*_train.txt and qa{task}_*_test.txt (e.g. <data>/babi/en-1k)"
             )
     else:
         files = babi_files(folder, split)
         if not files:
             raise TaskDataNotFound(
-                f"no bAbI files qa*_*_{split}.txt in {folder}{_hint(folder, split)}"
+                f"no bAbI files qa*_*_{split}.txt in {folder}{_hint(folder, split)}; pass --data-dir with "
+                "the folder holding qa1_*_train.txt ... qa20_*_test.txt (e.g. <data>/babi/en-1k)"
             )
     out: list[BabiExample] = []
     for t, p in files.items():

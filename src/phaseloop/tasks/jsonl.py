@@ -6,8 +6,9 @@ of ``input``). Other keys are ignored. Blank lines are skipped. The file is UTF-
 
 Every problem raises one ``ValueError`` (``TaskDataError``) whose one-line message is
 ``"<file>:<line>: <problem>; <fix>"`` with the 1-based line number: bad JSON, a value
-that is not an object, a missing key, a non-string value, bad UTF-8, or an empty file
-(reported at line 1). A missing file raises ``FileNotFoundError`` (``TaskDataNotFound``).
+that is not an object, a missing key, a non-string value, bad UTF-8, or an empty file or
+one whose strings are all empty (reported at line 1). A missing file raises
+``FileNotFoundError`` (``TaskDataNotFound``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ def load_jsonl(path: str | os.PathLike) -> list[Example]:
     if not examples:
         raise TaskDataError(
             f"{p}:1: file has no examples (it is empty or only blank lines); write {_SHAPE}"
+        )
+    if not any(ex.input or ex.target for ex in examples):
+        raise TaskDataError(
+            f"{p}:1: every 'input' and 'target' is an empty string ({len(examples)} examples), so there "
+            f"is nothing to learn; write text in them ({_SHAPE})"
         )
     return examples
 
