@@ -78,7 +78,9 @@ def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cp
         try:
             sd = load_file(os.fspath(src), device=str(device))
         except Exception as e:
-            raise CheckpointError(f"cannot read quantised safetensors file {os.fspath(src)!r}: {e}") from e
+            why = (str(e).splitlines() or [type(e).__name__])[0][:100]
+            raise CheckpointError(f"quantised file {os.fspath(src)} is damaged or not a safetensors file "
+                                  f"({why}); run `phaseloop quantize` on the run again to rewrite it") from None
     else:
         sd = dict(src)
     plain: dict[str, torch.Tensor] = {}
