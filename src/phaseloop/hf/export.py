@@ -121,6 +121,9 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
             "quantization": getattr(hf.config, "phaseloop_quantization", None), "dtype": dtype,
             "train": run_cfg.get("train"), "data": run_cfg.get("data"), "summary": summary}, indent=2))
         (tmp / "README.md").write_text(_card(hf, run_dir, run_cfg, summary))
+        for p in tmp.rglob("*"):  # the documented modes, not mkdtemp's 0700 or a writer's 0600
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        os.chmod(tmp, 0o755)
         if out.is_dir():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
