@@ -248,6 +248,10 @@ def test_default_data_options_pass_on_any_source(world):
     """A run's config.json (and --print-config) name text_column/split whatever the source."""
     assert resolve(world["text"], "text", "train").kind == "files"
     assert resolve(world["text"], None, None).kind == "files"
+    # a run trained when such options were ignored reads its data again (eval, generate, ...)
+    assert resolve(world["text"], "body", "test", True, strict=False).kind == "files"
+    with pytest.raises(DataError, match="--text-column body and --data-split test and --streaming do not apply"):
+        resolve(world["text"], "body", "test", True)
 
 
 def test_task_file_messages(tmp_path, capsys):

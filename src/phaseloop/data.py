@@ -59,10 +59,11 @@ class Corpus:
 
 def load_corpus(spec: str | os.PathLike = "stdlib", tokenizer: str | Tokenizer = "bytes", *,
                 text_column: str = "text", split: str = "train", streaming: bool = False,
-                progress: bool = False) -> Corpus:
-    """Resolve a source and tokenise it into the store (once; later calls reuse it)."""
+                progress: bool = False, strict: bool = True) -> Corpus:
+    """Resolve a source and tokenise it into the store (once; later calls reuse it).
+    ``strict=False``: options that do not apply to the source pass (a trained run's data)."""
     tok = load_tokenizer(tokenizer)
-    src: Source = resolve(spec, text_column, split, streaming)
+    src: Source = resolve(spec, text_column, split, streaming, strict=strict)
     st = token_store.build(src, tok, progress=progress)
     m = st.manifest
     args = {"spec": str(spec), "text_column": text_column, "split": split, "streaming": streaming}
@@ -128,4 +129,4 @@ def run_corpus(run: str | os.PathLike, run_cfg: dict, spec: str | None = None, p
     args = corpus_args(run_cfg["data"])
     if spec is not None:
         args["spec"] = spec
-    return load_corpus(tokenizer=run_tokenizer(run, run_cfg), progress=progress, **args)
+    return load_corpus(tokenizer=run_tokenizer(run, run_cfg), progress=progress, strict=False, **args)

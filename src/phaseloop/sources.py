@@ -302,15 +302,23 @@ def _refuse_options(spec: str, kind: str, text_column: str, split: str, streamin
 
 
 def resolve(spec: str | os.PathLike, text_column: str | None = "text", split: str | None = "train",
-            streaming: bool = False) -> Source:
-    """-> Source. Raises DataError naming the fix."""
+            streaming: bool = False, strict: bool = True) -> Source:
+    """-> Source. Raises DataError naming the fix. ``strict=False`` (reading a trained run's
+    data again) lets options that do not apply pass, as earlier versions did when the run
+    was trained, so such a run can still be evaluated."""
     spec = str(spec)
+    if not strict:
+        return _resolve(spec, text_column, split, streaming, lambda *a: None)
+    return _resolve(spec, text_column, split, streaming, _refuse_options)
+
+
+def _resolve(spec: str, text_column: str | None, split: str | None, streaming: bool, refuse) -> Source:
     text_column = "text" if text_column is None else text_column
     split = "train" if split is None else split
     if spec.startswith("hf:"):
         return _hf(spec[3:], text_column, split, streaming)
     if spec in ("stdlib", "shakespeare"):
-        _refuse_options(spec, "named", text_column, split, streaming)
+        refuse(spec, "named", text_column, split, streaming)
     if spec == "stdlib":
         root, files = stdlib_files()
         name = "stdlib"
@@ -332,7 +340,7 @@ def resolve(spec: str | os.PathLike, text_column: str | None = "text", split: st
             raise DataError(f"data path {spec!r} is {what}, which cannot be read twice (fingerprint, "
                             "then tokens); save its text to a file and pass --data with that file")
         if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
-            _refuse_options(spec, "disk", text_column, split, streaming)
+            refuse(spec, "disk", text_column, split, streaming)
             return _hf(str(p), text_column, split, streaming, from_disk=True)
         root = p if p.is_dir() else p.parent
         files = [p] if p.is_file() else sorted(
@@ -341,7 +349,7 @@ def resolve(spec: str | os.PathLike, text_column: str | None = "text", split: st
     kind = "records" if any(f.suffix in RECORD_SUFFIXES for f in files) else \
         "wikitext" if any(_WIKITEXT.match(f.name) for f in files) else "files"
     if spec not in ("stdlib", "shakespeare"):
-        _refuse_options(spec, kind, text_column, split, streaming)
+        refuse(spec, kind, text_column, split, streaming)
     try:
         total = sum(f.stat().st_size for f in files)
         fp = _fingerprint(files, root, text_column)
