@@ -287,3 +287,13 @@ def test_export_writes_the_documented_modes(world, tmp_path, capsys):
     assert out.stat().st_mode & 0o777 == 0o755
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
     assert modes and set(modes.values()) == {0o644}, modes
+
+
+def test_dataset_rows_that_are_not_text(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": ["fine"] * 3, "n": [1, 2, 3]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(DataError, match=r"row 1: 'n' is a number \(1\), not text"):
+        load_corpus(tmp_path / "ds", text_column="n")
+    datasets.Dataset.from_dict({"text": ["", None, "  "]}).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(DataError, match="holds only whitespace"):
+        load_corpus(tmp_path / "empty")
