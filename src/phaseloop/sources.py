@@ -128,17 +128,18 @@ class Source:
             seen["docs"] += 1
             yield watch(doc)
         if not seen["text"]:
+            records = self.kind in ("records", "hf")
             what = (f"only whitespace ({seen['bytes']} bytes)" if seen["bytes"] else
-                    f"no text: its {seen['docs']} {'records are' if self.kind in ('records', 'hf') else 'documents are'} "
-                    "all empty" + (" or null" if self.kind in ("records", "hf") else ""))
+                    f"no text: its {seen['docs']} {'records' if records else 'documents'} are all empty"
+                    + (" or null" if records else ""))
             raise DataError(f"data {self.name!r} holds {what}; pass --data with text"
-                            + (" (or another --text-column)" if self.kind in ("records", "hf") else ""))
+                            + (" (or another --text-column)" if records else ""))
 
     def _documents(self, split_anywhere: bool) -> Iterator[Iterator[bytes]]:
         if self.kind == "hf":
             for i, row in enumerate(self.dataset, 1):
-                yield iter(safe_pieces([_text(row, self.text_column, f"{self.name}: row {i}").encode("utf-8", "replace")],
-                                       split_anywhere))
+                text = _text(row, self.text_column, f"{self.name}: row {i}")
+                yield iter(safe_pieces([text.encode("utf-8", "replace")], split_anywhere))
             return
         for f in self.files:
             if f.suffix in RECORD_SUFFIXES:

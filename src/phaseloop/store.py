@@ -138,7 +138,8 @@ class Store:
 
     def _stamp(self, stats: dict, max_id: int | None) -> None:
         try:
-            atomic_write_bytes(self.path / VERIFIED, (json.dumps({"files": stats, "max_id": max_id}) + "\n").encode())
+            stamp = json.dumps({"files": stats, "max_id": max_id}) + "\n"
+            atomic_write_bytes(self.path / VERIFIED, stamp.encode())
         except OSError:  # a read-only cache: the next open checks again
             pass
 

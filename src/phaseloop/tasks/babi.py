@@ -178,7 +178,8 @@ def load_babi(
         if not files:
             raise TaskDataNotFound(
                 f"no bAbI file qa{task}_*_{split}.txt in {folder}{_hint(folder, split)}; pass --data-dir "
-                f"with the folder holding both qa{task}_*_train.txt and qa{task}_*_test.txt (e.g. <data>/babi/en-1k)"
+                f"with the folder holding both qa{task}_*_train.txt and qa{task}_*_test.txt "
+                "(e.g. <data>/babi/en-1k)"
             )
     else:
         files = babi_files(folder, split)
