@@ -63,6 +63,10 @@ def world(tmp_path_factory):
         t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         (root / name).mkdir()
         t.save(str(root / name / "tokenizer.json"))
+    t = Tokenizer(models.BPE({"#": 0}, []))  # no unknown token: drops every other character
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (root / "nocover").mkdir()
+    t.save(str(root / "nocover" / "tokenizer.json"))
     assert main(["tokenizer", "train", "--data", str(text), "--kind", "bpe", "--vocab-size", "300",
                  "--out", str(root / "bpe"), "--quiet"]) == 0
     assert main(["train", *TINY, "--data", str(text), "--out", str(root / "run")]) == 0
@@ -235,6 +239,9 @@ MESSAGES = [
     (["tokenizer", "stats", "--data", "{root}/fifo"], "save its text to a file"),
     (["train", *TINY, "--data", "{text}", "--tokenizer", "{root}/emptyv", "--out", "{root}/x"],
      "has an empty vocabulary (0 tokens)"),
+    (["tokenizer", "stats", "-t", "{root}/nocover", "--data", "{root}/ws.txt"], "holds only whitespace"),
+    (["train", *TINY, "--data", "{text}", "--tokenizer", "{root}/nocover", "--out", "{root}/x"],
+     "nocover/tokenizer.json encoded the 54030 bytes of data"),
     (["compare", "{root}/r.toml", "--dry-run"], "is not UTF-8 (byte 0xe9 on line 1); save it as UTF-8"),
 ]
 

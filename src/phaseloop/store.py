@@ -274,7 +274,7 @@ def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, 
             bar.leave = ok  # a refusal leaves its one line, not a progress bar
             bar.close()
     if state["tokens"] == 0:
-        raise DataError(f"tokenizer {tok.name} encoded the {state['bytes']} bytes of data {source.name!r} "
+        raise DataError(f"tokenizer {tok.path or tok.name} encoded the {state['bytes']} bytes of data {source.name!r} "
                         "to 0 tokens; pass a tokenizer whose vocabulary covers this text")
     for sh, h in zip(shards, hashes):
         sh["sha256"] = h.hexdigest()
