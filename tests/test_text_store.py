@@ -179,6 +179,8 @@ STORE_CASES = [
     ("bytes", lambda d: (d / "tokens-00000.bin").write_bytes((d / "tokens-00000.bin").read_bytes()[:-5]),
      ["train", *TINY, "--data", "{text}", "--out", "{root}/x"], "its manifest says"),
     ("bytes", lambda d: (d / "manifest.json").write_text("{"), ["eval", "{run}"], "is damaged (JSONDecodeError)"),
+    ("bytes", lambda d: (d / "manifest.json").unlink(), ["train", *TINY, "--data", "{text}", "--out", "{root}/x"],
+     "is damaged (FileNotFoundError)"),  # never taken for a store not built yet
     ("bpe", lambda d: (_legacy(d), (d / "tokens-00000.bin").write_bytes(
         b"\xff\xff" + (d / "tokens-00000.bin").read_bytes()[2:])),
      ["train", *TINY, "--data", "{text}", "--tokenizer", "{bpe}", "--out", "{root}/x"],

@@ -176,7 +176,7 @@ def build(source: Source, tok, batch_bytes: int = 2 << 20, shard_tokens: int = 1
           progress: bool = False) -> Store:
     """Tokenise ``source`` into its store (or open the one already built)."""
     final = store_dir(source, tok)
-    if (final / "manifest.json").exists():
+    if final.exists() or final.is_symlink():  # only a finished build is renamed here: open or refuse it
         return Store(final, tok.vocab_size)
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".{final.name}.tmp-*"):  # an interrupted earlier build
