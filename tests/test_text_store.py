@@ -6,6 +6,7 @@ input ends with exit 2, one line `phaseloop: error: ...`, no traceback, and ever
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,6 +55,12 @@ def refused(argv, capsys, pattern, *roots):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:  # the session's cache, as conftest gives each test
+        mp.setenv("PHASELOOP_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        yield _world(tmp_path_factory)
+
+
+def _world(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     root = tmp_path_factory.mktemp("text")
@@ -111,7 +118,8 @@ def fill(argv, w):
 
 @pytest.mark.parametrize("argv,pattern", _cases3())
 def test_text_that_is_not_text_is_refused(world, capsys, argv, pattern):
-    refused(fill(argv, world), capsys, pattern, world["root"])
+    cache = Path(os.environ["PHASELOOP_CACHE"])  # no store (or its temporary folder) left behind
+    refused(fill(argv, world), capsys, pattern, world["root"], cache)
 
 
 def test_parquet_records_that_are_not_text_or_all_null(tmp_path):
@@ -250,7 +258,7 @@ MESSAGES = [
 
 @pytest.mark.parametrize("argv,pattern", MESSAGES)
 def test_messages_name_the_problem_and_the_fix(world, capsys, argv, pattern):
-    refused(fill(argv, world), capsys, pattern, world["root"])
+    refused(fill(argv, world), capsys, pattern, world["root"], Path(os.environ["PHASELOOP_CACHE"]))
 
 
 def test_default_data_options_pass_on_any_source(world):
