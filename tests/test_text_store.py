@@ -5,7 +5,6 @@ input ends with exit 2, one line `phaseloop: error: ...`, no traceback, and ever
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
