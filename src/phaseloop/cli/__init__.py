@@ -298,6 +298,10 @@ def _fail(msg: str, code: int) -> int:
     if _rank() != 0:
         import time
 
+        try:  # torchrun's SIGTERM ends the wait quietly: the line is said and recorded
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except ValueError:  # not the main thread
+            pass
         time.sleep(PEER_EXIT_DELAY_S)
     return code
 
