@@ -118,6 +118,11 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     log = log if w.main else None
     for v in recipe.variants:  # cheap spec check before the data is read
         resolve_variant(v, recipe.scale)
+    if recipe.eval_tasks:  # lm-eval missing, a task unknown or its data absent: refused before
+        from ..hf.harness import resolved_tasks  # anything trains or is written
+
+        with resolved_tasks(recipe.eval_tasks):
+            pass
     with dist.main_first():  # rank 0 builds the token store, then the others read it
         corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column)
     plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
@@ -161,10 +166,6 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
         dist.barrier()  # every rank has looked before rank 0 writes this run's config.json
         lm.train(p.cfg, tc, corpus, run_dir, resume=resume, progress=False, on_step=_on_step)
 
-    if recipe.eval_tasks:  # refused before any training when the extra is missing
-        from .. import hf
-
-        hf.require("transformers", "lm_eval")
     try:
         for r in pending:
             one(*r)
