@@ -19,7 +19,7 @@ from ..engine.trainer import DivergedError, Interrupted, PeerFailed
 DISTRIBUTED = ("train", "compare")  # the commands that run across torchrun's processes
 from safetensors import SafetensorError
 
-from .. import registry
+from .. import _startup, registry
 from ..errors import PhaseloopError
 from ..files import as_os_error
 from . import commands as C
@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.launched() and args.command in DISTRIBUTED:
             if not dist.init(getattr(args, "device", None) or "auto").main:
                 sys.stdout = open(os.devnull, "w")  # rank 0 reports
+        _startup.uninstall()  # from here on Ctrl-C is reported below (exit 130)
         return args.func(args)
     except DivergedError as e:
         return _fail(f"phaseloop: error: {e}", 3)
