@@ -129,7 +129,7 @@ def _check_include_path(include_path: str | Path | None) -> None:
         try:
             TaskIndex.process_cfg(load_yaml(yaml_path, resolve_func=False), yaml_path, {})
         except Exception as e:  # yaml.YAMLError, ValueError, KeyError, ...: lm-eval's "skip"
-            first = " ".join(str(e).split())[:160]
+            first = " ".join(str(e).replace(str(Path(yaml_path).resolve()), "it").split())[:160]
             raise PhaseloopError(f"--include-path {path}: {yaml_path} is not a task lm-eval can read "
                                  f"({type(e).__name__}: {first}); fix or remove it") from None
 
