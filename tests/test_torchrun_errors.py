@@ -126,3 +126,13 @@ def test_without_torchrun_no_error_file_is_written(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(tmp_path)
     code, err = _run(["params", "--preset", "nope"], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_help_is_printed_once_per_world(worker, tmp_path, capsys, rank):
+    error_file = worker(rank)
+    with pytest.raises(SystemExit) as e:
+        main(["archs", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and ("usage: phaseloop archs" in out) == (rank == 0)
+    assert not error_file.exists()  # not a failure

@@ -30,6 +30,10 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too); rank 0 only
         raise SystemExit(_fail(f"{self.prog}: error: {message} (see {self.prog} --help)", 2))
 
+    def _print_message(self, message, file=None):  # --help, usage: once under torchrun (rank 0)
+        if _rank() == 0:
+            super()._print_message(message, file)
+
     def _get_option_tuples(self, option_string):
         # a prefix of two spellings of one flag (--warm: --warmup, --warmup-steps) is not ambiguous
         found: dict = {}
