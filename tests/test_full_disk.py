@@ -175,3 +175,14 @@ def test_tmpfs_quantize(world, tiny_tmpfs, capsys):
                         capsys)
     assert_one_line(code, err, "q/quant-w8-g128-rtn.safetensors: No space left on device")
     assert list(tiny_tmpfs.iterdir()) == [] and snapshot(world["root"]) == before
+
+
+def test_a_quantised_report_that_does_not_fit_leaves_no_weights(world, capsys, monkeypatch):
+    """The weights fit, the report beside them does not: neither is left."""
+    def full(path, obj):
+        raise OSError(28, "No space left on device", str(path))
+    monkeypatch.setattr("phaseloop.quant.run.write_json", full)
+    before = snapshot(world["root"])
+    code, err = run_cli(["quantize", world["run"], "--bits", "8", "--windows", "2"], capsys)
+    assert_one_line(code, err, "quant-w8-g128-rtn.json: No space left on device")
+    assert snapshot(world["root"]) == before

@@ -55,8 +55,14 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
     stem = f"quant-w{bits}-g{group_size}-{method}"
     weights = out_dir / f"{stem}.safetensors"
     tmp = out_dir / f".{stem}.safetensors.tmp"
-    try:
+    report.update({"run": str(run_dir), "arch": model.cfg.arch, "weights": str(weights), "stem": stem,
+                   "before": before, "after": after, "data": corpus.name,
+                   "fingerprint": corpus.fingerprint, "windows": len(val), "seq_len": seq_len,
+                   "calib": None if calib is None else {"batches": len(calib),
+                                                        "batch_size": calib_batch_size, "seed": seed}})
+    try:  # the weights under a temporary name, the report, then the weights renamed in
         save_quantized(model, tmp, {"run": str(run_dir), "arch": model.cfg.arch}, target=weights)
+        write_json(out_dir / f"{stem}.json", report)
         os.replace(tmp, weights)
     except BaseException:  # a full disk: nothing half-written, no folder left that we made
         tmp.unlink(missing_ok=True)
@@ -64,10 +70,4 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
             with contextlib.suppress(OSError):
                 p.rmdir()
         raise
-    report.update({"run": str(run_dir), "arch": model.cfg.arch, "weights": str(weights), "stem": stem,
-                   "before": before, "after": after, "data": corpus.name,
-                   "fingerprint": corpus.fingerprint, "windows": len(val), "seq_len": seq_len,
-                   "calib": None if calib is None else {"batches": len(calib),
-                                                        "batch_size": calib_batch_size, "seed": seed}})
-    write_json(out_dir / f"{stem}.json", report)
     return report
