@@ -186,3 +186,16 @@ def test_a_quantised_report_that_does_not_fit_leaves_no_weights(world, capsys, m
     code, err = run_cli(["quantize", world["run"], "--bits", "8", "--windows", "2"], capsys)
     assert_one_line(code, err, "quant-w8-g128-rtn.json: No space left on device")
     assert snapshot(world["root"]) == before
+
+
+@pytest.mark.parametrize("text, words", [
+    (FULL, "No space left on device; check the path"),
+    ("Error while deserializing header: HeaderTooLarge", "safetensors failed (Error while deserializing"),
+])
+def test_any_other_safetensors_error_is_one_line(capsys, monkeypatch, text, words):
+    """The command line's backstop, for a safetensors call no writer or reader wrapped."""
+    def fails(args):
+        raise SafetensorError(text)
+    monkeypatch.setattr("phaseloop.cli.commands.cmd_archs", fails)
+    code, err = run_cli(["archs"], capsys)
+    assert_one_line(code, err, words)

@@ -80,14 +80,15 @@ def writing(target: Path):
         raise as_os_error(e, target) from None
 
 
-def as_os_error(e: BaseException, target) -> OSError:
-    """An ``OSError`` for ``e`` (a SafetensorError) with the errno its text names."""
+def as_os_error(e: BaseException, target, doing: str = "could not be written") -> OSError:
+    """An ``OSError`` for ``e`` (a SafetensorError) with the errno its text names, else
+    EIO and ``doing`` with safetensors' words."""
     name = None if target is None else os.fspath(target)
     m = re.search(r"os error (\d+)", str(e))
     if m:
         code = int(m.group(1))
         return OSError(code, os.strerror(code), name)
-    return OSError(errno.EIO, f"could not be written ({str(e)[:120]})", name)
+    return OSError(errno.EIO, f"{doing} ({str(e)[:120]})", name)
 
 
 def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None, *, target=None) -> None:

@@ -351,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     except PhaseloopError as e:
         return _fail(f"phaseloop: error: {e}", 2)
     except (OSError, SafetensorError) as e:  # the file system said no: name the file, no traceback
-        if not isinstance(e, OSError):  # safetensors' own error for a failed write (a full disk)
-            e = as_os_error(e, None)
+        if not isinstance(e, OSError):  # safetensors' own error, not turned into an OSError where
+            e = as_os_error(e, None, "safetensors failed")  # phaseloop wrote or read the file
         where = f"{e.filename}: " if e.filename else ""
         return _fail(f"phaseloop: error: {where}{e.strerror or e}; check the path, its permissions "
                      "and free space", 2)
