@@ -289,7 +289,7 @@ def _tell_torchrun(msg: str, code: int) -> None:
         pass  # torchrun then says "To enable traceback see ..."; rank 0 printed the line
 
 
-PEER_EXIT_DELAY_S = 2.0  # under torchrun, how long a rank > 0 waits before it exits failed
+PEER_EXIT_DELAY_S = 3.0  # under torchrun, how long a rank > 0 waits before it exits failed
 
 
 def _fail(msg: str, code: int) -> int:
