@@ -1,5 +1,10 @@
 """phaseloop: Transformer LMs with structured residual streams or depth recurrence."""
 
+from . import _startup
+
+if _startup.started_as_command():  # Ctrl-C while torch imports: one line, exit 130
+    _startup.install()
+
 from .config import PRESETS, ModelConfig
 from .errors import CheckpointError, ConfigError, DataError, PhaseloopError
 from .model import DecoderLM, ModelOutput, build_model

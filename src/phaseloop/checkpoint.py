@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .config import ModelConfig
-from .files import atomic_write_bytes, why_missing
+from .files import atomic_write_bytes, save_safetensors, why_missing
 from .errors import CheckpointError, ConfigError
 
 CKPT, OLD, TMP_PREFIX = "checkpoint", ".checkpoint.old", ".checkpoint.tmp-"
@@ -94,7 +94,9 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module | dict, optimizer=None
     try:
         full = model if isinstance(model, dict) else model.state_dict()
         state = {k: v.detach().cpu().contiguous() for k, v in full.items()}
-        save_file(_dedupe_tied(state), tmp / "model.safetensors", metadata={"step": str(step)})
+        final, old = run_dir / CKPT, run_dir / OLD
+        save_safetensors(_dedupe_tied(state), tmp / "model.safetensors", metadata={"step": str(step)},
+                         target=final / "model.safetensors")
         trainer_tensors = {f"rng.{k}": v for k, v in (rng or rng_states()).items()}
         trainer_tensors.update({f"data.{k}": v for k, v in (data_state or {}).items()})
         meta = {"step": step, **(extra or {})}
@@ -103,13 +105,12 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module | dict, optimizer=None
             t, m = _flatten_optimizer(opt)
             trainer_tensors.update(t)
             meta["optimizer"] = m
-        save_file(trainer_tensors, tmp / "trainer.safetensors")
+        save_safetensors(trainer_tensors, tmp / "trainer.safetensors", target=final / "trainer.safetensors")
         write_json(tmp / "trainer.json", meta)
         for name in ("model.safetensors", "trainer.safetensors"):
             (tmp / name).chmod(0o644)  # as the JSON beside them
         write_json(tmp / MANIFEST, {"step": step, "files": {
             n: {"bytes": (tmp / n).stat().st_size, "sha256": file_sha256(tmp / n)} for n in CKPT_FILES}})
-        final, old = run_dir / CKPT, run_dir / OLD
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)

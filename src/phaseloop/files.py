@@ -3,8 +3,10 @@ target, so a reader sees the old file or the new one, never half of one."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -61,3 +63,38 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def writing(target: Path):
+    """Turn a write error that is not an ``OSError`` into one naming ``target``: safetensors
+    reports a full disk or a failed write as its own ``SafetensorError`` ("I/O error: No
+    space left on device (os error 28)"), which the command line then reports as it does
+    every file-system error (one line, exit 2). ``target`` is the file the user asked
+    for, not the temporary file being written."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        raise as_os_error(e, target) from None
+
+
+def as_os_error(e: BaseException, target, doing: str = "could not be written") -> OSError:
+    """An ``OSError`` for ``e`` (a SafetensorError) with the errno its text names, else
+    EIO and ``doing`` with safetensors' words."""
+    name = None if target is None else os.fspath(target)
+    m = re.search(r"os error (\d+)", str(e))
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code), name)
+    return OSError(errno.EIO, f"{doing} ({str(e)[:120]})", name)
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None, *, target=None) -> None:
+    """safetensors' ``save_file``, its errors as ``OSError`` naming ``target`` (default
+    ``path``): every phaseloop writer of weights goes through here or ``writing``."""
+    from safetensors.torch import save_file
+
+    with writing(target if target is not None else path):
+        save_file(tensors, os.fspath(path), metadata=metadata)

@@ -17,15 +17,22 @@ from ..engine import dist
 from ..engine.trainer import DivergedError, Interrupted, PeerFailed
 
 DISTRIBUTED = ("train", "compare")  # the commands that run across torchrun's processes
-from .. import registry
+from safetensors import SafetensorError
+
+from .. import _startup, registry
 from ..errors import PhaseloopError
+from ..files import as_os_error
 from . import commands as C
 from .trainflags import add_train_flags
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too); rank 0 only
+        raise SystemExit(_fail(f"{self.prog}: error: {message} (see {self.prog} --help)", 2))
+
+    def _print_message(self, message, file=None):  # --help, usage: once under torchrun (rank 0)
+        if _rank() == 0:
+            super()._print_message(message, file)
 
     def _get_option_tuples(self, option_string):
         # a prefix of two spellings of one flag (--warm: --warmup, --warmup-steps) is not ambiguous
@@ -240,13 +247,67 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _rank() -> int:
+    """This process's rank: the process group's, or before it is joined (argparse, bad
+    input found before training) torchrun's RANK; 0 without torchrun."""
+    w = dist.world()
+    if w.size > 1:
+        return w.rank
+    try:
+        return int(os.environ.get("RANK", "0")) if dist.launched() else 0
+    except ValueError:
+        return 0
+
+
 def _say(msg: str) -> None:
     """One line on stderr, on a line of its own even after a progress bar (rank 0 of a
     torchrun world only: every rank meets the same error)."""
-    if not dist.world().main:
+    if _rank() != 0:
         return
     sys.stderr.write(("\n" if sys.stderr.isatty() else "") + msg + "\n")
     sys.stderr.flush()
+
+
+def _tell_torchrun(msg: str, code: int) -> None:
+    """Under torchrun (which sets TORCHELASTIC_ERROR_FILE for each worker), write the line
+    and the exit status to the error file torchrun reads: its failure summary then shows
+    ``traceback : phaseloop: error: ...`` and ``exitcode : 2`` for the root cause instead of
+    a pointer to its docs, and a scheduler reading torchrun's own error file gets both
+    (torchrun copies the root cause's file there with errorCode = the exit status)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    data = {"message": {"message": msg, "errorCode": code,
+                        "extraInfo": {"py_callstack": msg, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # torchrun then says "To enable traceback see ..."; rank 0 printed the line
+
+
+PEER_EXIT_DELAY_S = 3.0  # under torchrun, how long a rank > 0 waits before it exits failed
+
+
+def _fail(msg: str, code: int) -> int:
+    """The end of a failed command: one line (rank 0), torchrun told; returns ``code``.
+    Every rank of a torchrun world meets the same bad input at about the same moment; the
+    others wait a little before exiting so rank 0 prints its line and is the root cause
+    of torchrun's summary (torchrun stops the remaining ranks when the first one exits)."""
+    _say(msg)
+    _tell_torchrun(msg, code)
+    if _rank() != 0:
+        import time
+
+        try:  # torchrun's SIGTERM ends the wait quietly: the line is said and recorded
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except ValueError:  # not the main thread
+            pass
+        time.sleep(PEER_EXIT_DELAY_S)
+    return code
 
 
 def _interrupted(e: KeyboardInterrupt, command: str, what: str) -> str:
@@ -270,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()  # loads the installed architecture plugins
     except PhaseloopError as e:
-        _say(f"phaseloop: error: {e}")
-        return 2
+        return _fail(f"phaseloop: error: {e}", 2)
     args = parser.parse_args(argv)
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -282,24 +342,24 @@ def main(argv: list[str] | None = None) -> int:
         if dist.launched() and args.command in DISTRIBUTED:
             if not dist.init(getattr(args, "device", None) or "auto").main:
                 sys.stdout = open(os.devnull, "w")  # rank 0 reports
+        _startup.uninstall()  # from here on Ctrl-C is reported below (exit 130)
         return args.func(args)
     except DivergedError as e:
-        _say(f"phaseloop: error: {e}")
-        return 3
+        return _fail(f"phaseloop: error: {e}", 3)
     except PeerFailed as e:
-        _say(f"phaseloop: error: {e}")
-        return 4
+        return _fail(f"phaseloop: error: {e}", 4)
     except PhaseloopError as e:
-        _say(f"phaseloop: error: {e}")
-        return 2
-    except OSError as e:  # the file system said no: name the file, no traceback
+        return _fail(f"phaseloop: error: {e}", 2)
+    except (OSError, SafetensorError) as e:  # the file system said no: name the file, no traceback
+        if not isinstance(e, OSError):  # safetensors' own error, not turned into an OSError where
+            e = as_os_error(e, None, "safetensors failed")  # phaseloop wrote or read the file
         where = f"{e.filename}: " if e.filename else ""
-        _say(f"phaseloop: error: {where}{e.strerror or e}; check the path, its permissions and free space")
-        return 2
+        return _fail(f"phaseloop: error: {where}{e.strerror or e}; check the path, its permissions "
+                     "and free space", 2)
     except KeyboardInterrupt as e:
         terminated = isinstance(e, _Terminated) or isinstance(e.__context__, _Terminated)
-        _say(f"phaseloop: {_interrupted(e, args.command, 'terminated' if terminated else 'interrupted')}")
-        return 143 if terminated else 130
+        return _fail(f"phaseloop: {_interrupted(e, args.command, 'terminated' if terminated else 'interrupted')}",
+                     143 if terminated else 130)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

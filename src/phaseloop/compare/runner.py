@@ -89,6 +89,17 @@ def _launch_hint(name: str, log) -> None:
             f"launch it with `torchrun --nproc-per-node {n} -m phaseloop compare ...`")
 
 
+def check_eval_tasks(recipe: Recipe) -> None:
+    """Refuse a recipe whose ``eval_tasks`` cannot run (lm-eval missing, a task unknown or
+    its data absent) before anything trains or is written. (A --dry-run does not: it
+    checks the variants where lm-eval and the data may be absent, as in CI.)"""
+    if recipe.eval_tasks:
+        from ..hf.harness import resolved_tasks
+
+        with resolved_tasks(recipe.eval_tasks):
+            pass
+
+
 def _lm_eval(recipe: Recipe, run_dir: Path, device: str, log) -> None:
     """Score a finished run on the recipe's lm-eval tasks once (RUN/lm_eval/results.json)."""
     if not recipe.eval_tasks or not (run_dir / "summary.json").exists():
@@ -118,6 +129,7 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     log = log if w.main else None
     for v in recipe.variants:  # cheap spec check before the data is read
         resolve_variant(v, recipe.scale)
+    check_eval_tasks(recipe)
     with dist.main_first():  # rank 0 builds the token store, then the others read it
         corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column)
     plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
@@ -161,10 +173,6 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
         dist.barrier()  # every rank has looked before rank 0 writes this run's config.json
         lm.train(p.cfg, tc, corpus, run_dir, resume=resume, progress=False, on_step=_on_step)
 
-    if recipe.eval_tasks:  # refused before any training when the extra is missing
-        from .. import hf
-
-        hf.require("transformers", "lm_eval")
     try:
         for r in pending:
             one(*r)

@@ -7,11 +7,13 @@ weight: a weight-shared block is one module; a tied head is declared tied and st
 once), generation_config.json, the run's tokenizer (tokenizer.json and
 tokenizer_config.json, the byte tokenizer included), the two small remote-code files
 (they import phaseloop, which must be installed) and a model card. It is written into a
-temporary folder beside ``out`` and renamed, so ``out`` is never half-written.
+temporary folder beside ``out`` (``.NAME.tmp-PID-*``) and renamed, so ``out`` is never
+half-written; one an export killed midway left is removed by the next export to ``out``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,7 +25,7 @@ import torch
 from ..checkpoint import (checkpoint_dir, dumps, file_sha256, load_run, read_json, run_folder,
                           run_tokenizer)
 from ..errors import CheckpointError, PhaseloopError
-from ..files import check_out_dir
+from ..files import check_out_dir, writing
 from .modeling import PhaseloopForCausalLM
 from .tokenizer import hf_tokenizer
 
@@ -95,6 +97,49 @@ Needs `pip install 'phaseloop[hf]'`. Training configuration: see `phaseloop.json
 """
 
 
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers' "Writing model shards" bar off: the command's stderr is its notes and,
+    on failure, its one line."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def _tmp_prefix(out: Path) -> str:
+    return f".{out.name}.tmp-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_export_orphans(out: Path) -> list[Path]:
+    """Remove the temporary folders an export to ``out`` killed midway left beside it
+    (``.NAME.tmp-PID-*``, a model's size each), unless their process still runs."""
+    out, gone = Path(out), []
+    if not out.parent.is_dir():
+        return gone
+    for p in out.parent.glob(_tmp_prefix(out) + "*"):
+        pid = p.name[len(_tmp_prefix(out)):].split("-", 1)[0]
+        if p.is_dir() and not p.is_symlink() and not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
 def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
                quantized: str | Path | None = None) -> Path:
     """Write the run as a Hugging Face folder at ``out`` (absent or empty); returns it."""
@@ -107,10 +152,12 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
     ckpt = checkpoint_dir(run_dir) if run_dir == run else run
     summary = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    remove_export_orphans(out)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{_tmp_prefix(out)}{os.getpid()}-"))
     try:
         hf.config.auto_map = dict(AUTO_MAP)
-        hf.save_pretrained(tmp)
+        with writing(out / "model.safetensors"), _no_progress_bar():  # a full disk: an OSError
+            hf.save_pretrained(tmp)
         fast.save_pretrained(tmp)
         for name, cls in REMOTE_CODE.items():
             (tmp / name).write_text(f'"""phaseloop\'s {cls} for trust_remote_code=True (needs '

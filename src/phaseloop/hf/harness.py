@@ -19,8 +19,10 @@ its newline token: phaseloop models train on raw text with no BOS/EOS).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from ..checkpoint import dumps, run_folder
@@ -105,13 +107,71 @@ def write_local_tasks(dest: Path, data: Path | None, wanted: list[str]) -> None:
         atomic_write_bytes(dest / f"{name}.yaml", template.format(data=json.dumps(str(path.resolve()))).encode())
 
 
+def _check_include_path(include_path: str | Path | None) -> None:
+    """Refuse an ``--include-path`` that is not a folder, or holds a task YAML lm-eval
+    cannot read (it would skip that file silently and then call its task unknown)."""
+    if include_path is None:
+        return
+    from ..files import why_missing
+
+    path = Path(include_path)
+    if not path.exists():
+        raise PhaseloopError(f"--include-path {path} {why_missing(path)}; pass a folder of lm-eval "
+                             "task YAMLs")
+    if not path.is_dir():
+        raise PhaseloopError(f"--include-path {path} is a file, not a folder; pass the folder holding it")
+    try:  # lm-eval's own loader, as its task index reads the files (!function not resolved)
+        from lm_eval.tasks._index import TaskIndex
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:  # another lm-eval layout: it reports what it cannot read itself
+        return
+    for yaml_path in TaskIndex._iter_yaml_files(path):
+        try:
+            TaskIndex.process_cfg(load_yaml(yaml_path, resolve_func=False), yaml_path, {})
+        except Exception as e:  # yaml.YAMLError, ValueError, KeyError, ...: lm-eval's "skip"
+            first = " ".join(str(e).replace(str(Path(yaml_path).resolve()), "it").split())[:160]
+            raise PhaseloopError(f"--include-path {path}: {yaml_path} is not a task lm-eval can read "
+                                 f"({type(e).__name__}: {first}); fix or remove it") from None
+
+
+@contextlib.contextmanager
+def resolved_tasks(tasks: list[str], *, include_path: str | Path | None = None, data: str | None = None):
+    """(lm-eval's TaskManager for ``tasks``, the local tasks' folder), every task known, or a refusal (one line) before
+    anything is written anywhere: ``--tasks`` empty, a local task whose data is missing, an
+    ``--include-path`` missing or holding a broken YAML, an unknown task. The local tasks'
+    YAMLs live in a temporary folder while it is open. ``lm-eval`` and ``compare`` (a
+    recipe's ``eval_tasks``, before anything trains) check tasks through here."""
+    require("transformers", "lm_eval")
+    if not tasks or any(not t for t in tasks):
+        raise PhaseloopError("--tasks is empty; name tasks, e.g. --tasks lambada_local,wikitext2_local")
+    _check_include_path(include_path)
+    from lm_eval.tasks import TaskManager
+
+    with tempfile.TemporaryDirectory(prefix="phaseloop-lm-eval-") as tmp:
+        local = Path(tmp) / "tasks"
+        write_local_tasks(local, data_dir(data), tasks)
+        includes = [str(local)] + ([str(include_path)] if include_path else [])
+        # lm-eval indexes its ~15k built-in tasks in ~12 s: only when a task is not ours
+        manager = TaskManager(include_path=includes, include_defaults=False)
+        if any(t not in manager.all_tasks for t in tasks):
+            manager = TaskManager(include_path=includes)
+        unknown = [t for t in tasks if t not in manager.all_tasks]
+        if unknown:
+            raise ConfigError(f"unknown lm-eval task {unknown[0]!r}; the local ones are "
+                              f"{', '.join(LOCAL_TASKS)}; list the others with `lm-eval ls tasks` "
+                              "(or give --include-path DIR of task YAMLs)")
+        yield manager, local
+
+
 def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None = None,
                 limit: int | float | None = None, batch_size: int = 8, device: str = "cpu",
                 dtype: str = "float32", data: str | None = None, log_samples: bool = False,
                 write: bool = True) -> dict:
     """Run lm-eval's ``simple_evaluate`` on ``run``; returns its results dict (with
     ``samples`` when ``log_samples``) and, with ``write``, writes
-    ``RUN/lm_eval/results.json`` and ``results.md`` (its table)."""
+    ``RUN/lm_eval/results.json`` and ``results.md`` (its table) and the local tasks'
+    YAMLs it used (``RUN/lm_eval/tasks``). A refused task, or an evaluation that fails,
+    writes nothing in the run."""
     require("transformers", "lm_eval")
     if not tasks or any(not t for t in tasks):
         raise PhaseloopError("--tasks is empty; name tasks, e.g. --tasks lambada_local,wikitext2_local")
@@ -119,7 +179,6 @@ def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None =
         raise PhaseloopError("--batch-size and --limit must be positive")
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
     from .export import from_run
@@ -129,27 +188,18 @@ def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None =
     dev = resolve_device(device)
     hf, fast, run_cfg, tok = from_run(run, dev, dtype)
     out = run_dir / "lm_eval"
-    local = out / "tasks"
-    write_local_tasks(local, data_dir(data), tasks)
-    includes = [str(local)] + ([include_path] if include_path else [])
-    # lm-eval indexes its ~15k built-in tasks in ~12 s: only when a task is not ours
-    manager = TaskManager(include_path=includes, include_defaults=False)
-    if any(t not in manager.all_tasks for t in tasks):
-        manager = TaskManager(include_path=includes)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise ConfigError(f"unknown lm-eval task {unknown[0]!r}; the local ones are "
-                          f"{', '.join(LOCAL_TASKS)}; list the others with `lm-eval ls tasks` "
-                          "(or give --include-path DIR of task YAMLs)")
-    from .tokenizer import prefix_token_id
+    with resolved_tasks(tasks, include_path=include_path, data=data) as (manager, local):
+        from .tokenizer import prefix_token_id
 
-    lm = HFLM(pretrained=hf, tokenizer=fast, backend="causal", batch_size=batch_size,
-              max_length=hf.model.cfg.max_seq_len, prefix_token_id=prefix_token_id(tok, fast))
-    res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
-                          log_samples=log_samples, bootstrap_iters=0)
+        lm = HFLM(pretrained=hf, tokenizer=fast, backend="causal", batch_size=batch_size,
+                  max_length=hf.model.cfg.max_seq_len, prefix_token_id=prefix_token_id(tok, fast))
+        res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
+                              log_samples=log_samples, bootstrap_iters=0)
     if write:
+        write_local_tasks(out / "tasks", data_dir(data), tasks)  # the definitions the results used
         keep = {k: v for k, v in res.items() if k != "samples"}
-        atomic_write_bytes(out / "results.json", dumps(keep, indent=2, default=str).encode())
+        text = dumps(keep, indent=2, default=str).replace(str(local), str(out / "tasks"))
+        atomic_write_bytes(out / "results.json", text.encode())
         atomic_write_bytes(out / "results.md", (make_table(res) + "\n").encode())
     return res
 

@@ -58,12 +58,14 @@ def quantized_state_dict(model: nn.Module) -> dict:
     return out
 
 
-def save_quantized(model: nn.Module, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
-    """Write :func:`quantized_state_dict` of ``model`` to a safetensors file."""
-    from safetensors.torch import save_file
+def save_quantized(model: nn.Module, path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
+                   *, target: str | os.PathLike | None = None) -> None:
+    """Write :func:`quantized_state_dict` of ``model`` to a safetensors file (a write error,
+    a full disk, as an ``OSError`` naming ``target``, default ``path``)."""
+    from ..files import save_safetensors
     meta = {"format": _FORMAT}
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
-    save_file(quantized_state_dict(model), os.fspath(path), metadata=meta)
+    save_safetensors(quantized_state_dict(model), path, metadata=meta, target=target)
 
 
 def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cpu", strict: bool = True) -> dict:

@@ -5,6 +5,7 @@ call ``quantize_run``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -49,19 +50,24 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
     after = evaluate(model, val, corpus.tokenizer, 16, dev, ignore)
 
     out_dir = Path(out) if out else run_dir
+    made = [] if out_dir.is_dir() else [p for p in (out_dir, *out_dir.parents) if not p.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"quant-w{bits}-g{group_size}-{method}"
     weights = out_dir / f"{stem}.safetensors"
     tmp = out_dir / f".{stem}.safetensors.tmp"
-    try:
-        save_quantized(model, tmp, {"run": str(run_dir), "arch": model.cfg.arch})
-        os.replace(tmp, weights)
-    finally:
-        tmp.unlink(missing_ok=True)
     report.update({"run": str(run_dir), "arch": model.cfg.arch, "weights": str(weights), "stem": stem,
                    "before": before, "after": after, "data": corpus.name,
                    "fingerprint": corpus.fingerprint, "windows": len(val), "seq_len": seq_len,
                    "calib": None if calib is None else {"batches": len(calib),
                                                         "batch_size": calib_batch_size, "seed": seed}})
-    write_json(out_dir / f"{stem}.json", report)
+    try:  # the weights under a temporary name, the report, then the weights renamed in
+        save_quantized(model, tmp, {"run": str(run_dir), "arch": model.cfg.arch}, target=weights)
+        write_json(out_dir / f"{stem}.json", report)
+        os.replace(tmp, weights)
+    except BaseException:  # a full disk: nothing half-written, no folder left that we made
+        tmp.unlink(missing_ok=True)
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
     return report

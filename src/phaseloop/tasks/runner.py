@@ -38,7 +38,7 @@ from ..engine import RunFolder, TrainConfig, read_metrics, software_versions
 from ..errors import CheckpointError, ConfigError
 from ..tokenizer import load_tokenizer
 from .algorithmic import TASKS, CharVocab, Example, TaskSpec, parse_lengths
-from .babi import BabiExample, WordVocab, failed_tasks, format_example, load_babi, ponder_by_supporting, task_error
+from .babi import N_TASKS as N_BABI_TASKS, BabiExample, WordVocab, failed_tasks, format_example, load_babi, ponder_by_supporting, task_error
 from .jsonl import TokenizerVocab, load_jsonl
 from .metrics import char_accuracy, mean_std, sequence_accuracy
 from .models import Pair, is_seq2seq, decode_pairs, encode_pairs, task_model_class, train_pairs
@@ -286,6 +286,21 @@ def babi_pairs(examples: Sequence[BabiExample], max_sentences: int | None) -> li
     return out
 
 
+def check_babi_tasks(tasks: Sequence[int], seeds: Sequence[int] = (0,)) -> None:
+    """Refuse, before anything is read, trained or written, a bAbI task list that is empty,
+    names a task outside 1..20 or names one twice (each task is one run folder, so the
+    second would be refused only after the first had trained), and repeated seeds."""
+    if not tasks:
+        raise ConfigError("--tasks names no bAbI task; write task numbers like 1,2,3")
+    bad = [t for t in tasks if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= N_BABI_TASKS]
+    if bad:
+        raise ConfigError(f"--tasks: bAbI task must be an integer 1..{N_BABI_TASKS}, got {bad[0]!r}")
+    for what, items in (("--tasks", list(tasks)), ("--seeds", list(seeds))):
+        twice = next((x for i, x in enumerate(items) if x in items[:i]), None)
+        if twice is not None:
+            raise ConfigError(f"{what} {','.join(map(str, items))} names {twice} twice; name each once")
+
+
 def run_babi(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: TrainConfig,
              joint: bool = False, max_sentences: int | None = 20, arch: str | None = None,
              log: Callable[[dict], None] | None = None, max_test: int | None = None,
@@ -296,6 +311,7 @@ def run_babi(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: TrainCo
     ``max_sentences``: keep the last k story sentences (None: all); ``max_test``: score
     only the first k test questions per task (None: all); ``out_dir``: one run folder
     per model (``task-<t>`` or ``joint``); ``note``: see ``check_positions``."""
+    check_babi_tasks(tasks)
     if max_test is not None and (isinstance(max_test, bool) or not isinstance(max_test, int) or max_test < 1):
         raise ConfigError(f"--n-test {max_test!r}: score at least 1 test question per task (an integer >= 1), "
                           "or leave it out to score them all")
@@ -346,6 +362,7 @@ def run_babi_seeds(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: T
     """``run_babi`` for several seeds; summary (mean +- std over seeds) of error per
     task and of ponder time per task and number of supporting facts; writes
     ``metrics.json`` into ``out_dir`` when given (run folders ``seed-<s>/...``)."""
+    check_babi_tasks(tasks, seeds)
     out = _prepare_out(out_dir, resume)
     label = model_label(model_cfg, arch)
     per_seed = []

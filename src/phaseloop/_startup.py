@@ -1,0 +1,50 @@
+"""Ctrl-C while the `phaseloop` command starts (importing torch takes seconds): one line
+and exit 130, not a KeyboardInterrupt traceback. Standard library only: it runs before
+any heavy import. ``phaseloop/__init__.py`` installs it when the process is the command
+(the console script, or ``python -m phaseloop``), never when phaseloop is imported as a
+library; ``cli.main`` hands SIGINT back to Python just before a command runs, whose
+interruptions it reports itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+MESSAGE = "phaseloop: interrupted while starting; nothing was done\n"
+
+
+def started_as_command() -> bool:
+    """Is this process the `phaseloop` command (not a Python program importing it)?"""
+    if os.path.basename(sys.argv[0] or "") in ("phaseloop", "phaseloop.exe"):
+        return True
+    argv = list(getattr(sys, "orig_argv", []))
+    return any(a == "-m" and argv[i + 1:i + 2] == ["phaseloop"] for i, a in enumerate(argv))
+
+
+def _interrupted(signum, frame):
+    rank = os.environ.get("RANK", "0")
+    if rank in ("", "0"):  # under torchrun, rank 0 speaks for the world
+        try:
+            os.write(2, MESSAGE.encode())
+        except OSError:
+            pass
+    os._exit(130)  # nothing has been written yet: no cleanup to run
+
+
+def install() -> None:
+    """Quiet Ctrl-C for the start of the command (only where Python's own handler is set)."""
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupted)
+    except (ValueError, OSError):  # not the main thread, or no signals here
+        pass
+
+
+def uninstall() -> None:
+    """Python's own KeyboardInterrupt again (the command reports interruptions itself)."""
+    try:
+        if signal.getsignal(signal.SIGINT) is _interrupted:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    except (ValueError, OSError):
+        pass
