@@ -16,6 +16,12 @@ Padding: rows of a left-padded batch (``attention_mask`` 0 … 0 1 … 1) run as
 sub-batch per padding length, each exactly as those rows alone (3PT's horn and UT's
 coordinate signal read absolute positions, which padding would shift); pad positions
 get logits 0. Only left padding is accepted (right padding needs no mask: causal).
+Under torch.export / torch.compile (no cache) the batch runs at once instead, each row
+rotated to start at position 0 (``_forward_batch``): no data-dependent branch.
+
+What transformers asks of a model and these models cannot mean the same way
+(``output_attentions``, ``output_hidden_states``, other ``position_ids``) is refused
+with a ConfigError naming the reason, never ignored (docs/hf.md).
 """
 
 from __future__ import annotations
