@@ -186,41 +186,42 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
         return False
 
     def initialize_weights(self):
+        self.__dict__["_initializing"] = True
         try:
             super().initialize_weights()
         finally:
+            self.__dict__.pop("_initializing", None)
             self.__dict__.pop("_fresh", None)
 
     def _init_weights(self, module):
         """Parameters transformers reports missing (a partial checkpoint,
-        ``ignore_mismatched_sizes``, ``resize_token_embeddings``) get phaseloop's own
-        initialisation, whatever the architecture: copied from a freshly built
-        ``DecoderLM`` of the same config (built once per ``initialize_weights``, on the
-        CPU). Derived, non-persistent buffers are recomputed."""
+        ``ignore_mismatched_sizes``) get phaseloop's own initialisation, whatever the
+        architecture: copied from a freshly built ``DecoderLM`` of the same config (on the
+        CPU; built once per ``initialize_weights``). Derived, non-persistent buffers are
+        recomputed. Parameters transformers marks loaded are kept."""
         if isinstance(module, DerivedBuffers):
             module.reset_buffers()
         if getattr(self, "_built", False):
             return
-        own = list(module.named_parameters(recurse=False))
-        todo = [(n, p) for n, p in own if not getattr(p, "_is_hf_initialized", False)]
+        todo = [(n, p) for n, p in module.named_parameters(recurse=False)
+                if not getattr(p, "_is_hf_initialized", False) and p.device.type != "meta"]
         if not todo:
             return
-        if "_fresh" not in self.__dict__:
-            with torch.device("cpu"):
-                fresh = DecoderLM(self.config.model_config)
-            names = {id(m): n for n, m in self.named_modules()}
-            self.__dict__["_fresh"] = (dict(fresh.named_modules()), names)
-        fresh_modules, names = self.__dict__["_fresh"]
+        cached = self.__dict__.get("_fresh")
+        names = cached[1] if cached else {id(m): n for n, m in self.named_modules()}
         name = names.get(id(module))
-        if name is None or not name.startswith("model"):
-            return
-        src = fresh_modules.get(name[len("model."):] if name != "model" else "")
-        if src is None:
-            return
+        if name is None or not (name == "model" or name.startswith("model.")):
+            return  # not (yet) part of this model: e.g. resize_token_embeddings' new module
+        if cached is None:
+            with torch.device("cpu"):
+                cached = (dict(DecoderLM(self.config.model_config).named_modules()), names)
+            if self.__dict__.get("_initializing"):
+                self.__dict__["_fresh"] = cached
+        src = cached[0].get(name[len("model."):] if name != "model" else "")
         with torch.no_grad():
             for n, p in todo:
-                q = getattr(src, n, None)
-                if q is not None and q.shape == p.shape and p.device.type != "meta":
+                q = getattr(src, n, None) if src is not None else None
+                if q is not None and q.shape == p.shape:
                     p.copy_(q.to(p.dtype))
 
     def get_input_embeddings(self):
