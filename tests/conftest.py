@@ -15,6 +15,13 @@ def shared_data_dir() -> Path | None:
     return None
 
 
+def pytest_configure(config):
+    """Marks of transformers' common tests (tests/test_hf_common.py imports them)."""
+    for mark in ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test",
+                 "torch_compile_test", "slow"):
+        config.addinivalue_line("markers", f"{mark}: transformers' common tests (test_hf_common.py)")
+
+
 @pytest.fixture(autouse=True)
 def _isolate(tmp_path_factory, monkeypatch):
     """Token caches go to a per-session temp folder; runs are deterministic."""

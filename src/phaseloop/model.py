@@ -50,8 +50,11 @@ class TokenEmbedding(nn.Module):
         self.options = nn.ModuleDict(option_modules(cfg, "embedding"))
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx_BT: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        x_BTD = self.tok(idx_BT)
+    def forward(self, idx_BT: torch.Tensor | None, start_pos: int = 0,
+                tok_BTD: torch.Tensor | None = None) -> torch.Tensor:
+        """``tok_BTD``: token embeddings given directly (``self.tok`` of some ids, or any
+        vectors in its place; transformers' ``inputs_embeds``), instead of ``idx_BT``."""
+        x_BTD = self.tok(idx_BT) if tok_BTD is None else tok_BTD
         if self.scale != 1.0:
             x_BTD = x_BTD * self.scale
         for option in self.options.values():
@@ -89,13 +92,16 @@ class DecoderLM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.tok.weight
 
-    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> ModelOutput:
-        """Targets equal to -100 are ignored (e.g. prompt tokens of a task)."""
-        T = idx_BT.shape[1]
+    def forward(self, idx_BT: torch.Tensor | None, targets_BT: torch.Tensor | None = None,
+                cache: KVCache | None = None, embeds_BTD: torch.Tensor | None = None) -> ModelOutput:
+        """Targets equal to -100 are ignored (e.g. prompt tokens of a task). ``embeds_BTD``
+        replaces the token embedding of ``idx_BT`` (pass None for ``idx_BT`` then); the
+        embedding's scale and options (the 3PT horn) still apply."""
+        src = idx_BT if embeds_BTD is None else embeds_BTD
+        T = src.shape[1]
         start = cache.pos if cache is not None else 0
-        ctx = Context.at(self.cfg, start, T, idx_BT.device, cache=cache)
-        x_BTD = self.trunk(self.embed(idx_BT, start), ctx)
+        ctx = Context.at(self.cfg, start, T, src.device, cache=cache)
+        x_BTD = self.trunk(self.embed(idx_BT, start, tok_BTD=embeds_BTD), ctx)
         logits_BTV = self.head(self.norm(x_BTD))
         if cache is not None:
             cache.pos += T

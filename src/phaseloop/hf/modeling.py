@@ -16,6 +16,12 @@ Padding: rows of a left-padded batch (``attention_mask`` 0 … 0 1 … 1) run as
 sub-batch per padding length, each exactly as those rows alone (3PT's horn and UT's
 coordinate signal read absolute positions, which padding would shift); pad positions
 get logits 0. Only left padding is accepted (right padding needs no mask: causal).
+Under torch.export / torch.compile (no cache) the batch runs at once instead, each row
+rotated to start at position 0 (``_forward_batch``): no data-dependent branch.
+
+What transformers asks of a model and these models cannot mean the same way
+(``output_attentions``, ``output_hidden_states``, other ``position_ids``) is refused
+with a ConfigError naming the reason, never ignored (docs/hf.md).
 """
 
 from __future__ import annotations
@@ -32,25 +38,68 @@ from ..model import DecoderLM
 from ..trunk import DerivedBuffers
 
 
+# transformers' names for ModelConfig fields; num_hidden_layers is the arch's layer field
+# (ArchSpec.layers_name). Properties over ``config.phaseloop``: one source of truth.
+TOP_LEVEL = {"vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_layers": None,
+             "num_attention_heads": "n_heads", "max_position_embeddings": "max_seq_len"}
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _field(cfg: dict, name: str) -> str:
+    if TOP_LEVEL[name] is not None:
+        return TOP_LEVEL[name]
+    return ModelConfig.from_dict(cfg).spec.layers_name
+
+
 class PhaseloopConfig(PretrainedConfig):
+    """``phaseloop``: the whole ``ModelConfig`` (its ``to_dict``), the source of truth.
+    ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` and
+    ``max_position_embeddings`` read and write it (a value the architecture refuses
+    raises ``ConfigError``); passed to ``__init__`` (or ``from_pretrained``) they
+    override its fields. ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: None by
+    default (phaseloop models train on raw text, with no special tokens)."""
+
     model_type = "phaseloop"
 
-    def __init__(self, phaseloop: dict | None = None, **kwargs):
-        cfg = ModelConfig.from_dict(phaseloop or {})
+    def __init__(self, phaseloop: dict | None = None, bos_token_id: int | None = None,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                 **kwargs):
+        d = ModelConfig.from_dict(phaseloop or {}).to_dict()
+        top = {k: kwargs.pop(k) for k in TOP_LEVEL if k in kwargs}
+        for k, v in top.items():
+            d[_field(d, k)] = v
+        cfg = ModelConfig.from_dict(d)
         self.phaseloop = cfg.to_dict()
-        # the names other tools read (lm-eval: max_length from max_position_embeddings)
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
         kwargs.setdefault("tie_word_embeddings", cfg.tie_embeddings)
-        self.vocab_size = cfg.vocab_size
-        self.hidden_size = cfg.d_model
-        self.num_hidden_layers = cfg.n_layers
-        self.num_attention_heads = cfg.n_heads
-        self.max_position_embeddings = cfg.max_seq_len
         self.use_cache = kwargs.pop("use_cache", True)
         super().__init__(**kwargs)
 
     @property
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_dict(self.phaseloop)
+
+    def to_dict(self) -> dict:
+        """With the usual names (other tools read config.json: lm-eval's max length)."""
+        out = super().to_dict()
+        out.update({k: getattr(self, k) for k in TOP_LEVEL})
+        return out
+
+
+def _top_level(name: str) -> property:
+    def get(self):
+        return self.phaseloop[_field(self.phaseloop, name)]
+
+    def set(self, value):
+        d = dict(self.phaseloop)
+        d[_field(d, name)] = value
+        self.phaseloop = ModelConfig.from_dict(d).to_dict()  # refuses what the arch refuses
+
+    return property(get, set, doc=f"``phaseloop``'s field for transformers' {name}")
+
+
+for _name in TOP_LEVEL:
+    setattr(PhaseloopConfig, _name, _top_level(_name))
 
 
 class PhaseloopCache:
@@ -95,19 +144,34 @@ def _pads(attention_mask: torch.Tensor | None, B: int, S: int) -> list[int]:
     return pads.tolist()
 
 
+# generate's own bookkeeping in the model kwargs (the cache's ``seen`` says the same)
+GENERATE_STATE = ("is_first_iteration", "cache_position")
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+def _refuse(name: str, why: str):
+    raise ConfigError(f"{name} is not supported by PhaseloopForCausalLM: {why}")
+
+
 class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = PhaseloopConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _is_stateful = True  # the cache cannot be cropped: no assisted decoding
     _supports_sdpa = True
+    accepts_loss_kwargs = False  # transformers.Trainer: the loss is the model's own (mean, + ACT's ponder cost)
 
     def __init__(self, config: PhaseloopConfig):
         super().__init__(config)
         self.model = DecoderLM(config.model_config)
         if config.tie_word_embeddings:
             self._tied_weights_keys = {"model.head.weight": "model.embed.tok.weight"}
+        self._built = True  # DecoderLM initialised itself: post_init has nothing to add
         self.post_init()
+        self._built = False
 
     @classmethod
     def from_decoder(cls, model: DecoderLM) -> "PhaseloopForCausalLM":
@@ -121,11 +185,44 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
+    def initialize_weights(self):
+        self.__dict__["_initializing"] = True
+        try:
+            super().initialize_weights()
+        finally:
+            self.__dict__.pop("_initializing", None)
+            self.__dict__.pop("_fresh", None)
+
     def _init_weights(self, module):
-        """DecoderLM initialises its own parameters; after a load (built on the meta
-        device) only the derived, non-persistent buffers need their values."""
+        """Parameters transformers reports missing (a partial checkpoint,
+        ``ignore_mismatched_sizes``) get phaseloop's own initialisation, whatever the
+        architecture: copied from a freshly built ``DecoderLM`` of the same config (on the
+        CPU; built once per ``initialize_weights``). Derived, non-persistent buffers are
+        recomputed. Parameters transformers marks loaded are kept."""
         if isinstance(module, DerivedBuffers):
             module.reset_buffers()
+        if getattr(self, "_built", False):
+            return
+        todo = [(n, p) for n, p in module.named_parameters(recurse=False)
+                if not getattr(p, "_is_hf_initialized", False) and p.device.type != "meta"]
+        if not todo:
+            return
+        cached = self.__dict__.get("_fresh")
+        names = cached[1] if cached else {id(m): n for n, m in self.named_modules()}
+        name = names.get(id(module))
+        if name is None or not (name == "model" or name.startswith("model.")):
+            return  # not (yet) part of this model: e.g. resize_token_embeddings' new module
+        if cached is None:
+            with torch.device("cpu"):
+                cached = (dict(DecoderLM(self.config.model_config).named_modules()), names)
+            if self.__dict__.get("_initializing"):
+                self.__dict__["_fresh"] = cached
+        src = cached[0].get(name[len("model."):] if name != "model" else "")
+        with torch.no_grad():
+            for n, p in todo:
+                q = getattr(src, n, None) if src is not None else None
+                if q is not None and q.shape == p.shape:
+                    p.copy_(q.to(p.dtype))
 
     def get_input_embeddings(self):
         return self.model.embed.tok
@@ -139,55 +236,171 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.model.head = value
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
-                                      attention_mask=None, **kwargs):
-        """The new tokens only once a cache holds the rest (``cache.seen`` columns)."""
-        if cache is not None and cache.seen:
-            input_ids = input_ids[:, cache.seen:]
-        out = {"input_ids": input_ids, "cache": cache, "attention_mask": attention_mask,
-               "use_cache": kwargs.get("use_cache", True)}
+    def resize_token_embeddings(self, *args, **kwargs):
+        """transformers' resize, then ``config.phaseloop`` follows (save/load round trips)."""
+        out = super().resize_token_embeddings(*args, **kwargs)
+        self.model.cfg = self.config.model_config
         return out
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
+                                      attention_mask=None, inputs_embeds=None, **kwargs):
+        """The new tokens only once a cache holds the rest (``cache.seen`` columns). With
+        ``inputs_embeds`` (generate's prompt as vectors), ``input_ids`` holds the
+        generated tokens only: the columns not yet consumed are taken from both. Other
+        keyword arguments go to ``forward``, which supports or refuses each."""
+        seen = cache.seen if cache is not None else 0
+        out = {k: v for k, v in kwargs.items() if v is not None and k not in GENERATE_STATE}
+        out.update(cache=cache, attention_mask=attention_mask, use_cache=kwargs.get("use_cache", True))
+        E = inputs_embeds.shape[1] if inputs_embeds is not None else 0
+        if E > seen:
+            new = input_ids[:, max(seen - E, 0):]
+            emb = inputs_embeds[:, seen:]
+            if new.shape[1]:
+                emb = torch.cat([emb, self.get_input_embeddings()(new)], 1)
+            out["inputs_embeds"] = emb
+        else:
+            out["input_ids"] = input_ids[:, seen - E:]
+        if out.get("position_ids") is not None:  # generate keeps them for every column so far
+            out["position_ids"] = out["position_ids"][..., seen:]
+        return out
+
+    def forward(self, input_ids: torch.LongTensor | None = None,
+                attention_mask: torch.Tensor | None = None,
                 cache: PhaseloopCache | None = None, use_cache: bool | None = None,
                 labels: torch.LongTensor | None = None, return_dict: bool | None = None,
-                logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+                logits_to_keep: int | torch.Tensor = 0, inputs_embeds: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None, **kwargs):
+        """``labels``: the loss is phaseloop's own (cross-entropy of the shifted labels,
+        -100 ignored, plus the auxiliary losses: ACT's ponder cost). A left-padded batch
+        runs as one sub-batch per padding length (each exactly as those rows alone); under
+        torch.export / torch.compile (no cache: ``use_cache`` is off while tracing) as one
+        batch, each row rotated to start at position 0. Refused, each with a ConfigError naming why:
+        ``output_attentions`` / ``output_hidden_states`` (True), ``position_ids`` other
+        than the tokens' own positions, masks with padding not on the left, any other
+        keyword argument."""
+        if kwargs:
+            raise TypeError(f"PhaseloopForCausalLM.forward() got unsupported keyword argument(s) "
+                            f"{', '.join(sorted(kwargs))}")
+        if output_attentions or (output_attentions is None and self.config.output_attentions):
+            _refuse("output_attentions", "attention runs in fused SDPA kernels, which return no "
+                    "weights, and looped or universal trunks apply a layer several times")
+        if output_hidden_states or (output_hidden_states is None and self.config.output_hidden_states):
+            _refuse("output_hidden_states", "the trunks have no common per-layer state (a looped "
+                    "trunk applies a layer several times, Hyperloop / mHC carry several "
+                    "streams, UT+ACT halts per position)")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ConfigError("pass exactly one of input_ids and inputs_embeds")
+        x = input_ids if inputs_embeds is None else inputs_embeds
+        return_dict = self.config.return_dict if return_dict is None else return_dict
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and cache is None:
+        if use_cache and cache is None and not (self.training or _tracing()):
             cache = PhaseloopCache()
-        B, T = input_ids.shape
+        B, T = x.shape[:2]
         seen = cache.seen if cache is not None else 0
-        pads = _pads(attention_mask, B, seen + T)
-        if cache is not None and not cache.groups:
-            for p in sorted(set(pads)):
-                rows = torch.tensor([b for b in range(B) if pads[b] == p], device=input_ids.device)
-                cache.groups[p] = (rows, KVCache())
-        groups = cache.groups.items() if cache is not None else \
-            ((p, (torch.tensor([b for b in range(B) if pads[b] == p], device=input_ids.device), None))
-             for p in sorted(set(pads)))
-        logits = None
-        for p, (rows, kv) in groups:
-            lo = max(p - seen, 0)  # this call's first real column of these rows
-            if lo >= T:
-                continue
-            ids = input_ids if len(rows) == B else input_ids[rows]
-            out = self.model(ids[:, lo:], cache=kv)
-            if len(rows) == B and lo == 0:
-                logits = out.logits
-                break
-            if logits is None:
-                logits = out.logits.new_zeros(B, T, out.logits.shape[-1])
-            logits[rows, lo:] = out.logits
+        if position_ids is not None:
+            self._check_positions(position_ids, attention_mask, B, seen, T)
+        aux: dict = {}
+        if cache is None and (attention_mask is None or _tracing()):
+            logits = self._forward_batch(input_ids, inputs_embeds, attention_mask, aux)
+        else:
+            logits = self._forward_groups(input_ids, inputs_embeds, attention_mask, cache, aux)
         if cache is not None:
             cache.seen += T
         loss = None
         if labels is not None:  # transformers' convention: labels = input_ids, shifted here
-            shift = labels[:, 1:].clone()
+            shift = labels[:, 1:]
             loss = torch.nn.functional.cross_entropy(
                 logits[:, :-1].float().flatten(0, 1), shift.flatten(), ignore_index=-100)
-        if logits_to_keep:
-            logits = logits[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+            loss = loss + sum(aux.values())
+        if isinstance(logits_to_keep, int):
+            if logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
+        else:
+            logits = logits[:, logits_to_keep]
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+        return out if return_dict else out.to_tuple()
+
+    def _check_positions(self, position_ids, attention_mask, B, seen, T):
+        """position_ids are accepted when they are the tokens' own positions (counted from
+        each row's first real token); phaseloop computes them itself."""
+        if _tracing():
+            return
+        if attention_mask is None:
+            want = torch.arange(seen, seen + T, device=position_ids.device).expand(B, T)
+            real = torch.ones(B, T, dtype=torch.bool, device=position_ids.device)
+        else:
+            m = attention_mask.long()
+            want = (m.cumsum(-1) - 1)[:, -T:]
+            real = m[:, -T:].bool()
+        if position_ids.shape[-1] != T or not bool((position_ids.expand(B, T) == want)[real].all()):
+            _refuse("position_ids other than the tokens' positions", "RoPE, the 3PT horn and UT's "
+                    "coordinate signal read each token's position from the sequence itself (rows "
+                    "start at position 0 after their left padding)")
+
+    def _forward_batch(self, input_ids, inputs_embeds, attention_mask, aux):
+        """No cache, no mask, or a mask under torch.export / torch.compile: the whole batch
+        at once. A left-padded row is rotated so that its tokens start at position 0 (its
+        padding moves to the end, where causal attention keeps it out of every real
+        token's view), then rotated back; pad positions get logits 0. The same function as
+        one sub-batch per padding length (``_forward_groups``, the eager path) up to
+        float rounding of a longer batch; traceable: no data-dependent branch, no
+        ``.tolist()`` (the left-padding check is skipped under tracing)."""
+        if attention_mask is None:
+            out = self.model(input_ids, embeds_BTD=inputs_embeds)
+            aux.update(out.aux_losses)
+            return out.logits
+        x = input_ids if inputs_embeds is None else inputs_embeds
+        B, S = x.shape[:2]
+        if attention_mask.shape != (B, S):
+            raise ConfigError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected "
+                              f"{(B, S)} (a 2-D mask over the whole sequence so far)")
+        if not _tracing():
+            _pads(attention_mask, B, S)  # refuses padding that is not on the left
+        m = attention_mask.bool()
+        pads = S - m.long().sum(1, keepdim=True)  # [B, 1]
+        cols = torch.arange(S, device=x.device).unsqueeze(0)
+        fwd = (cols + pads) % S  # row b's column j <- original column (j + pad) mod S
+        back = (cols - pads) % S
+        if inputs_embeds is None:
+            out = self.model(input_ids.gather(1, fwd))
+        else:
+            idx = fwd.unsqueeze(-1).expand(-1, -1, inputs_embeds.shape[-1])
+            out = self.model(None, embeds_BTD=inputs_embeds.gather(1, idx))
+        aux.update(out.aux_losses)
+        logits = out.logits.gather(1, back.unsqueeze(-1).expand(-1, -1, out.logits.shape[-1]))
+        return logits * m.unsqueeze(-1).to(logits.dtype)
+
+    def _forward_groups(self, input_ids, inputs_embeds, attention_mask, cache, aux):
+        """One sub-batch per left-padding length (with a cache: one KVCache each), each
+        exactly as those rows alone: the eager path of a padded batch."""
+        x = input_ids if inputs_embeds is None else inputs_embeds
+        B, T = x.shape[:2]
+        seen = cache.seen if cache is not None else 0
+        pads = _pads(attention_mask, B, seen + T)
+        groups = cache.groups if cache is not None else {}
+        if not groups:
+            for p in sorted(set(pads)):
+                rows = torch.tensor([b for b in range(B) if pads[b] == p], device=x.device)
+                groups[p] = (rows, KVCache() if cache is not None else None)
+        logits = None
+        for p, (rows, kv) in groups.items():
+            lo = max(p - seen, 0)  # this call's first real column of these rows
+            if lo >= T:
+                continue
+            sub = x if len(rows) == B else x[rows]
+            if inputs_embeds is None:
+                out = self.model(sub[:, lo:], cache=kv)
+            else:
+                out = self.model(None, cache=kv, embeds_BTD=sub[:, lo:])
+            for k, v in out.aux_losses.items():  # weighted by the group's share of rows
+                aux[k] = aux.get(k, 0) + v * (len(rows) / B)
+            if len(rows) == B and lo == 0:
+                return out.logits
+            if logits is None:
+                logits = out.logits.new_zeros(B, T, out.logits.shape[-1])
+            logits[rows, lo:] = out.logits
+        return logits
 
 
 AutoConfig.register("phaseloop", PhaseloopConfig, exist_ok=True)
