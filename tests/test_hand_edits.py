@@ -122,6 +122,24 @@ def test_an_invalid_setting_of_an_old_run_is_named(run, capsys):
     refused_untouched(EVAL, run, capsys, "its train section is not valid (invalid train config: seq_len='abc'")
 
 
+WRONG = [
+    (EVAL, lambda c: {**c, "data": {}}, "names no data source"),
+    (RESUME, lambda c: {**c, "data": {}}, "names no data source"),
+    (EVAL, lambda c: {**c, "data": {**c["data"], "load": 5}}, "data.load is 5"),
+    (QUANT, lambda c: {**c, "data": {**c["data"], "load": {}}}, "data.load names no source"),
+    (GEN, lambda c: {**c, "data": {**c["data"], "tokenizer": 5}}, "data.tokenizer is 5"),
+    (RESUME, lambda c: {**c, "parallel": []}, "its parallel section is a JSON list"),
+    (RESUME, lambda c: {**c, "train": {**c["train"], "batch_size": "2"}}, "batch_size='2': must be an integer"),
+]
+
+
+@pytest.mark.parametrize("argv, edit, pattern", WRONG, ids=[f"{a[0]}-{i}" for i, (a, _, _) in enumerate(WRONG)])
+def test_wrong_values_in_an_old_runs_sections_are_named(run, capsys, argv, edit, pattern):
+    _edit(run, edit)
+    _drop_digest(run)  # a run of 0.1: no digest, so the values themselves are checked
+    refused_untouched(argv, run, capsys, pattern)
+
+
 def test_the_digest_is_that_of_the_file_written_and_formatting_is_not_an_edit(run, capsys):
     cfg = json.loads((run / "config.json").read_text())
     manifest = json.loads((run / "checkpoint" / "manifest.json").read_text())

@@ -70,6 +70,14 @@ def config_digest(cfg: dict) -> str:
     return hashlib.sha256(dumps(cfg, sort_keys=True).encode()).hexdigest()
 
 
+# the data section's keys that readers use, and their types (an LM run's; a task run's has others)
+_DATA_TYPES = {"source": str, "load": dict, "tokenizer": str, "tokenizer_sha256": (str, type(None)),
+               "fingerprint": str}
+_DATA_TYPES_SAID = {"source": "a data source", "load": "an object of load_corpus arguments",
+                    "tokenizer": "a tokenizer name", "tokenizer_sha256": "a sha256 or null",
+                    "fingerprint": "a fingerprint"}
+
+
 def read_run_config(run_dir: str | Path, ckpt: Path | None = None,
                     fix: str = "restore it from a copy of the run", sections=RUN_SECTIONS) -> dict:
     """A run's config.json, checked wherever a run is read (resume, eval, generate,
@@ -91,9 +99,16 @@ def read_run_config(run_dir: str | Path, ckpt: Path | None = None,
     for name in sections:
         if name not in cfg:
             raise CheckpointError(f"{path} has no {name} section; {fix}")
-        if not isinstance(cfg[name], dict):
+    for name in (*sections, "parallel"):  # parallel: optional (runs of 0.1 have none)
+        if name in cfg and not isinstance(cfg[name], dict):
             raise CheckpointError(f"{path}: its {name} section is a JSON {type(cfg[name]).__name__}, not "
                                   f"an object of settings; {fix}")
+    data = cfg.get("data", {})
+    for key, types in _DATA_TYPES.items():
+        if key in data and not isinstance(data[key], types):
+            raise CheckpointError(f"{path}: data.{key} is {data[key]!r}, not {_DATA_TYPES_SAID[key]}; {fix}")
+    if isinstance(data.get("load"), dict) and not isinstance(data["load"].get("spec"), str):
+        raise CheckpointError(f"{path}: data.load names no source (spec); {fix}")
     ckpt = checkpoint_dir(run_dir) if ckpt is None else Path(ckpt)
     if ckpt is not None and (ckpt / MANIFEST).is_file():
         manifest = read_json(ckpt / MANIFEST)

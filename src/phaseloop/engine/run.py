@@ -110,8 +110,9 @@ def check_records(path: Path, records: list[dict], step: int, train: dict) -> No
         if i < len(want) and (i >= len(got) or got[i] > want[i]):
             raise CheckpointError(f"{path} lacks the {kind} record of step {want[i]}, before the checkpoint of "
                                   f"step {step} ({len(got)} of its {len(want)} {kind} records are there); {fix}")
-        raise CheckpointError(f"{path} holds {'an' if kind[0] == 'e' else 'a'} {kind} record of step {got[i]} out of place (a repeated or "
-                              f"misplaced line), before the checkpoint of step {step}; {fix}")
+        article = "an" if kind == "evaluation" else "a"
+        raise CheckpointError(f"{path} holds {article} {kind} record of step {got[i]} out of place (a repeated "
+                              f"or misplaced line), before the checkpoint of step {step}; {fix}")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
