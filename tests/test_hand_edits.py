@@ -225,7 +225,6 @@ EDGES = [
     (["lm-eval", "{run}", "--tasks", "lambada_local", "--limit", "inf"], "--limit: inf is not a finite number"),
     (["lm-eval", "{run}", "--tasks", "lambada_local", "--limit", "nan"], "--limit: nan is not a finite number"),
     (["lm-eval", "{run}", "--tasks", "lambada_local", "--limit", "0"], "--limit: 0 must be a finite number > 0"),
-    (["lm-eval", "{run}", "--tasks", "lambada_local", "--batch-size", "0"], "--batch-size: 0 is out of range"),
     (["generate", "{run}", "--top-k", "0"], "--top-k: 0 is out of range"),
     (["quantize", "{run}", "--bits", "8", "--calib-batch-size", "0"], "--calib-batch-size: 0 is out of range"),
     (["quantize", "{run}", "--bits", "8", "--group-size", "-2"], "--group-size: -2 is out of range"),

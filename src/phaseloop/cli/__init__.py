@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     v.add_argument("--include-path", help="a folder of extra lm-eval task YAMLs")
     v.add_argument("--limit", type=T.positive_float, help="examples per task (a fraction if < 1)")
-    v.add_argument("--batch-size", type=T.positive_int, default=8)
+    v.add_argument("--batch-size", type=int, default=8)  # harness.lm_eval_run checks it
     v.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     v.add_argument("--data-dir", help="folder holding lambada/ and wikitext-2/ (default $PHASELOOP_DATA_DIR)")
 
