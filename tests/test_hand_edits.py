@@ -222,6 +222,7 @@ EDGES = [
     (["tokenizer", "train", "--data", TEXT, "--vocab-size", "300", "--name", ".."], "is not a plain name"),
     (["params", "--seq-len", "-5"], "--seq-len: -5 is out of range"),
     (["params", "--seq-len", "0"], "--seq-len: 0 is out of range"),
+    (["params", "--seq-len", "2147483647"], "--seq-len: 2147483647 is out of range"),  # T x T overflowed
     (["lm-eval", "{run}", "--tasks", "lambada_local", "--limit", "inf"], "--limit: inf is not a finite number"),
     (["lm-eval", "{run}", "--tasks", "lambada_local", "--limit", "nan"], "--limit: nan is not a finite number"),
     (["lm-eval", "{run}", "--tasks", "lambada_local", "--limit", "0"], "--limit: 0 must be a finite number > 0"),
@@ -271,6 +272,7 @@ def test_the_library_refuses_the_same_names_and_numbers(made, tmp_path):
 BOUNDS = [
     (["params", "--set", "n_layers=100000"], "n_layers=100000: at most 1024 layers"),
     (["params", "--preset", "universal-tiny", "--set", "n_steps=100000"], "applies 100,000 layers a token"),
+    (["params", "--set", "max_seq_len=2000000000"], "max_seq_len=2000000000: at most 16,777,216"),
     (["train", *TINY, "--set", "n_layers=5000", "--out", "{tmp}/t"], "n_layers=5000: at most 1024 layers"),
 ]
 

@@ -24,6 +24,7 @@ from .validation import check_ints, check_types
 
 MAX_LAYERS = 1024  # distinct layers built; the deepest published models have a few hundred
 MAX_DEPTH = 4096  # layer applications per token (loops included): model.build_model checks it
+MAX_SEQ_LEN = 2**24  # positions: a T x T attention score matrix beyond it overflows torch's sizes
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -172,6 +173,9 @@ class ModelConfig:
             _fail(self.spec.layers_name, self.n_layers, f"at most {MAX_LAYERS} layers: a model is built layer "
                   "by layer (on the meta device too, to count it), so more take minutes before anything "
                   "runs, and no device trains them; use fewer")
+        if self.max_seq_len > MAX_SEQ_LEN:
+            _fail("max_seq_len", self.max_seq_len, f"at most {MAX_SEQ_LEN:,} (2^24) positions: the T x T "
+                  "attention scores of a longer context overflow torch's tensor sizes; use fewer")
         if self.d_model % self.n_heads:
             _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model}")
         if self.head_dim % 2:

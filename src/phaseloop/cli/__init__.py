@@ -46,7 +46,7 @@ def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int 
     if windows is not None:
         p.add_argument("--windows", type=T.positive_int, default=windows, help="evaluation windows")
         if seq_len:
-            p.add_argument("--seq-len", type=T.positive_int, help="window length (default: the run's)")
+            p.add_argument("--seq-len", type=T.seq_len_int, help="window length (default: the run's)")
     if device:
         p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.set_defaults(func=func)
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--preset", help=f"preset name (default {registry.default_preset()})")
     c.add_argument("--all", action="store_true", help="every preset")
     c.add_argument("--set", action="append", metavar="KEY=VALUE")
-    c.add_argument("--seq-len", type=T.positive_int, help="sequence length for FLOPs (default: the preset's)")
+    c.add_argument("--seq-len", type=T.seq_len_int, help="sequence length for FLOPs (default: the preset's)")
     c.add_argument("--json", action="store_true")
     c.add_argument("--match", metavar="PRESET",
                    help="UT §3: solve for the width d (d_ff=4d) with the parameters of PRESET "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..config import MAX_SEQ_LEN
 from ..errors import PhaseloopError
 from ..files import check_name
 
@@ -28,6 +29,7 @@ def int_in(lo: int | None = None, hi: int = MAX_INT, what: str = "") -> callable
 
 
 positive_int = int_in(1)
+seq_len_int = int_in(1, MAX_SEQ_LEN, " (positions: the T x T attention scores of more overflow)")
 nonneg_int = int_in(0)
 seed_int = int_in(0, MAX_SEED)
 any_int = int_in(None)  # bounded above only: TrainConfig checks its own lower bounds
