@@ -232,6 +232,12 @@ EDGES = [
     (["demo", "parity", "--length", "0"], "--length: 0 is out of range"),
     (["train", *TINY, "--steps", str(2**70), "--out", "{tmp}/t"], "--steps: 1180591620717411303424 is out of range"),
     (["train", *TINY, "--seed", str(2**64), "--out", "{tmp}/t"], "--seed: 18446744073709551616 is out of range"),
+    (["task", "--task", "copy", "--seeds", str(2**70), "--steps", "1", "--out", "{tmp}/t"],
+     "--seeds: seed 1180591620717411303424 is out of range"),
+    (["babi", "--seeds", "-1", "--steps", "1", "--out", "{tmp}/t"], "--seeds: seed -1 is out of range"),
+    (["compare", "--seeds", f"0,{2**70}", "--out", "{tmp}/t"], "--seeds: seed 1180591620717411303424 is out of"),
+    (["task", "--task", "copy", "--train-len", f"1-{2**70}", "--steps", "1", "--out", "{tmp}/t"],
+     "lengths must be at most 65,536"),
 ]
 
 

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--variants", nargs="+", metavar="VARIANT",
                    help="recipe variant names or specs: ARCH[+MODIFIER] [KEY=VALUE ...] or a preset "
                    "(phaseloop archs lists architectures and modifiers)")
-    m.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1")
+    m.add_argument("--seeds", type=T.seed_list, help="comma-separated seeds, e.g. 0,1")
     m.add_argument("--steps", type=T.positive_int, help="optimizer steps per run")
     m.add_argument("--data", help="a file or folder, stdlib | shakespeare | hf:NAME[:CONFIG]")
     m.add_argument("--tokenizer", help="bytes, a tokenizer.json / folder, or a trained name")
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         k.add_argument("--steps", type=T.positive_int, help="optimizer steps (default 400)")
         k.add_argument("--batch-size", type=T.positive_int)
         k.add_argument("--lr", type=T.positive_float)
-        k.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1")
+        k.add_argument("--seeds", type=T.seed_list, default="0", help="comma-separated seeds, e.g. 0,1")
         k.add_argument("--device", help="cpu (default) | auto | cuda[:N]")
         k.add_argument("--out", help="folder for the run folders (one per seed), metrics.json and the plot")
         k.add_argument("--resume", action="store_true", help="continue the run in --out (finished seeds "

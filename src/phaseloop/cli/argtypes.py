@@ -35,6 +35,20 @@ seed_int = int_in(0, MAX_SEED)
 any_int = int_in(None)  # bounded above only: TrainConfig checks its own lower bounds
 
 
+def seed_list(text: str) -> str:
+    """Comma-separated seeds (``0,1``): an integer item out of [0, MAX_SEED] is refused
+    here; the text is returned as given, for the command's own check of its form."""
+    for item in text.split(","):
+        try:
+            v = int(item)
+        except ValueError:
+            continue  # not a number: the command names it
+        if not 0 <= v <= MAX_SEED:
+            raise argparse.ArgumentTypeError(f"seed {v} is out of range: seeds are integers from 0 to "
+                                             f"{MAX_SEED:,} (2^63 - 1)")
+    return text
+
+
 def finite_float(text: str) -> float:
     """A finite float (the lower bound is the option's own check)."""
     v = float(text)  # not a number: argparse's own "invalid float value: 'x'"
