@@ -279,6 +279,9 @@ BOUNDS = [
     (["params", "--set", "n_layers=100000"], "n_layers=100000: at most 1024 layers"),
     (["params", "--preset", "universal-tiny", "--set", "n_steps=100000"], "applies 100,000 layers a token"),
     (["params", "--set", "max_seq_len=2000000000"], "max_seq_len=2000000000: at most 16,777,216"),
+    (["params", "--preset", "looped-tiny", "--set", "n_loops=100000"], "n_loops=100000: at most 4096 loops"),
+    (["params", "--set", f"d_model={2**70}"], "d_model=1180591620717411303424: at most 2,147,483,647"),
+    (["train", *TINY, "--set", f"vocab_size={2**70}", "--out", "{tmp}/t"], "vocab_size=1180591620717411303424: at"),
     (["train", *TINY, "--set", "n_layers=5000", "--out", "{tmp}/t"], "n_layers=5000: at most 1024 layers"),
 ]
 
