@@ -306,3 +306,12 @@ def test_a_calibration_batch_beyond_memory_is_refused_before_it_runs(run, capsys
     code, err = run_cli([a if a != "RUN" else str(run) for a in QUANT] + ["--method", "gptq", "--calib-batches", "1",
                                                                        "--calib-batch-size", "2"], capsys)
     assert code == 0, err  # a batch that fits runs
+
+
+def test_a_recipe_seed_beyond_torch_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"name": "x", "variants": ["rope-tiny"], "seeds": [2**70]}))
+    code, err = run_cli(["compare", recipe, "--out", tmp_path / "c"], capsys)
+    assert_refused(code, err, "integers from 0 to 2^63 - 1")
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
