@@ -95,6 +95,10 @@ def test_damaged_and_mismatched_checkpoints(run_dir, capsys):
     cfg = json.loads((run_dir / "config.json").read_text())
     cfg["model"]["n_layers"] = 3
     (run_dir / "config.json").write_text(json.dumps(cfg))
+    one_line_error(capsys, main(["eval", str(run_dir)]), "was changed after the checkpoint")
+    manifest = run_dir / "checkpoint" / "manifest.json"  # as a checkpoint of 0.1 (no config digest)
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items()
+                                    if k != "config_sha256"}))
     one_line_error(capsys, main(["eval", str(run_dir)]), "does not match")
     (run_dir / "config.json").write_text("{not json")
     one_line_error(capsys, main(["eval", str(run_dir)]), "cannot read")

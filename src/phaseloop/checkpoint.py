@@ -24,6 +24,8 @@ from .errors import CheckpointError, ConfigError
 CKPT, OLD, TMP_PREFIX = "checkpoint", ".checkpoint.old", ".checkpoint.tmp-"
 MANIFEST = "manifest.json"
 CKPT_FILES = ("model.safetensors", "trainer.safetensors", "trainer.json")
+CONFIG_DIGEST = "config_sha256"  # the manifest's digest of the run's config.json (absent before 0.2)
+RUN_SECTIONS = ("model", "train", "data")  # what every run's config.json holds
 
 
 def strict(obj):
@@ -62,6 +64,71 @@ def read_json(path: Path) -> dict:
                               "— restore it or start a new run") from None
 
 
+def config_digest(cfg: dict) -> str:
+    """sha256 of a run config as canonical strict JSON (sorted keys): the same for the
+    dict written and for config.json read back, whatever its indentation."""
+    return hashlib.sha256(dumps(cfg, sort_keys=True).encode()).hexdigest()
+
+
+# the data section's keys that readers use, and their types (an LM run's; a task run's has others)
+_DATA_TYPES = {"source": str, "load": dict, "tokenizer": str, "tokenizer_sha256": (str, type(None)),
+               "fingerprint": str}
+_DATA_TYPES_SAID = {"source": "a data source", "load": "an object of load_corpus arguments",
+                    "tokenizer": "a tokenizer name", "tokenizer_sha256": "a sha256 or null",
+                    "fingerprint": "a fingerprint"}
+
+
+def read_run_config(run_dir: str | Path, ckpt: Path | None = None,
+                    fix: str = "restore it from a copy of the run", sections=RUN_SECTIONS) -> dict:
+    """A run's config.json, checked wherever a run is read (resume, eval, generate,
+    quantize, export): a JSON object whose model, train and data sections are objects,
+    whose model and train sections are valid configs, and which is the file the run
+    wrote: the checkpoint's manifest (``ckpt``, default the run's) records its digest,
+    so a hand edit (a learning rate, a step count, a seed) is refused, naming the file,
+    not resumed silently. Checkpoints written before the digest existed are not checked.
+    ``fix``: what to do, for the message; ``sections``: those it must hold (a run of the
+    engine's own, e.g. a test's, may hold others)."""
+    from .engine.config import TrainConfig
+
+    run_dir = Path(run_dir)
+    path = run_dir / "config.json"
+    cfg = read_json(path)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path} is not a run config (a JSON object of sections: "
+                              f"{', '.join(sections)}) but a JSON {type(cfg).__name__}; {fix}")
+    for name in sections:
+        if name not in cfg:
+            raise CheckpointError(f"{path} has no {name} section; {fix}")
+    for name in (*sections, "parallel"):  # parallel: optional (runs of 0.1 have none)
+        if name in cfg and not isinstance(cfg[name], dict):
+            raise CheckpointError(f"{path}: its {name} section is a JSON {type(cfg[name]).__name__}, not "
+                                  f"an object of settings; {fix}")
+    data = cfg.get("data", {})
+    for key, types in _DATA_TYPES.items():
+        if key in data and not isinstance(data[key], types):
+            raise CheckpointError(f"{path}: data.{key} is {data[key]!r}, not {_DATA_TYPES_SAID[key]}; {fix}")
+    if isinstance(data.get("load"), dict) and not isinstance(data["load"].get("spec"), str):
+        raise CheckpointError(f"{path}: data.load names no source (spec); {fix}")
+    ckpt = checkpoint_dir(run_dir) if ckpt is None else Path(ckpt)
+    if ckpt is not None and (ckpt / MANIFEST).is_file():
+        manifest = read_json(ckpt / MANIFEST)
+        want = manifest.get(CONFIG_DIGEST) if isinstance(manifest, dict) else None
+        if want is not None and config_digest(cfg) != want:
+            raise CheckpointError(
+                f"{path} was changed after the checkpoint of step {manifest.get('step')} was written "
+                f"(its digest differs from the one in {ckpt.name}/{MANIFEST}); settings are not edited in "
+                "place: restore the file as the run wrote it, then resume with flags (a different setting "
+                "is refused by name), or start a new run in another --out")
+    for name, build in (("model", ModelConfig.from_dict), ("train", TrainConfig.from_dict)):
+        if name not in sections:
+            continue
+        try:
+            build(cfg[name])
+        except (ConfigError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: its {name} section is not valid ({str(e)[:160]}); {fix}") from None
+    return cfg
+
+
 def _flatten_optimizer(opt_state: dict) -> tuple[dict, dict]:
     tensors, meta = {}, {"param_groups": opt_state["param_groups"], "state": {}}
     for idx, st in opt_state["state"].items():
@@ -83,11 +150,13 @@ def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
 
 def save_checkpoint(run_dir: Path, model: torch.nn.Module | dict, optimizer=None, step: int = 0,
                     data_state: dict | None = None, extra: dict | None = None,
-                    rng: dict | None = None) -> Path:
+                    rng: dict | None = None, config: dict | None = None) -> Path:
     """Weights (a module or its full state dict), optimiser (or its state dict), RNG
     states (``rng``: name -> tensor, stored as ``rng.<name>``; default this process's),
     the data position (``data_state``, stored as ``data.<name>``) and ``extra`` JSON
-    fields, swapped in atomically."""
+    fields, swapped in atomically. ``config``: the run's config.json as written; its
+    ``config_digest`` goes into the manifest, so a later edit of config.json is recognised
+    (``read_run_config``)."""
     run_dir = Path(run_dir)
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=TMP_PREFIX))
     tmp.chmod(0o755)
@@ -110,7 +179,8 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module | dict, optimizer=None
         for name in ("model.safetensors", "trainer.safetensors"):
             (tmp / name).chmod(0o644)  # as the JSON beside them
         write_json(tmp / MANIFEST, {"step": step, "files": {
-            n: {"bytes": (tmp / n).stat().st_size, "sha256": file_sha256(tmp / n)} for n in CKPT_FILES}})
+            n: {"bytes": (tmp / n).stat().st_size, "sha256": file_sha256(tmp / n)} for n in CKPT_FILES},
+            **({CONFIG_DIGEST: config_digest(config)} if config is not None else {})})
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
@@ -255,17 +325,9 @@ def load_run(path: str | Path, device: str | torch.device = "cpu"):
         raise CheckpointError(f"{path} {why_missing(path)}; pass a run folder made by `phaseloop train`")
     is_ckpt = (path / "model.safetensors").exists() or path.name in (CKPT, OLD)
     run_dir = path.parent if is_ckpt else path
-    run_cfg = read_json(run_dir / "config.json")
-    if not isinstance(run_cfg, dict):
-        raise CheckpointError(f"{run_dir / 'config.json'} is not a run config; restore it from the run")
-    try:
-        cfg = ModelConfig.from_dict(run_cfg["model"])
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"{run_dir / 'config.json'} has no valid model config ({e}); "
-                              "restore it from the run") from None
-    except ConfigError as e:
-        raise CheckpointError(f"{run_dir / 'config.json'}: {e}") from None
     ckpt = path if is_ckpt else checkpoint_dir(run_dir)
+    run_cfg = read_run_config(run_dir, ckpt)
+    cfg = ModelConfig.from_dict(run_cfg["model"])
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no checkpoint yet; train it first (phaseloop train)")
     model = build_model(cfg)

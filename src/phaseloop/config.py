@@ -22,6 +22,12 @@ from .errors import ConfigError
 from .validation import check_ints, check_types
 
 
+MAX_LAYERS = 1024  # distinct layers built; the deepest published models have a few hundred
+MAX_DEPTH = 4096  # layer applications per token (loops included): model.build_model checks it
+MAX_SEQ_LEN = 2**24  # positions: a T x T attention score matrix beyond it overflows torch's sizes
+MAX_INT = 2**31 - 1  # any integer field: sizes beyond it overflow the kernels' 32-bit (or torch's 64-bit) counts
+
+
 def _fail(name: str, value: Any, why: str) -> None:
     raise ConfigError(f"invalid config: {name}={value!r}: {why}")
 
@@ -164,6 +170,17 @@ class ModelConfig:
     def validate(self) -> None:
         check_ints(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                           "max_seq_len"), "config")
+        for name, value in self.to_dict().items():  # every field, the option groups' too
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+                _fail(name, value, f"at most {MAX_INT:,} (2^31 - 1): larger sizes overflow tensor "
+                      "sizes; use a smaller value")
+        if self.n_layers > MAX_LAYERS:  # refused before anything is built (params, train, compare, tasks)
+            _fail(self.spec.layers_name, self.n_layers, f"at most {MAX_LAYERS} layers: a model is built layer "
+                  "by layer (on the meta device too, to count it), so more take minutes before anything "
+                  "runs, and no device trains them; use fewer")
+        if self.max_seq_len > MAX_SEQ_LEN:
+            _fail("max_seq_len", self.max_seq_len, f"at most {MAX_SEQ_LEN:,} (2^24) positions: the T x T "
+                  "attention scores of a longer context overflow torch's tensor sizes; use fewer")
         if self.d_model % self.n_heads:
             _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model}")
         if self.head_dim % 2:

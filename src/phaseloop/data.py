@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import store as token_store
-from .errors import DataError
+from .errors import CheckpointError, DataError
 from .files import atomic_write_bytes  # noqa: F401  (re-exported: older imports)
 from .sources import SHAKESPEARE_SHA256, Source, resolve, stdlib_files  # noqa: F401
 from .tokenizer import Tokenizer, describe as describe_tokenizer, load_tokenizer
@@ -74,6 +74,9 @@ def load_corpus(spec: str | os.PathLike = "stdlib", tokenizer: str | Tokenizer =
 def corpus_args(data: dict) -> dict:
     """``load_corpus`` keyword arguments that load a run's data again (its config.json
     ``data`` section; runs of earlier versions recorded only the source)."""
+    if not data.get("load") and not isinstance(data.get("source"), str):
+        raise CheckpointError("the run's config.json names no data source (its data section has no load or "
+                              "source); restore the file, or pass --data")
     return dict(data.get("load") or {"spec": data["source"]})
 
 
@@ -126,7 +129,6 @@ def run_corpus(run: str | os.PathLike, run_cfg: dict, spec: str | None = None, p
     """A trained run's data (or ``spec`` instead), read with the run's own tokenizer."""
     from .checkpoint import run_tokenizer
 
-    args = corpus_args(run_cfg["data"])
-    if spec is not None:
-        args["spec"] = spec
+    data = run_cfg["data"]
+    args = corpus_args(data) if spec is None else {**(data.get("load") or {}), "spec": spec}
     return load_corpus(tokenizer=run_tokenizer(run, run_cfg), progress=progress, strict=False, **args)

@@ -13,6 +13,32 @@ from pathlib import Path
 from .errors import PhaseloopError
 
 
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
+
+
+def check_name(name, what: str = "--name") -> str:
+    """A name that becomes one folder under a registry (a tokenizer's under
+    $PHASELOOP_CACHE/tokenizers): letters, digits and ``._+-``, starting with a letter or
+    digit, at most 100 characters, so it can never be empty, ``..``, absolute or hold a
+    path separator and so never points outside the registry."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise PhaseloopError(f"{what} {name!r} is not a plain name: use letters, digits and . _ + -, "
+                             "starting with a letter or digit (e.g. bpe-8k); to write elsewhere pass --out DIR")
+    return name
+
+
+def cache_dir() -> Path:
+    """$PHASELOOP_CACHE (default ~/.cache/phaseloop): token stores, named tokenizers. Set
+    but empty is refused: it would put the cache in the working folder."""
+    value = os.environ.get("PHASELOOP_CACHE")
+    if value is None:
+        return Path.home() / ".cache" / "phaseloop"
+    if not value.strip():
+        raise PhaseloopError("PHASELOOP_CACHE is set but empty; unset it (the cache is then "
+                             "~/.cache/phaseloop) or set it to a folder")
+    return Path(value)
+
+
 def why_missing(path: Path) -> str:
     """Why ``path`` cannot be opened although named: a symlink loop, a broken symlink, or
     it does not exist."""

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig, fail, register_presets
+from .config import MAX_DEPTH, ModelConfig, fail, register_presets
 from .hyperconn import HyperConnection, copy_streams, merge_streams
 from .layers import Block, Context, compute_dtype
 from .registry import ArchSpec, register_arch
@@ -51,6 +51,9 @@ class LoopOptions:
     def validate(self, cfg: ModelConfig) -> None:
         check_ints(self, ("n_begin", "n_end"), "config", minimum=0, optional=True)
         check_ints(self, ("n_loops",), "config")
+        if self.n_loops > MAX_DEPTH:  # each loop builds its own modules: refuse before building them
+            fail("n_loops", self.n_loops, f"at most {MAX_DEPTH} loops (layer applications a token, "
+                 "config.MAX_DEPTH); use fewer")
         b, m, e = self.loop_split
         if m < 1:
             fail("n_unique_layers", cfg.n_layers, f"leaves no middle layer after n_begin={b} and "

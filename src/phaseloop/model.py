@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .decoding import decode
+from .errors import ConfigError
 from .layers import Block, Context, KVCache, init_weights, make_norm, option_modules
 from .trunk import Trunk, reset_derived_buffers
 
@@ -127,10 +128,23 @@ class DecoderLM(nn.Module):
             self.train(was_training)
 
 
+def _check_depth(model: "DecoderLM") -> "DecoderLM":
+    """Refuse a trunk applying more than ``MAX_DEPTH`` layers a token (e.g. a loop run
+    100,000 times) before any forward pass: counting its FLOPs alone would take minutes."""
+    from .config import MAX_DEPTH
+
+    depth = getattr(model.trunk, "depth", 0)
+    if isinstance(depth, int) and depth > MAX_DEPTH:
+        raise ConfigError(f"invalid config: the {model.cfg.arch} model applies {depth:,} layers a token "
+                          f"(its layers times its loops or steps); at most {MAX_DEPTH} are supported, "
+                          "as every pass runs them in turn: use fewer layers or loops")
+    return model
+
+
 def build_model(cfg: ModelConfig, device: str | torch.device | None = None) -> DecoderLM:
     """Build the model a config describes (``device='meta'`` allocates no weights)."""
     if device is not None and str(device) == "meta":
         with torch.device("meta"):
-            return DecoderLM(cfg)
-    model = DecoderLM(cfg)
+            return _check_depth(DecoderLM(cfg))
+    model = _check_depth(DecoderLM(cfg))
     return model.to(device) if device is not None else model

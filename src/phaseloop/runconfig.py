@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Callable
 
 from . import registry
-from .checkpoint import TOKENIZER_COPY, read_json, run_folder, run_tokenizer
+from .checkpoint import TOKENIZER_COPY, read_run_config, run_folder, run_tokenizer
 from .config import ModelConfig
 from .data import corpus_args, load_corpus
 from .engine import TrainConfig, dist
-from .errors import CheckpointError, ConfigError
+from .errors import ConfigError
 from .tokenizer import Tokenizer, load_tokenizer
 from .train import fit_vocab, train
 
@@ -198,10 +198,8 @@ def resolve_run(config: str | os.PathLike | dict | None = None, *, preset: str |
                           f"\"{registry.default_preset()}\"")
     fields.update(model or {})
     out = Path(out or f"runs/{preset or arch or registry.default_preset()}-{time.strftime('%Y%m%d-%H%M%S')}")
-    saved = read_json(out / "config.json") if resume and (out / "config.json").exists() else None
-    if saved is not None and not (isinstance(saved, dict) and all(isinstance(saved.get(s), dict) for s in SECTIONS)):
-        raise CheckpointError(f"{out / 'config.json'} is not a run config (a model, train and data section); "
-                              "restore it from the run, or choose another --out")
+    saved = read_run_config(out, fix="restore it as the run wrote it, or choose another --out") \
+        if resume and (out / "config.json").exists() else None
 
     if saved is not None and preset is None:
         model_cfg = ModelConfig.from_dict({**saved["model"], **fields})

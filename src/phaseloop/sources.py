@@ -44,7 +44,9 @@ _HEADING = re.compile(rb"^ = [^=].* = \n?$")  # a WikiText article title (not = 
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("PHASELOOP_CACHE", Path.home() / ".cache" / "phaseloop"))
+    from .files import cache_dir as configured  # PHASELOOP_CACHE, refused when set but empty
+
+    d = configured()
     d.mkdir(parents=True, exist_ok=True)
     return d
 

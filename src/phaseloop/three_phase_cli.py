@@ -15,13 +15,14 @@ from .three_phase import angle_drift, zero_sum_profile
 
 def add_commands(sub) -> None:
     from .cli import on_a_run
+    from .cli.argtypes import positive_int
 
     a = on_a_run(sub, "angles", "3PT: per-layer rotation-angle drift of a run (+ PNG)", cmd_angles,
                  data=False, device=False)
     a.add_argument("--png", help="plot path (default RUN/angle_drift.png)")
     z = on_a_run(sub, "zero-sum", "3PT: zero-sum diagnostic of a run's residual stream", cmd_zero_sum,
                  windows=8, device=False)
-    z.add_argument("--phases", type=int, help="stripes to measure (default: the model's N)")
+    z.add_argument("--phases", type=positive_int, help="stripes to measure (default: the model's N)")
 
 
 def cmd_angles(args) -> int:

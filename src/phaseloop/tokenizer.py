@@ -235,7 +235,9 @@ class HFTokenizer:
 
 def registry() -> Path:
     """Where ``phaseloop tokenizer train --name NAME`` keeps named tokenizers."""
-    return Path(os.environ.get("PHASELOOP_CACHE", Path.home() / ".cache" / "phaseloop")) / "tokenizers"
+    from .files import cache_dir
+
+    return cache_dir() / "tokenizers"
 
 
 def load_tokenizer(spec: str | os.PathLike | Tokenizer = "bytes") -> Tokenizer:

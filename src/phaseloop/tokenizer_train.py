@@ -12,11 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import ConfigError, DataError
-from .files import atomic_write_bytes
+from .files import atomic_write_bytes, check_name
 from .sources import resolve
 from .tokenizer import FILE, HFTokenizer, registry
 
 KINDS = ("bpe", "wordlevel")
+MAX_VOCAB = 2**31 - 1  # the tokenizers library counts in 32 bits (and far beyond any real vocabulary)
 UNK = "[UNK]"
 
 
@@ -37,15 +38,18 @@ def train_tokenizer(data: str, kind: str, vocab_size: int, out: str | Path | Non
         raise ConfigError("training a tokenizer needs the tokenizers library: pip install 'phaseloop[data]'") from None
     if kind not in KINDS:
         raise ConfigError(f"unknown tokenizer kind {kind!r}; choose {' or '.join(KINDS)}")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
-        raise ConfigError(f"--vocab-size {vocab_size!r}: must be an integer >= 2")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 2 <= vocab_size <= MAX_VOCAB:
+        raise ConfigError(f"--vocab-size {vocab_size!r}: must be an integer from 2 to {MAX_VOCAB}")
+    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or not 0 <= min_frequency <= MAX_VOCAB:
+        raise ConfigError(f"--min-frequency {min_frequency!r}: must be an integer from 0 to {MAX_VOCAB} "
+                          "(the fewest occurrences of a pair that is merged; default 2)")
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if kind == "bpe" and vocab_size < len(alphabet):
         raise ConfigError(f"--vocab-size {vocab_size} is below the byte alphabet ({len(alphabet)} tokens) "
                           f"of a byte-level BPE; use >= {len(alphabet) + 1} (or --kind wordlevel)")
     if (out is None) == (name is None):
         raise ConfigError("give exactly one of --out DIR and --name NAME")
-    folder = Path(out) if out is not None else registry() / name
+    folder = Path(out) if out is not None else registry() / check_name(name)
     if (folder / FILE).exists():
         raise ConfigError(f"{folder / FILE} exists; choose another --out/--name (nothing is overwritten)")
     if folder.exists() and not folder.is_dir():

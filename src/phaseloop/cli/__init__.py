@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from .. import _startup, registry
 from ..errors import PhaseloopError
 from ..files import as_os_error
+from . import argtypes as T
 from . import commands as C
 from .trainflags import add_train_flags
 
@@ -50,9 +51,9 @@ def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int 
     if data:
         p.add_argument("--data", help="data source (default: the run's own)")
     if windows is not None:
-        p.add_argument("--windows", type=int, default=windows, help="evaluation windows")
+        p.add_argument("--windows", type=T.positive_int, default=windows, help="evaluation windows")
         if seq_len:
-            p.add_argument("--seq-len", type=int, help="window length (default: the run's)")
+            p.add_argument("--seq-len", type=T.seq_len_int, help="window length (default: the run's)")
     if device:
         p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.set_defaults(func=func)
@@ -102,17 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = on_a_run(sub, "generate", "sample text from a run", C.cmd_generate, data=False)
     g.add_argument("--prompt", default="")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=T.nonneg_int, default=200)
+    g.add_argument("--temperature", type=T.finite_float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=T.positive_int, default=None)
+    g.add_argument("--seed", type=T.seed_int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute the full prefix every token")
 
     c = sub.add_parser("params", help="parameter and FLOP counts of a preset (no weights allocated)")
     c.add_argument("--preset", help=f"preset name (default {registry.default_preset()})")
     c.add_argument("--all", action="store_true", help="every preset")
     c.add_argument("--set", action="append", metavar="KEY=VALUE")
-    c.add_argument("--seq-len", type=int, help="sequence length for FLOPs (default: the preset's)")
+    c.add_argument("--seq-len", type=T.seq_len_int, help="sequence length for FLOPs (default: the preset's)")
     c.add_argument("--json", action="store_true")
     c.add_argument("--match", metavar="PRESET",
                    help="UT §3: solve for the width d (d_ff=4d) with the parameters of PRESET "
@@ -134,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--variants", nargs="+", metavar="VARIANT",
                    help="recipe variant names or specs: ARCH[+MODIFIER] [KEY=VALUE ...] or a preset "
                    "(phaseloop archs lists architectures and modifiers)")
-    m.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1")
-    m.add_argument("--steps", type=int, help="optimizer steps per run")
+    m.add_argument("--seeds", type=T.seed_list, help="comma-separated seeds, e.g. 0,1")
+    m.add_argument("--steps", type=T.positive_int, help="optimizer steps per run")
     m.add_argument("--data", help="a file or folder, stdlib | shakespeare | hf:NAME[:CONFIG]")
     m.add_argument("--tokenizer", help="bytes, a tokenizer.json / folder, or a trained name")
     m.add_argument("--match", choices=("none", "params", "flops", "depth"),
@@ -169,10 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{' | '.join(registry.seq2seq_archs())}")
         k.add_argument("--preset", help="model preset (overrides the -tiny default)")
         k.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model config field")
-        k.add_argument("--steps", type=int, help="optimizer steps (default 400)")
-        k.add_argument("--batch-size", type=int)
-        k.add_argument("--lr", type=float)
-        k.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1")
+        k.add_argument("--steps", type=T.positive_int, help="optimizer steps (default 400)")
+        k.add_argument("--batch-size", type=T.positive_int)
+        k.add_argument("--lr", type=T.positive_float)
+        k.add_argument("--seeds", type=T.seed_list, default="0", help="comma-separated seeds, e.g. 0,1")
         k.add_argument("--device", help="cpu (default) | auto | cuda[:N]")
         k.add_argument("--out", help="folder for the run folders (one per seed), metrics.json and the plot")
         k.add_argument("--resume", action="store_true", help="continue the run in --out (finished seeds "
@@ -183,14 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     q = on_a_run(sub, "quantize", "weight-only INT8/INT4 quantisation of a run, with validation "
                   "loss/BPB before and after", C.cmd_quantize, windows=64, seq_len=False)
     q.add_argument("--bits", type=int, choices=(8, 4), required=True)
-    q.add_argument("--group-size", type=int, default=128, help="input columns per scale "
+    q.add_argument("--group-size", type=T.int_in(-1), default=128, help="input columns per scale "
                    "(-1: one per row; a layer it does not divide falls back to per row)")
     q.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
                    help="rtn: round to nearest; gptq: Frantar et al. 2022, Hessians of shared "
                    "layers pooled over all loop passes")
-    q.add_argument("--calib-batches", type=int, default=8, help="GPTQ calibration batches")
-    q.add_argument("--calib-batch-size", type=int, default=8)
-    q.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
+    q.add_argument("--calib-batches", type=T.positive_int, default=8, help="GPTQ calibration batches")
+    q.add_argument("--calib-batch-size", type=T.positive_int, default=8)
+    q.add_argument("--seed", type=T.seed_int, default=0, help="seed of the calibration windows")
     q.add_argument("--out", help="folder for the weights and report (default: the run folder)")
 
     x = on_a_run(sub, "export", "a run as a Hugging Face folder (AutoModelForCausalLM.from_pretrained)",
@@ -204,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "wikitext2_local)", C.cmd_lm_eval, data=False)
     v.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     v.add_argument("--include-path", help="a folder of extra lm-eval task YAMLs")
-    v.add_argument("--limit", type=float, help="examples per task (a fraction if < 1)")
-    v.add_argument("--batch-size", type=int, default=8)
+    v.add_argument("--limit", type=T.positive_float, help="examples per task (a fraction if < 1)")
+    v.add_argument("--batch-size", type=int, default=8)  # harness.lm_eval_run checks it
     v.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     v.add_argument("--data-dir", help="folder holding lambada/ and wikitext-2/ (default $PHASELOOP_DATA_DIR)")
 
@@ -215,10 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     kt.add_argument("--data", default="stdlib", help="the data source (as train --data)")
     kt.add_argument("--kind", choices=("bpe", "wordlevel"), default="bpe",
                     help="byte-level BPE, or a word-level vocabulary with [UNK]")
-    kt.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocabulary")
-    kt.add_argument("--min-frequency", type=int, default=2, help="bpe: rarest pair merged")
+    kt.add_argument("--vocab-size", type=T.int_in(2), default=8192, help="tokens in the vocabulary")
+    kt.add_argument("--min-frequency", type=T.nonneg_int, default=2, help="bpe: rarest pair merged")
     kt.add_argument("--out", help="folder to write tokenizer.json into")
-    kt.add_argument("--name", help="keep it under this name ($PHASELOOP_CACHE/tokenizers/NAME)")
+    kt.add_argument("--name", type=T.safe_name, help="keep it under this name ($PHASELOOP_CACHE/tokenizers/NAME)")
     for name, hlp in (("encode", "text -> token ids"), ("decode", "token ids -> text"),
                       ("stats", "tokens per byte of a data source")):
         p_ = ks.add_parser(name, help=hlp)
@@ -236,9 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="runnable explainer demos")
     d.add_argument("which", choices=["parity"], help="parity: the hand-set prefix-parity scan")
-    d.add_argument("--length", type=int, default=100)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--layers", type=int, help="fixed-stack depth (default: one layer short)")
+    d.add_argument("--length", type=T.positive_int, default=100)
+    d.add_argument("--seed", type=T.seed_int, default=0)
+    d.add_argument("--layers", type=T.nonneg_int, help="fixed-stack depth (default: one layer short)")
     d.set_defaults(func=C.cmd_demo)
 
     for spec in registry.all_archs():  # an architecture's own commands (3PT: angles, zero-sum)

@@ -11,6 +11,10 @@ import typing
 
 from ..engine import TrainConfig
 from ..engine.config import choices
+from .argtypes import MAX_SEED, int_in
+
+# ints bounded above (a step count of 2**70 is a typo, not a run); TrainConfig checks the lower bounds
+_TYPES = {int: int_in(None)}  # floats: TrainConfig refuses non-finite ones by field name
 
 # spellings kept from before the flags were generated
 ALIASES = {"warmup_steps": ("--warmup",)}
@@ -43,7 +47,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = tp
+            kw["type"] = int_in(None, MAX_SEED) if f.name == "seed" else _TYPES.get(tp, tp)
             if choices(f.name) is not None:
                 kw["choices"] = choices(f.name)
         group.add_argument(*flags(f.name), **kw)

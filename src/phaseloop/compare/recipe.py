@@ -218,10 +218,10 @@ class Recipe:
                               f"{_suggest(self.reference, names)}; choose one of "
                               f"{', '.join(names)}")
         if (not isinstance(self.seeds, list) or not self.seeds
-                or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in self.seeds)
+                or any(not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2**63 for s in self.seeds)
                 or len(set(self.seeds)) != len(self.seeds)):
             raise RecipeError(f"seeds={self.seeds!r}: must be a non-empty list of distinct "
-                              "non-negative integers, e.g. [0, 1]")
+                              "integers from 0 to 2^63 - 1, e.g. [0, 1]")
         if self.match not in MATCH_KINDS:
             raise RecipeError(f"match={self.match!r}: choose one of {', '.join(MATCH_KINDS)}")
         if self.match_by not in MATCH_BY:

@@ -140,3 +140,20 @@ def check_memory(model: torch.nn.Module, device: torch.device, bytes_per_param: 
         raise ConfigError(f"the model has {n:,} parameters; {what} it needs at least {_gib(need)} "
                           f"on {device} ({bytes_per_param} bytes a parameter) and {_gib(free)} are "
                           "available; choose a smaller model (d_model, n_layers, vocab_size)")
+
+
+def check_forward_memory(cfg, batch_size: int, seq_len: int, device: torch.device, flag: str,
+                         held_tokens: int = 0) -> None:
+    """Refuse, before running it, a forward pass without gradients (GPTQ calibration)
+    whose activations alone need more than ``device`` has, as ``check_memory`` does for
+    the weights: at least 4 bytes a token for each of the logits (``vocab_size``), the
+    widest layer (``2 d_ff`` + ``4 d_model``) and the attention scores (``n_heads x
+    seq_len``), plus 8 bytes for each of ``held_tokens`` token ids kept in memory. A lower
+    bound: what it refuses cannot run; ``flag`` names the option to lower."""
+    per_token = 4 * (cfg.vocab_size + 2 * cfg.d_ff + 4 * cfg.d_model + cfg.n_heads * seq_len)
+    need, free = batch_size * seq_len * per_token + 8 * held_tokens, available_memory(device)
+    if free is not None and need > free:
+        fits = max(0, (free - 8 * held_tokens) // (seq_len * per_token))
+        raise ConfigError(f"{flag} {batch_size:,}: a batch of {batch_size:,} windows of {seq_len} tokens needs at "
+                          f"least {_gib(need)} on {device} (logits, the widest layer, attention scores) and "
+                          f"{_gib(free)} are available; use {flag} {min(fits, batch_size - 1) or 1} or less")

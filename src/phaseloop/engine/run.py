@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..checkpoint import TMP_PREFIX, checkpoint_dir, dumps, read_json, remove_orphans, write_json
+from ..checkpoint import (MANIFEST, TMP_PREFIX, checkpoint_dir, dumps, read_json, read_run_config, remove_orphans,
+                          write_json)
 from ..errors import CheckpointError, PhaseloopError
 from ..files import atomic_write_bytes, check_out_dir
 
@@ -75,6 +76,45 @@ def _records(path: Path) -> tuple[list[str], list[dict], bool]:
     return lines, records, False
 
 
+def _expected(every, steps: int, step: int) -> list[int]:
+    """The steps ``k <= step`` a record is logged at: every ``every`` steps and the last."""
+    return list(range(every, step + 1, every)) + ([steps] if steps <= step and steps % every else [])
+
+
+def check_records(path: Path, records: list[dict], step: int, train: dict) -> None:
+    """The records of metrics.jsonl up to the checkpoint's ``step`` must all be there: a
+    record is appended before the checkpoint of its step is written, so a kill can only
+    lose (tear) records after it. A missing, repeated or misplaced record up to ``step``
+    is damage, refused by step before anything is changed. Training records (those with
+    ``lr``) come every ``log_every`` steps and at the last; evaluation records, where the
+    run logs any, every ``eval_every`` steps and at the last."""
+    steps = train.get("steps")
+    if not (isinstance(steps, int) and isinstance(step, int)):
+        return
+    fix = ("the file is damaged and resuming would lose those records; restore it from a copy, or start "
+           "the run again in another --out (nothing was changed)")
+    upto = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= step]
+    evals = [r for r in upto if "lr" not in r]
+    for kind, every, have in (("training", train.get("log_every"), [r for r in upto if "lr" in r]),
+                              ("evaluation", train.get("eval_every"), evals if evals else None)):
+        if have is None or not (isinstance(every, int) and every > 0):
+            continue
+        want, got = _expected(every, steps, step), [r["step"] for r in have]
+        if got == want:
+            continue
+        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing, and the checkpoint of step {step} was written after "
+                                  f"{len(want)} {kind} records; restore it from a copy, or start the run again "
+                                  "in another --out (nothing was changed)")
+        if i < len(want) and (i >= len(got) or got[i] > want[i]):
+            raise CheckpointError(f"{path} lacks the {kind} record of step {want[i]}, before the checkpoint of "
+                                  f"step {step} ({len(got)} of its {len(want)} {kind} records are there); {fix}")
+        article = "an" if kind == "evaluation" else "a"
+        raise CheckpointError(f"{path} holds {article} {kind} record of step {got[i]} out of place (a repeated "
+                              f"or misplaced line), before the checkpoint of step {step}; {fix}")
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The records of a run's metrics.jsonl (none if it has none yet)."""
     return _records(Path(run_dir) / "metrics.jsonl")[1]
@@ -89,8 +129,9 @@ class RunFolder:
     and drops metric records past the step resumed from."""
 
     def __init__(self, path: str | Path, run_cfg: dict, resuming: bool,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, saved: dict | None = None):
         self.path, self.run_cfg, self.resuming, self.log_note = Path(path), run_cfg, resuming, log
+        self.config = saved  # config.json as on disk (None until a new run's is written)
 
     @classmethod
     def open(cls, path: str | Path, run_cfg: dict, resume: bool = False,
@@ -101,7 +142,8 @@ class RunFolder:
             if not resume:
                 raise CheckpointError(f"{path} already holds a run; pass --resume to continue it "
                                       "or choose another --out")
-            saved = read_json(path / "config.json")
+            saved = read_run_config(path, fix="restore it as the run wrote it, or choose another --out",
+                                    sections=[k for k in run_cfg if k not in ("software", "parallel")])
             there, now = _global_batch(saved), _global_batch(run_cfg)
             if there != now:
                 world = run_cfg.get("parallel", {}).get("world_size", 1)
@@ -135,7 +177,7 @@ class RunFolder:
             if log is not None:
                 log(f"note: {path} holds no run yet; starting it")
             resume = False
-        return cls(path, run_cfg, resume, log)
+        return cls(path, run_cfg, resume, log, saved if resume else None)
 
     @property
     def checkpoint(self) -> Path | None:
@@ -146,8 +188,18 @@ class RunFolder:
         return self.path / "metrics.jsonl"
 
     def check(self) -> None:
-        """Refuse damage before anything is changed: metrics.jsonl must parse."""
-        _records(self.metrics_path)
+        """Refuse damage before anything is changed: metrics.jsonl must parse and, when
+        resuming, hold every training record up to the checkpoint (``check_records``)."""
+        lines, records, torn = _records(self.metrics_path)
+        ckpt = self.checkpoint
+        if ckpt is None or not isinstance(self.config, dict):
+            return
+        try:  # a damaged manifest or trainer.json is refused by name when the checkpoint loads
+            meta = read_json(ckpt / MANIFEST) if (ckpt / MANIFEST).is_file() else read_json(ckpt / "trainer.json")
+            step = meta["step"]
+        except (PhaseloopError, KeyError, TypeError):
+            return
+        check_records(self.metrics_path, records, step, self.config.get("train", {}))
 
     def start(self, step: int) -> None:
         """Create the folder, remove orphans of interrupted writes, keep the metric
@@ -162,6 +214,7 @@ class RunFolder:
             atomic_write_bytes(self.metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
         if not (self.path / "config.json").exists():
             write_json(self.path / "config.json", self.run_cfg)
+            self.config = json.loads(dumps(self.run_cfg))  # as written (the checkpoints record its digest)
 
     def log(self, record: dict) -> None:
         with open(self.metrics_path, "a") as f:

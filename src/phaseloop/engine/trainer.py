@@ -195,7 +195,7 @@ class Trainer:
         if self.world.main:
             save_checkpoint(self.run.path, model_state, optim_state, self.step, self.batches.state(),
                             {"elapsed": self.elapsed, "tokens": self.tokens, "skipped": self.skipped,
-                             "world_size": self.world.size}, rng=rng)
+                             "world_size": self.world.size}, rng=rng, config=self.run.config)
         dist.barrier()
         self.saved = self.step
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -175,8 +176,9 @@ def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None =
     require("transformers", "lm_eval")
     if not tasks or any(not t for t in tasks):
         raise PhaseloopError("--tasks is empty; name tasks, e.g. --tasks lambada_local,wikitext2_local")
-    if batch_size < 1 or (limit is not None and not limit > 0):
-        raise PhaseloopError("--batch-size and --limit must be positive")
+    if batch_size < 1 or (limit is not None and not (limit > 0 and math.isfinite(limit))):
+        raise PhaseloopError(f"--batch-size {batch_size}, --limit {limit}: both must be positive and finite "
+                             "(--limit: examples per task, or a fraction of them below 1)")
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.utils import make_table

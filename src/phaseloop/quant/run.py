@@ -12,6 +12,7 @@ from pathlib import Path
 from ..checkpoint import load_run, run_folder, write_json
 from ..data import TrainBatches, eval_windows, run_corpus
 from ..engine import resolve_device
+from ..engine.optim import check_forward_memory
 from ..errors import PhaseloopError
 from ..files import check_out_dir
 from ..train import evaluate
@@ -43,7 +44,9 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
     ignore = run_cfg["train"].get("loss_ignore_id")
     before = evaluate(model, val, corpus.tokenizer, 16, dev, ignore)
     calib = None
-    if method == "gptq":  # calibration windows from the run's training split
+    if method == "gptq":  # calibration windows from the run's training split, if they fit
+        check_forward_memory(model.cfg, calib_batch_size, seq_len, dev, "--calib-batch-size",
+                             held_tokens=calib_batches * calib_batch_size * seq_len)
         batches = TrainBatches(train_tok, seq_len, calib_batch_size, seed)
         calib = [batches.next()[0] for _ in range(calib_batches)]
     report = quantize_model(model, bits, None if group_size == -1 else group_size, method, calib)

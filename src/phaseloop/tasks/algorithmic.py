@@ -80,6 +80,9 @@ class Example:
 # --------------------------------------------------------------------------- lengths
 
 
+MAX_LENGTH = 2**16  # an example's length: its examples are generated, and attended to in full (T x T)
+
+
 def parse_lengths(text: str) -> range | list[int]:
     """Parse a length spec.
 
@@ -124,6 +127,9 @@ def _parse_int(s: str, item: str, text: str) -> int:
     v = int(s)
     if v < 1:
         raise ConfigError(f"bad length spec {text!r}: lengths must be >= 1 (got {item!r})")
+    if v > MAX_LENGTH:
+        raise ConfigError(f"bad length spec {text!r}: lengths must be at most {MAX_LENGTH:,} (got {item!r}): "
+                          "every example of a length is generated and attended to in full")
     return v
 
 

@@ -1,0 +1,78 @@
+"""The types of the command line's numbers and names, one place for every command: an
+integer out of range, a non-finite float or a name that is not a plain name is refused by
+argparse as one line (``phaseloop CMD: error: argument --X: ...``, exit 2) before anything
+runs. The library functions check the same bounds for their Python callers."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..config import MAX_SEQ_LEN
+from ..errors import PhaseloopError
+from ..files import check_name
+
+MAX_INT = 2**31 - 1  # counts and sizes: far beyond any real run, within every library's 32 bits
+MAX_SEED = 2**63 - 1  # torch.manual_seed's range
+
+
+def int_in(lo: int | None = None, hi: int = MAX_INT, what: str = "") -> callable:
+    """An argparse type: an integer in [lo, hi] (lo None: no lower bound)."""
+    def parse(text: str) -> int:
+        v = int(text)  # not a number: argparse's own "invalid int value: 'x'"
+        if (lo is not None and v < lo) or v > hi:
+            low = f"from {lo} to {hi:,}" if lo is not None else f"at most {hi:,}"
+            raise argparse.ArgumentTypeError(f"{v} is out of range: must be an integer {low}{what}")
+        return v
+    parse.__name__ = "int"
+    return parse
+
+
+positive_int = int_in(1)
+seq_len_int = int_in(1, MAX_SEQ_LEN, " (positions: the T x T attention scores of more overflow)")
+nonneg_int = int_in(0)
+seed_int = int_in(0, MAX_SEED)
+any_int = int_in(None)  # bounded above only: TrainConfig checks its own lower bounds
+
+
+def seed_list(text: str) -> str:
+    """Comma-separated seeds (``0,1``): an integer item out of [0, MAX_SEED] is refused
+    here; the text is returned as given, for the command's own check of its form."""
+    for item in text.split(","):
+        try:
+            v = int(item)
+        except ValueError:
+            continue  # not a number: the command names it
+        if not 0 <= v <= MAX_SEED:
+            raise argparse.ArgumentTypeError(f"seed {v} is out of range: seeds are integers from 0 to "
+                                             f"{MAX_SEED:,} (2^63 - 1)")
+    return text
+
+
+def finite_float(text: str) -> float:
+    """A finite float (the lower bound is the option's own check)."""
+    v = float(text)  # not a number: argparse's own "invalid float value: 'x'"
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number; give a finite value")
+    return v
+
+
+finite_float.__name__ = "float"
+
+
+def positive_float(text: str) -> float:
+    v = finite_float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return v
+
+
+positive_float.__name__ = "float"
+
+
+def safe_name(text: str) -> str:
+    """A name that becomes one folder of a registry (``files.check_name``)."""
+    try:
+        return check_name(text, "name")
+    except PhaseloopError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
