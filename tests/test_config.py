@@ -129,3 +129,60 @@ def test_copy_and_pickle_keep_what_was_explicit():
     twin = copy.copy(cfg)
     twin.n_loops = 3  # option fields are assignable like core ones
     assert twin.n_loops == 3 and twin.to_dict()["n_loops"] == 3
+
+
+def test_the_layer_count_under_either_name_over_a_preset():
+    """A preset stores n_layers; a later layer naming the count under the arch's own name
+    (--set, a --print-config file, a recipe) replaces it rather than conflicting."""
+    from phaseloop.compare.recipe import Variant, resolve_variant
+    from phaseloop.runconfig import resolve_run
+
+    assert ModelConfig.from_preset("looped-tiny", n_unique_layers=6).n_layers == 6
+    assert resolve_variant(Variant("v", "looped n_unique_layers=6"), "tiny").n_layers == 6
+    assert resolve_run({"model": {"preset": "looped-tiny", "n_unique_layers": 6}}).model.n_layers == 6
+    assert resolve_run({"model": {"preset": "looped-tiny", "n_unique_layers": 6}},
+                       model={"n_layers": 5}).model.n_unique_layers == 5
+    with pytest.raises(ConfigError, match="name the same count"):  # both in one layer: ambiguous
+        ModelConfig(arch="looped", n_layers=4, n_unique_layers=6)
+
+
+def test_assigned_fields_are_kept_by_copies_and_replace():
+    import copy
+    import pickle
+
+    c = ModelConfig()
+    c.n_layers = 8
+    assert copy.deepcopy(c).n_layers == pickle.loads(pickle.dumps(c)).n_layers == c.replace(vocab_size=300).n_layers == 8
+    looped = ModelConfig(arch="looped")
+    looped.n_loops, looped.n_unique_layers = 7, 6
+    assert copy.copy(looped) == looped and looped.to_dict()["n_unique_layers"] == 6 and looped.n_layers == 6
+    with pytest.raises(ConfigError, match="n_loops: not a field of arch='rope'"):
+        ModelConfig().n_loops = 9
+
+
+def test_none_only_where_a_field_derives_from_it():
+    with pytest.raises(ConfigError, match="d_model=None"):
+        ModelConfig.from_preset("rope-small", d_model=None)
+    with pytest.raises(ConfigError, match="n_loops=None: has no effect"):
+        ModelConfig(arch="rope", n_loops=None)
+    assert ModelConfig(n_heads=6, d_model=96, n_kv_heads=None).n_kv_heads == 6  # derived
+    assert ModelConfig(arch="three_phase", phase_rotation=None).phase_rotation  # the arch's value
+    assert ModelConfig(arch="mhc", hc_res=None).hc_res == "sinkhorn"
+
+
+def test_re_registering_an_arch_with_new_group_classes(monkeypatch):
+    """Reloading a plugin (a notebook cell run again) replaces its spec."""
+    from dataclasses import make_dataclass
+
+    from phaseloop.model import Stack
+
+    monkeypatch.setattr(registry, "ARCHS", dict(registry.ARCHS))
+    for _ in range(2):
+        group = make_dataclass("ReloadOptions", [("reload_k", int, 1)])
+        registry.register_arch(registry.ArchSpec(name="reloaded", trunk=Stack, options=(group,)))
+    assert ModelConfig(arch="reloaded", reload_k=3).reload_k == 3
+    with pytest.raises(TypeError, match="reuses ModelConfig names"):
+        registry.register_arch(registry.ArchSpec(name="clash", trunk=Stack, options=(
+            make_dataclass("ClashOptions", [("head_dim", int, 1)]),)))
+    with pytest.raises(ValueError, match="defaults for \\['n_loopz'\\]"):
+        registry.register_arch(registry.ArchSpec(name="typo", trunk=Stack, defaults={"n_loopz": 2}))

@@ -41,6 +41,29 @@ def _defaults(cls) -> dict:
     return {f.name: f.default for f in fields(cls)}
 
 
+def _nullable(cls) -> set[str]:
+    """The fields of a dataclass whose annotation allows None (None means "derived")."""
+    import types
+    import typing
+
+    return {n for n, tp in typing.get_type_hints(cls).items()
+            if isinstance(tp, types.UnionType) and type(None) in typing.get_args(tp)}
+
+
+def merged(*layers: dict) -> dict:
+    """Field tables, each over the ones before; the layer count is one field under either
+    of its names (``n_layers`` or an arch's ``ArchSpec.layers_name``), so a later layer
+    that names it replaces an earlier one's however each spelt it."""
+    names = {"n_layers", *registry.layer_names()}
+    out: dict = {}
+    for d in layers:
+        if names & set(d):
+            for n in names:
+                out.pop(n, None)
+        out.update(d)
+    return out
+
+
 @dataclass(init=False, eq=False, repr=False)
 class ModelConfig:
     """Decoder-only LM configuration; ``arch`` defaults to the registry's baseline (the
@@ -87,11 +110,13 @@ class ModelConfig:
             raise ConfigError(f"invalid config: unknown field(s) {', '.join(unknown)}{hint}; "
                               f"known fields: {', '.join(known)}")
         for name, value in kw.items():  # another arch's option: it would be silently ignored
-            if name in foreign and value is not None and value != _defaults(foreign[name])[name]:
+            if name in foreign and value != _defaults(foreign[name])[name]:
                 users = ", ".join(registry.users_of(foreign[name]))
                 _fail(name, value, f"has no effect with arch={spec.name!r}; drop it or pick an arch "
                       f"that uses it ({users})")
-        given = {k: v for k, v in kw.items() if v is not None and k not in foreign}
+        # None means "derived" where a field allows it; elsewhere check_types refuses it
+        nullable = _nullable(ModelConfig).union(*(_nullable(g) for g in groups))
+        given = {k: v for k, v in kw.items() if k not in foreign and not (v is None and k in nullable)}
         values = {**core, **spec.defaults, **given, "arch": spec.name}
         for name in core:
             object.__setattr__(self, name, values[name])
@@ -105,9 +130,9 @@ class ModelConfig:
         for inst in self._groups.values():
             check_types(inst, "config")
         if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
+            object.__setattr__(self, "n_kv_heads", self.n_heads)  # derived: not "given"
         if self.d_ff is None:  # 4d for the ReLU FFN (Vaswani), 8/3 d for SwiGLU (same params)
-            self.d_ff = 4 * self.d_model if self.ffn == "relu" else 32 * math.ceil(8 * self.d_model / 3 / 32)
+            object.__setattr__(self, "d_ff", 4 * self.d_model if self.ffn == "relu" else 32 * math.ceil(8 * self.d_model / 3 / 32))
         self.validate()
 
     # ------------------------------------------------------------------ option fields
@@ -127,11 +152,20 @@ class ModelConfig:
         raise AttributeError(f"ModelConfig has no field {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        for inst in self.__dict__.get("_groups", {}).values():
-            if name in inst.__dataclass_fields__:
-                setattr(inst, name, value)
-                return
-        object.__setattr__(self, name, value)
+        """An assigned field counts as given (copies, pickles and replace() keep it); a field
+        of an option group this arch does not carry, or no field at all, is refused."""
+        if name.startswith("_") or "_groups" not in self.__dict__:  # plain attributes; __init__
+            object.__setattr__(self, name, value)
+            return
+        if name == self.spec.layers_name:
+            name = "n_layers"
+        target = self if name in self.__dataclass_fields__ else next(
+            (g for g in self._groups.values() if name in g.__dataclass_fields__), None)
+        if target is None:
+            raise ConfigError(f"invalid config: {name}: not a field of arch={self.arch!r} "
+                              "(phaseloop archs lists its options); use replace() to change the arch")
+        object.__setattr__(target, name, value)
+        object.__setattr__(self, "_given", self._given | {name})
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ModelConfig) and self.to_dict() == other.to_dict()
@@ -168,8 +202,8 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        check_ints(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                          "max_seq_len"), "config")
+        check_ints(self, ("vocab_size", "d_model", self.spec.layers_name, "n_heads", "n_kv_heads",
+                          "d_ff", "max_seq_len"), "config")
         for name, value in self.to_dict().items():  # every field, the option groups' too
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
                 _fail(name, value, f"at most {MAX_INT:,} (2^31 - 1): larger sizes overflow tensor "
@@ -227,10 +261,7 @@ class ModelConfig:
     def replace(self, **overrides) -> "ModelConfig":
         """The config built from this one's explicit fields plus ``overrides``: values that
         were derived (d_ff, n_kv_heads, the architecture's defaults) are derived again."""
-        d = self._explicit()
-        if {"n_layers", *registry.layer_names()} & set(overrides):  # the count under either name
-            d.pop("n_layers", None)
-        return ModelConfig(**{**d, **overrides})
+        return ModelConfig(**merged(self._explicit(), overrides))
 
     def _explicit(self) -> dict:
         """The fields given explicitly (core names), from which the rest is derived."""
@@ -246,7 +277,7 @@ class ModelConfig:
             close = difflib.get_close_matches(name, list(PRESETS), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"unknown preset {name!r}{hint}; available: {', '.join(PRESETS)}")
-        return cls.from_dict({**PRESETS[name], **overrides})
+        return cls.from_dict(merged(PRESETS[name], overrides))
 
 
 def _layers_by_name(spec, kw: dict) -> dict:

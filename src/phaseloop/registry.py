@@ -17,6 +17,7 @@ every architecture (3PT's phase structure).
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -64,19 +65,24 @@ COMPOSABLE: list[type] = []  # option groups every architecture carries
 _loaded_entry_points = False
 
 
-def _check_group(cls: type) -> None:
+def _check_group(cls: type, replacing: "ArchSpec | None" = None) -> None:
+    """A dataclass whose field names no other group, no ModelConfig field or attribute and no
+    arch's name for its layer count holds (a spec being re-registered does not count)."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"option group {cls.__name__} must be a dataclass")
-    from .config import ModelConfig  # field names must not collide with another group's
+    from .config import ModelConfig
 
     mine = {f.name for f in dataclasses.fields(cls)}
-    for other in [*COMPOSABLE, *(g for s in ARCHS.values() for g in s.options)]:
+    stale = set(replacing.options) if replacing is not None else set()
+    others = [*COMPOSABLE, *(g for s in ARCHS.values() for g in s.options if g not in stale)]
+    for other in [o for o in others if o.__qualname__ != cls.__qualname__ or o.__module__ != cls.__module__]:
         if other is not cls and mine & {f.name for f in dataclasses.fields(other)}:
             raise TypeError(f"option group {cls.__name__} reuses fields of {other.__name__}: "
                             f"{sorted(mine & {f.name for f in dataclasses.fields(other)})}")
-    clash = mine & {f.name for f in dataclasses.fields(ModelConfig)}
+    clash = mine & ({f.name for f in dataclasses.fields(ModelConfig)} | set(dir(ModelConfig))
+                    | {s.layers_name for s in ARCHS.values()})
     if clash:
-        raise TypeError(f"option group {cls.__name__} reuses ModelConfig fields {sorted(clash)}")
+        raise TypeError(f"option group {cls.__name__} reuses ModelConfig names {sorted(clash)}")
 
 
 def register_options(cls: type) -> type:
@@ -92,8 +98,14 @@ def register_arch(spec: ArchSpec) -> ArchSpec:
     if not spec.name.isidentifier():
         raise ValueError(f"arch name {spec.name!r} must be an identifier (letters, digits, _)")
     for group in spec.options:
-        _check_group(group)
-    from .config import PRESETS
+        _check_group(group, replacing=ARCHS.get(spec.name))
+    from .config import PRESETS, ModelConfig
+
+    known = {*(f.name for f in dataclasses.fields(ModelConfig)),
+             *(f.name for g in (*COMPOSABLE, *spec.options) for f in dataclasses.fields(g))}
+    if set(spec.defaults) - known:
+        raise ValueError(f"arch {spec.name!r}: defaults for {sorted(set(spec.defaults) - known)}, "
+                         "which are not fields of ModelConfig or of its option groups")
 
     for name, fields_ in spec.presets.items():
         PRESETS[name] = {"arch": spec.name, **fields_}
@@ -110,16 +122,18 @@ def _load_entry_points() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            obj = ep.load()  # a module registers on import; an ArchSpec or a callable may be given
+        try:  # a module registers on import; an ArchSpec or a function may be given instead
+            obj = ep.load()
+            if isinstance(obj, ArchSpec):
+                register_arch(obj)
+            elif callable(obj) and not isinstance(obj, type):
+                obj()
+            elif not isinstance(obj, types.ModuleType):
+                raise TypeError(f"it names a {type(obj).__name__}, not a module, an ArchSpec or a function")
         except Exception as e:  # noqa: BLE001  a broken plugin is named, not a traceback
             _loaded_entry_points = False  # asked again, it fails again (never half-loaded quietly)
             raise ConfigError(f"the architecture plugin {ep.name!r} ({ep.value}) failed to load: "
                               f"{type(e).__name__}: {e}; reinstall or uninstall it") from None
-        if isinstance(obj, ArchSpec):
-            register_arch(obj)
-        elif callable(obj) and not isinstance(obj, type):
-            obj()
 
 
 def get_arch(name: str) -> ArchSpec:

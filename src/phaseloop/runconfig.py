@@ -34,7 +34,7 @@ from typing import Callable
 
 from . import registry
 from .checkpoint import TOKENIZER_COPY, read_run_config, run_folder, run_tokenizer
-from .config import ModelConfig
+from .config import ModelConfig, merged
 from .data import corpus_args, load_corpus
 from .engine import TrainConfig, dist
 from .errors import ConfigError
@@ -196,13 +196,13 @@ def resolve_run(config: str | os.PathLike | dict | None = None, *, preset: str |
     if preset is not None and not isinstance(preset, str):
         raise ConfigError(f"invalid config: preset={preset!r}: must be a preset name, e.g. "
                           f"\"{registry.default_preset()}\"")
-    fields.update(model or {})
+    fields = merged(fields, model or {})  # --set over the file (the layer count under either name)
     out = Path(out or f"runs/{preset or arch or registry.default_preset()}-{time.strftime('%Y%m%d-%H%M%S')}")
     saved = read_run_config(out, fix="restore it as the run wrote it, or choose another --out") \
         if resume and (out / "config.json").exists() else None
 
     if saved is not None and preset is None:
-        model_cfg = ModelConfig.from_dict({**saved["model"], **fields})
+        model_cfg = ModelConfig.from_dict(merged(saved["model"], fields))
     elif preset is None and (arch or file["model"].get("arch")) is not None:
         # --arch, or a file's [model] arch without a preset: that architecture's defaults
         model_cfg = ModelConfig(**{"arch": arch or file["model"]["arch"], **fields})

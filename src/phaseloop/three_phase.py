@@ -35,11 +35,12 @@ class PhaseOptions:
     """The phase structure (3PT §2), on any trunk built from the shared block; all off
     (N = 1) unless switched on, all on for arch='three_phase' (its ``ArchSpec.defaults``)."""
 
-    n_phases: int = 1  # N stripes of the residual stream (mod. 1)
-    phase_rotation: bool = False  # PhaseRotation between attention and FFN (mod. 2)
-    phase_norm: bool = False  # PhaseRMSNorm at every norm site (mod. 3)
-    phase_aligned_gqa: bool = False  # require N | n_heads and N | n_kv_heads (mod. 4)
-    horn: bool = False  # Gabriel's horn DC injection on the embedding output (mod. 5)
+    # None (as earlier versions took it): the arch's value, i.e. on for three_phase
+    n_phases: int | None = 1  # N stripes of the residual stream (mod. 1)
+    phase_rotation: bool | None = False  # PhaseRotation between attention and FFN (mod. 2)
+    phase_norm: bool | None = False  # PhaseRMSNorm at every norm site (mod. 3)
+    phase_aligned_gqa: bool | None = False  # require N | n_heads and N | n_kv_heads (mod. 4)
+    horn: bool | None = False  # Gabriel's horn DC injection on the embedding output (mod. 5)
     learnable_offsets: bool = False  # ablation: learn the 2*pi*i/N offsets
     residual_rotation: bool = False  # ablation: h + PR(h) instead of PR(h)
     learnable_horn: bool = False  # ablation (ours): learnable gain g in r(t) = g/(t+1)

@@ -30,7 +30,7 @@ def shrink(cfg: ModelConfig) -> ModelConfig:
         d *= 2
     over = dict(d_model=d, d_ff=2 * d, vocab_size=256, max_seq_len=32)
     shrink_arch = cfg.spec.shrink or (lambda c: {"n_layers": min(c.n_layers, 2)})  # ArchSpec.shrink
-    return cfg.replace(**over, **shrink_arch(cfg))
+    return cfg.replace(**{**over, **shrink_arch(cfg)})  # the arch's rule may override the generic one
 
 
 def dry_run(recipe: Recipe, log=print, data: str = "stdlib") -> list[dict]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import registry
-from ..config import PRESETS, ModelConfig
+from ..config import PRESETS, ModelConfig, merged
 from ..engine import TrainConfig
 from ..errors import ConfigError, PhaseloopError
 from ..files import why_missing
@@ -155,7 +155,7 @@ def resolve_variant(v: Variant, scale: str, vocab_size: int | None = None):
             raise RecipeError(f"{where}: unknown modifier +{m}{_suggest(m, modifiers)}; "
                               f"known: {', '.join('+' + k for k in modifiers)}")
         mod_overrides.update(modifiers[m])
-    d = {**PRESETS[preset], **extra, **mod_overrides, **overrides, **v.set}
+    d = merged(PRESETS[preset], extra, mod_overrides, overrides, v.set)
     if vocab_size is not None and "vocab_size" not in {**overrides, **v.set}:
         d["vocab_size"] = vocab_size
     try:
