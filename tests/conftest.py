@@ -56,3 +56,45 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------- bad-input cases
+# (test_robustness, test_early_refusals, test_full_disk, test_hand_edits, test_text_store)
+TINY = ["--preset", "rope-tiny", "--batch-size", "2", "--eval-windows", "2", "--warmup", "2", "--quiet"]
+
+
+def snapshot(root) -> dict:
+    """Every file under ``root`` and its bytes: "nothing changed" is an equal snapshot."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    """(exit status, stderr) of ``phaseloop ARGV`` in this process (argparse's exits too)."""
+    from phaseloop.cli import main
+
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    return code, capsys.readouterr().err.strip()
+
+
+def assert_one_line(code, err, pattern, status=2, prefix="phaseloop"):
+    """Exit ``status``, one error line (after any notes the command printed first), no
+    traceback, starting with ``prefix`` and holding ``pattern``."""
+    assert code == status, err
+    err = "\n".join(line for line in err.splitlines() if not line.startswith("note: "))
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(prefix), err
+    assert pattern in err, err
+
+
+def tiny_run(root: Path, steps: int = 4, every: int = 2) -> dict:
+    """A finished tiny run under ``root`` (checkpoints and evaluations every ``every`` steps)."""
+    from phaseloop.cli import main
+
+    text = write_corpus(root / "corpus.txt")
+    run = root / "run"
+    assert main(["train", *TINY, "--steps", str(steps), "--eval-every", str(every), "--ckpt-every",
+                 str(every), "--data", str(text), "--out", str(run)]) == 0
+    return {"root": root, "run": run, "text": text}

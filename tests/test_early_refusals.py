@@ -17,41 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_corpus
+from conftest import assert_one_line, run_cli, snapshot, tiny_run
 from phaseloop.cli import main
-
-TINY = ["--preset", "rope-tiny", "--batch-size", "2", "--eval-windows", "2", "--warmup", "2", "--quiet"]
-
-
-def snapshot(root) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def run_cli(argv, capsys) -> tuple[int, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err.strip()
-
-
-def assert_one_line(code, err, pattern, status=2):
-    assert code == status, err
-    err = "\n".join(line for line in err.splitlines() if not line.startswith("note: "))
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("phaseloop"), err
-    assert pattern in err, err
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("early")
-    text = write_corpus(root / "corpus.txt")
-    run = root / "run"
-    assert main(["train", *TINY, "--steps", "4", "--eval-every", "2", "--ckpt-every", "2",
-                 "--data", str(text), "--out", str(run)]) == 0
-    (root / "afile").write_text("x")
-    return {"root": root, "run": run, "text": text}
+    made = tiny_run(tmp_path_factory.mktemp("early"))
+    (made["root"] / "afile").write_text("x")
+    return made
 
 
 @pytest.fixture

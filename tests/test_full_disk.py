@@ -12,42 +12,21 @@ import subprocess
 import pytest
 from safetensors import SafetensorError
 
-from conftest import write_corpus
-from phaseloop.cli import main
+from conftest import TINY, run_cli, snapshot, tiny_run
+from conftest import assert_one_line as _one_line
 from phaseloop.files import as_os_error
 
-TINY = ["--preset", "rope-tiny", "--batch-size", "2", "--eval-windows", "2", "--warmup", "2", "--quiet"]
 FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
 
 
-def snapshot(root) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def run_cli(argv, capsys) -> tuple[int, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err.strip()
-
-
 def assert_one_line(code, err, pattern, status=2):
-    assert code == status, err
-    err = "\n".join(line for line in err.splitlines() if not line.startswith("note: "))
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("phaseloop: error: "), err
-    assert pattern in err, err
+    _one_line(code, err, pattern, status, prefix="phaseloop: error: ")
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("disk")
-    text = write_corpus(root / "corpus.txt")
-    run = root / "run"
-    assert main(["train", *TINY, "--steps", "4", "--eval-every", "2", "--ckpt-every", "2",
-                 "--data", str(text), "--out", str(run)]) == 0
-    return {"root": root, "run": run, "text": text}
+    made = tiny_run(tmp_path_factory.mktemp("disk"))
+    return made
 
 
 @pytest.fixture

@@ -11,35 +11,16 @@ import shutil
 import pytest
 import torch
 
-from conftest import write_corpus
+from conftest import TINY, assert_one_line, run_cli, snapshot, write_corpus
 from phaseloop.checkpoint import file_sha256, load_run, save_checkpoint
 from phaseloop.cli import main
 from phaseloop.engine import TrainConfig, Trainer
 from phaseloop.engine.trainer import DivergedError
 from phaseloop.model import ModelOutput
 
-TINY = ["--preset", "rope-tiny", "--batch-size", "2", "--eval-windows", "2", "--warmup", "2", "--quiet"]
 
 
-def snapshot(root) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
-
-def run_cli(argv, capsys) -> tuple[int, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        code = e.code
-    return code, capsys.readouterr().err.strip()
-
-
-def assert_one_line(code, err, pattern, status=2):
-    """Exit ``status``, one error line (after any notes the command printed first)."""
-    assert code == status, err
-    err = "\n".join(line for line in err.splitlines() if not line.startswith("note: "))
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("phaseloop"), err
-    assert pattern in err, err
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import write_corpus
+from conftest import run_cli, write_corpus
 from phaseloop import store as token_store
 from phaseloop.cli import main
 from phaseloop.data import load_corpus
@@ -31,13 +31,6 @@ def snapshot(*roots) -> dict:
                 out[str(p)] = p.read_bytes() if p.is_file() else None
     return out
 
-
-def run_cli(argv, capsys) -> tuple[int, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        code = e.code
-    return code, capsys.readouterr().err.strip()
 
 
 def refused(argv, capsys, pattern, *roots):

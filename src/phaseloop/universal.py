@@ -47,7 +47,6 @@ tests check in float64.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch

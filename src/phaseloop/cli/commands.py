@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .. import compare, plots, registry
-from ..checkpoint import load_run, write_json
+from ..checkpoint import load_run
 from ..config import ModelConfig
 from ..checkpoint import run_folder, run_tokenizer
 from ..data import eval_windows, load_corpus, run_corpus
