@@ -124,8 +124,12 @@ def test_a_killed_rank_ends_the_run_and_keeps_the_checkpoint(tmp_path, text_file
     os.kill(int(workers[-1]), signal.SIGKILL)
     err = proc.communicate(timeout=300)[1]
     assert proc.returncode != 0
-    assert "phaseloop: error: another process of this 2-process run failed" in err and "is intact" in err, \
-        err[-3000:]
+    # rank 0 meets the dead peer in a collective (exit 4), or torchrun's agent stops it with
+    # SIGTERM first (a race the agent's monitor wins when rank 0 is computing): both say
+    # which checkpoint is intact (docs/reliability.md, "Under torchrun")
+    peer = "phaseloop: error: another process of this 2-process run failed"
+    stopped = "phaseloop: terminated at step"
+    assert (peer in err or stopped in err) and "is intact" in err, err[-3000:]
     assert "[rank0]: Traceback" not in err
     verify_checkpoint(out / "checkpoint")
     assert not (out / "summary.json").exists()
