@@ -60,6 +60,15 @@ def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int 
     return p
 
 
+def _depth_options(p, sweep: bool = False) -> None:
+    """--depth: UT steps (ACT: the step limit) or loop passes at inference (issue 25)."""
+    p.add_argument("--depth", type=T.depth_list if sweep else T.depth_int, metavar="K[,K...]" if sweep else "K",
+                   help="run the weight-tied trunk at this depth: UT steps, loop passes"
+                   + (" (a comma list sweeps: one row per depth)" if sweep else ""))
+    p.add_argument("--extend-loops", choices=("last",), help="past a Hyperloop's trained loops, "
+                   "reuse the last loop's parameters (refused otherwise)")
+
+
 def _data_options(p) -> None:
     """train's data flags: default None (not given), so a config file or a resumed run's
     own settings apply (runconfig.DATA_DEFAULTS otherwise)."""
@@ -100,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", choices=("val", "all"), default="val",
                    help="val: the held-out tail; all: every token (e.g. a separate test file)")
     e.add_argument("--json", action="store_true")
+    _depth_options(e, sweep=True)
 
     g = on_a_run(sub, "generate", "sample text from a run", C.cmd_generate, data=False)
     g.add_argument("--prompt", default="")
@@ -108,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=T.positive_int, default=None)
     g.add_argument("--seed", type=T.seed_int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute the full prefix every token")
+    _depth_options(g)
 
     c = sub.add_parser("params", help="parameter and FLOP counts of a preset (no weights allocated)")
     c.add_argument("--preset", help=f"preset name (default {registry.default_preset()})")

@@ -63,6 +63,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.depth is None and args.extend_loops:
+        raise PhaseloopError("--extend-loops applies with --depth; add --depth K")
     if args.windows < 1 or (args.seq_len is not None and args.seq_len < 1):
         raise PhaseloopError(f"--windows {args.windows}, --seq-len {args.seq_len}: both must be "
                              "positive integers, e.g. --windows 64")
@@ -76,6 +78,8 @@ def cmd_eval(args) -> int:
     else:
         _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     windows = eval_windows(tokens, seq_len, args.windows)
+    if args.depth is not None:
+        return _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device)
     res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
     res.update({"data": corpus.name, "fingerprint": corpus.fingerprint, "split": args.split,
                 "windows": len(windows), "seq_len": seq_len})
@@ -84,6 +88,43 @@ def cmd_eval(args) -> int:
     else:
         print(f"{corpus.name} [{args.split}] loss {res['val_loss']:.4f}  ppl {res['val_ppl']:.3f}  "
               f"bpb {res['val_bpb']:.4f}  ({res['val_tokens']} tokens)")
+    return 0
+
+
+def _depth_args(args, model) -> None:
+    """Apply --depth / --extend-loops (one depth) to a loaded model."""
+    from ..depth import set_model_depth
+
+    if args.depth is None:
+        if args.extend_loops:
+            raise PhaseloopError("--extend-loops applies with --depth; add --depth K")
+        return
+    set_model_depth(model, args.depth, args.extend_loops)
+
+
+def _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
+    """eval --depth K[,K...]: loss, BPB, FLOPs per token and tokens/s at each depth."""
+    from ..depth import flops_per_token, set_model_depth
+
+    for d in args.depth:  # refuse a bad depth before evaluating any
+        set_model_depth(model, d, args.extend_loops)
+    rows = []
+    for d in args.depth:
+        set_model_depth(model, d, args.extend_loops)
+        t0 = time.perf_counter()
+        res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
+        tok_s = res["val_tokens"] / max(time.perf_counter() - t0, 1e-9)
+        rows.append({"depth": d, **res, "flops_per_token": flops_per_token(model.cfg, seq_len, d, args.extend_loops),
+                     "tok_per_s": tok_s, "data": corpus.name, "split": args.split,
+                     "windows": len(windows), "seq_len": seq_len})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{corpus.name} [{args.split}], {len(windows)} windows of {seq_len}")
+    print(f"{'depth':>6}{'loss':>9}{'bpb':>9}{'MFLOP/tok':>11}{'tok/s':>10}")
+    for r in rows:
+        fl = "-" if r["flops_per_token"] is None else f"{r['flops_per_token'] / 1e6:.2f}"
+        print(f"{r['depth']:>6}{r['val_loss']:>9.4f}{r['val_bpb']:>9.4f}{fl:>11}{r['tok_per_s']:>10.0f}")
     return 0
 
 
@@ -97,6 +138,7 @@ def cmd_generate(args) -> int:
                              "(0 = greedy, 1 = the model's distribution)")
     device = resolve_device(args.device)
     model, run_cfg = load_run(args.run, device)
+    _depth_args(args, model)
     tok = run_tokenizer(args.run, run_cfg)
     idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]
     if idx.shape[1] + args.max_new_tokens > model.cfg.max_seq_len:
