@@ -78,3 +78,49 @@ def test_bad_depths_one_line(runs, capsys, cmd, extra, pattern):
 def test_stack_has_no_depth(runs, capsys, cmd):
     code, err = run_cli([cmd, runs["rope-tiny"], "--device", "cpu", "--depth", "2"], capsys)
     assert_one_line(code, err, "no depth to change")
+
+
+def test_export_at_a_depth_equals_the_native_model_there(runs, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from phaseloop.checkpoint import load_run
+    from phaseloop.depth import set_model_depth
+
+    run = runs["hyperloop-tiny"]
+    out = tmp_path / "hf3"
+    assert main(["export", str(run), "--out", str(out), "--depth", "3", "--extend-loops", "last"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["phaseloop_depth"], cfg["phaseloop_extend_loops"]) == (3, "last")
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert hf.model.trunk.loops == 3
+    native, _ = load_run(run, "cpu")
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = native(idx).logits
+        set_model_depth(native, 3, "last")
+        want = native(idx).logits
+        got = hf(idx).logits
+    assert torch.equal(got, want) and not torch.equal(got, plain)
+    plain_out = tmp_path / "hf"
+    assert main(["export", str(run), "--out", str(plain_out)]) == 0
+    assert "phaseloop_depth" not in json.loads((plain_out / "config.json").read_text())
+    capsys.readouterr()
+    for extra, pattern in ((["--depth", "3"], "extend='last'"), (["--extend-loops", "last"], "applies with --depth")):
+        code, err = run_cli(["export", run, "--out", tmp_path / "bad", *extra], capsys)
+        assert_one_line(code, err, pattern)
+        assert not (tmp_path / "bad").exists()
+    code, err = run_cli(["export", runs["rope-tiny"], "--out", tmp_path / "bad", "--depth", "2"], capsys)
+    assert_one_line(code, err, "no depth to change")
+
+
+def test_lm_eval_depth_refusals(runs, capsys):
+    pytest.importorskip("lm_eval")
+    base = ["lm-eval", "--tasks", "wikitext2_local", "--device", "cpu"]
+    code, err = run_cli([base[0], runs["rope-tiny"], *base[1:], "--depth", "2"], capsys)
+    assert_one_line(code, err, "no depth to change")
+    code, err = run_cli([base[0], runs["hyperloop-tiny"], *base[1:], "--depth", "4"], capsys)
+    assert_one_line(code, err, "extend='last'")
+    code, err = run_cli([base[0], runs["hyperloop-tiny"], *base[1:], "--depth", "0"], capsys)
+    assert_one_line(code, err, "out of range")

@@ -211,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     x.add_argument("--quantized", metavar="FILE", help="a quant-*.safetensors of `phaseloop quantize`: "
                    "export its dequantised weights (the function the quantised model computes)")
+    _depth_options(x)
 
     v = on_a_run(sub, "lm-eval", "lm-evaluation-harness on a run (local: lambada_local, "
                   "wikitext2_local)", C.cmd_lm_eval, data=False)
@@ -218,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--include-path", help="a folder of extra lm-eval task YAMLs")
     v.add_argument("--limit", type=T.positive_float, help="examples per task (a fraction if < 1)")
     v.add_argument("--batch-size", type=int, default=8)  # harness.lm_eval_run checks it
+    _depth_options(v)
     v.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     v.add_argument("--data-dir", help="folder holding lambada/ and wikitext-2/ (default $PHASELOOP_DATA_DIR)")
 

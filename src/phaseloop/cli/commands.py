@@ -264,7 +264,8 @@ def cmd_export(args) -> int:
     from .. import hf
 
     hf.require()
-    out = hf.export_run(args.run, args.out, dtype=args.dtype, quantized=args.quantized)
+    out = hf.export_run(args.run, args.out, dtype=args.dtype, quantized=args.quantized,
+                        depth=args.depth, extend_loops=args.extend_loops)
     print(f"exported {args.run} -> {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}) "
           "after `import phaseloop`, or with trust_remote_code=True)")
     return 0
@@ -280,7 +281,7 @@ def cmd_lm_eval(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",")]
     res = lm_eval_run(args.run, tasks, include_path=args.include_path, limit=args.limit,
                       batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                      data=args.data_dir)
+                      data=args.data_dir, depth=args.depth, extend_loops=args.extend_loops)
     from lm_eval.utils import make_table
 
     print(make_table(res))
