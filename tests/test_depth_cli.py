@@ -14,7 +14,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("depth_cli")
     text = write_corpus(root / "corpus.txt")
     out = {"text": text}
-    for preset in ("hyperloop-tiny", "rope-tiny"):
+    for preset in ("hyperloop-tiny", "rope-tiny", "universal-act-tiny"):
         run = root / preset
         flags = [a if a != "rope-tiny" else preset for a in TINY]
         assert main(["train", *flags, "--steps", "2", "--eval-every", "2", "--ckpt-every", "2",
@@ -43,6 +43,15 @@ def test_eval_sweep_trained_depth_equals_plain_eval(runs, capsys):
                  "--extend-loops", "last"]) == 0
     table = capsys.readouterr().out
     assert "MFLOP/tok" in table and len(table.strip().splitlines()) == 4
+
+
+def test_universal_act_sweep(runs, capsys):
+    common = ["eval", runs["universal-act-tiny"], "--windows", "2", "--device", "cpu", "--json"]
+    plain = _json(common, capsys)
+    rows = _json([*common, "--depth", "2,4,6"], capsys)  # universal-act-tiny: 4 steps
+    assert rows[1]["val_loss"] == plain["val_loss"] and rows[1]["val_bpb"] == plain["val_bpb"]
+    # ACT on the meta device runs to the step limit: the FLOPs are an upper bound per depth
+    assert rows[0]["flops_per_token"] < rows[1]["flops_per_token"] < rows[2]["flops_per_token"]
 
 
 def test_generate_at_a_depth(runs, capsys):

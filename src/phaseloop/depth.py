@@ -25,8 +25,8 @@ def set_model_depth(model, depth: int, extend: str | None = None) -> None:
 def flops_per_token(cfg: ModelConfig, seq_len: int, depth: int | None = None,
                     extend: str | None = None) -> int | None:
     """Forward FLOPs per token at ``seq_len`` (params.count_params' convention) with the
-    trunk at ``depth``, counted on the meta device; None where the trunk cannot trace there
-    (ACT's data-dependent halting)."""
+    trunk at ``depth``, counted on the meta device (ACT runs every step there: an upper
+    bound at that step limit); None where the trunk cannot trace on meta."""
     model = build_model(cfg, device="meta")
     if depth is not None:
         set_model_depth(model, depth, extend)
@@ -34,6 +34,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, depth: int | None = None,
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as fc:
             model(idx)
-    except Exception:  # noqa: BLE001 - e.g. ACT's halting on meta tensors
+    except Exception:  # noqa: BLE001 - a plugin trunk with data-dependent control flow
         return None
     return int(fc.get_total_flops() // seq_len)

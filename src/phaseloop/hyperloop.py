@@ -216,7 +216,6 @@ class Hyperloop(Looped):
             self.hc = nn.ModuleList(HyperConnection(cfg, loop_embedding=True, residual_f=True)
                                     for _ in range(n_hc))
         self.pooled = cfg.hc_transition == "pooled_mlp"
-        self.extend: str | None = None
 
     def set_depth(self, n: int, extend: str | None = None) -> None:
         prev = self.loops
@@ -226,7 +225,6 @@ class Hyperloop(Looped):
             raise ConfigError(f"depth {n} exceeds the {self.n_loops} trained loops of this Hyperloop, "
                               "whose loops have their own parameters; use extend='last' "
                               "(--extend-loops last) to reuse the last loop's for the extra passes")
-        self.extend = extend
 
     def _param_loop(self, loop: int) -> int:
         """The trained loop whose parameters pass ``loop`` uses (extend='last' beyond them)."""
