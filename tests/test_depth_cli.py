@@ -112,6 +112,15 @@ def test_export_at_a_depth_equals_the_native_model_there(runs, tmp_path, capsys)
         want = native(idx).logits
         got = hf(idx).logits
     assert torch.equal(got, want) and not torch.equal(got, plain)
+    capsys.readouterr()  # HF's cached generate = phaseloop generate at that depth
+    assert main(["generate", str(run), "--prompt", "the quick", "--temperature", "0", "--device", "cpu",
+                 "--max-new-tokens", "12", "--depth", "3", "--extend-loops", "last"]) == 0
+    want_text = capsys.readouterr().out.rstrip("\n")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("the quick", return_tensors="pt").input_ids
+    assert tok.decode(hf.generate(ids, max_new_tokens=12, do_sample=False)[0]) == want_text
     plain_out = tmp_path / "hf"
     assert main(["export", str(run), "--out", str(plain_out)]) == 0
     assert "phaseloop_depth" not in json.loads((plain_out / "config.json").read_text())

@@ -62,7 +62,8 @@ def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int 
 
 def _depth_options(p, sweep: bool = False) -> None:
     """--depth: UT steps (ACT: the step limit) or loop passes at inference (issue 25)."""
-    p.add_argument("--depth", type=T.depth_list if sweep else T.depth_int, metavar="K[,K...]" if sweep else "K",
+    p.add_argument("--depth", type=T.depth_list if sweep else T.depth_int,
+                   metavar="K[,K...]" if sweep else "K",
                    help="run the weight-tied trunk at this depth: UT steps, loop passes"
                    + (" (a comma list sweeps: one row per depth)" if sweep else ""))
     p.add_argument("--extend-loops", choices=("last",), help="past a Hyperloop's trained loops, "

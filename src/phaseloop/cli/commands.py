@@ -114,8 +114,10 @@ def _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
         t0 = time.perf_counter()
         res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
         tok_s = res["val_tokens"] / max(time.perf_counter() - t0, 1e-9)
-        rows.append({"depth": d, **res, "flops_per_token": flops_per_token(model.cfg, seq_len, d, args.extend_loops),
-                     "tok_per_s": tok_s, "data": corpus.name, "split": args.split,
+        flops = flops_per_token(model.cfg, seq_len, d, args.extend_loops)
+        rows.append({"depth": d, **res, "flops_per_token": flops,
+                     "tok_per_s": tok_s, "data": corpus.name, "fingerprint": corpus.fingerprint,
+                     "split": args.split,
                      "windows": len(windows), "seq_len": seq_len})
     if args.json:
         print(json.dumps(rows, indent=2))
