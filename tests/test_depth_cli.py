@@ -6,6 +6,7 @@ import json
 import pytest
 
 from conftest import TINY, assert_one_line, run_cli, write_corpus
+from phaseloop import plots
 from phaseloop.cli import main
 
 
@@ -43,6 +44,11 @@ def test_eval_sweep_trained_depth_equals_plain_eval(runs, capsys):
                  "--extend-loops", "last"]) == 0
     table = capsys.readouterr().out
     assert "MFLOP/tok" in table and len(table.strip().splitlines()) == 4
+    if plots.available():
+        png = run / "sweep.png"
+        assert main(["eval", str(run), "--windows", "2", "--device", "cpu", "--depth", "1,2",
+                     "--plot", str(png)]) == 0
+        assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_universal_act_sweep(runs, capsys):
@@ -74,7 +80,8 @@ def test_generate_at_a_depth(runs, capsys):
     ("generate", ["--depth", "0"], "out of range"),
     ("eval", ["--depth", "3"], "extend='last'"),
     ("generate", ["--depth", "5"], "extend='last'"),
-    ("eval", ["--extend-loops", "last"], "applies with --depth"),
+    ("eval", ["--extend-loops", "last"], "apply with --depth"),
+    ("eval", ["--plot", "x.png"], "apply with --depth"),
     ("generate", ["--extend-loops", "last"], "applies with --depth"),
     ("eval", ["--depth", "2", "--extend-loops", "first"], "invalid choice"),
 ])

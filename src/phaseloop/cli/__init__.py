@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="val: the held-out tail; all: every token (e.g. a separate test file)")
     e.add_argument("--json", action="store_true")
     _depth_options(e, sweep=True)
+    e.add_argument("--plot", metavar="PNG", help="with --depth: loss and BPB against depth, as a PNG")
 
     g = on_a_run(sub, "generate", "sample text from a run", C.cmd_generate, data=False)
     g.add_argument("--prompt", default="")

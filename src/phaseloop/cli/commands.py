@@ -63,8 +63,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    if args.depth is None and args.extend_loops:
-        raise PhaseloopError("--extend-loops applies with --depth; add --depth K")
+    if args.depth is None and (args.extend_loops or args.plot):
+        raise PhaseloopError("--extend-loops and --plot apply with --depth; add --depth K[,K...]")
     if args.windows < 1 or (args.seq_len is not None and args.seq_len < 1):
         raise PhaseloopError(f"--windows {args.windows}, --seq-len {args.seq_len}: both must be "
                              "positive integers, e.g. --windows 64")
@@ -106,8 +106,10 @@ def _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
     """eval --depth K[,K...]: loss, BPB, FLOPs per token and tokens/s at each depth."""
     from ..depth import flops_per_token, set_model_depth
 
-    for d in args.depth:  # refuse a bad depth before evaluating any
+    for d in args.depth:  # refuse a bad depth (or a plot without matplotlib) before evaluating
         set_model_depth(model, d, args.extend_loops)
+    if args.plot:
+        plots.pyplot()
     rows = []
     for d in args.depth:
         set_model_depth(model, d, args.extend_loops)
@@ -119,6 +121,8 @@ def _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
                      "tok_per_s": tok_s, "data": corpus.name, "fingerprint": corpus.fingerprint,
                      "split": args.split,
                      "windows": len(windows), "seq_len": seq_len})
+    if args.plot:
+        plots.plot_depth_sweep(rows, args.plot, f"{run_folder(args.run).name}: {corpus.name} [{args.split}]")
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
