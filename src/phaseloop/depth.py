@@ -14,9 +14,10 @@ from .model import build_model
 
 
 def set_model_depth(model, depth: int, extend: str | None = None) -> None:
-    """Run ``model`` at ``depth`` from now on; one-line ConfigError where it cannot."""
-    trunk = model.trunk
-    if not trunk.dynamic_depth:
+    """Run ``model`` (a decoder's trunk, or an encoder-decoder with ``set_depth``) at
+    ``depth`` from now on; one-line ConfigError where it cannot."""
+    trunk = getattr(model, "trunk", model)
+    if not getattr(trunk, "dynamic_depth", False):
         raise ConfigError(f"a {model.cfg.arch} model is a stack of distinct layers: it has no depth "
                           "to change (--depth applies to weight-tied trunks: universal, looped, hyperloop)")
     trunk.set_depth(depth, extend=extend)

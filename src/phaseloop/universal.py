@@ -286,9 +286,16 @@ class UniversalSeq2Seq(EncoderDecoder):
         self.depth = 2 * cfg.n_steps
         self._init(self.depth)
 
+    dynamic_depth = True
+
     def set_steps(self, steps: int) -> None:
         self.encoder.set_steps(steps)
         self.decoder.set_steps(steps)
+
+    def set_depth(self, n: int, extend: str | None = None) -> None:
+        """The trunk interface's name for ``set_steps`` (both sides; ``extend`` as UniversalTrunk's)."""
+        self.encoder.set_depth(n, extend)
+        self.decoder.set_depth(n, extend)
 
 
 # Token embeddings at std d^-1/2 times sqrt(d) (tensor2tensor), so they are not drowned

@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
             k.add_argument("--n-test", type=int, default=100, help="test examples per test length")
             k.add_argument("--test-file", help="JSONL test file for --task jsonl:PATH (default: 10%% held out)")
             k.add_argument("--tokenizer", help="jsonl tasks: encode with this tokenizer (default: characters)")
+            k.add_argument("--test-depth", type=T.depth_list, metavar="K[,K...]", help="also test at "
+                           "these depths (UT steps, loop passes): accuracy per test length x depth")
+            k.add_argument("--extend-loops", choices=("last",), help="--test-depth past a Hyperloop's "
+                           "trained loops: reuse the last loop's parameters")
         else:
             k.add_argument("--tasks", default="1,2,3", help="task numbers, e.g. 1,2,3")
             k.add_argument("--data-dir", help="folder of qa*_train/test.txt (default $PHASELOOP_DATA_DIR/babi/en-1k)")

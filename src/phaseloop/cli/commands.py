@@ -354,12 +354,14 @@ def _task_out(args, kind: str) -> Path:
 
 def cmd_task(args) -> int:
     """Algorithmic task (or a JSONL file): train over seeds; table, metrics.json, plot."""
-    from ..tasks.report import format_table, model_label, task_title
+    from ..tasks.report import format_depth_table, format_table, model_label, task_title
     from ..tasks.runner import run_task
 
     if args.task.startswith("jsonl:") and (args.train_len or args.test_len or args.paper):
         raise PhaseloopError("--train-len/--test-len/--paper set the lengths of algorithmic tasks; "
                              "a JSONL task's lengths are those in its files: drop them")
+    if args.extend_loops and not args.test_depth:
+        raise PhaseloopError("--extend-loops applies with --test-depth; add --test-depth K[,K...]")
     cfg, arch, tc, seeds = _task_setup(args)
     train_len = args.train_len or ("40" if args.paper else "1-20")
     test_len = args.test_len or ("400" if args.paper else "40,80")
@@ -372,8 +374,11 @@ def cmd_task(args) -> int:
     res = run_task(args.task, cfg, tc, seeds, train_len, test_len, out, n_test=args.n_test,
                    test_file=args.test_file, offsets=offsets if offsets == "auto" else int(offsets),
                    arch=arch, log=None if args.quiet else print, resume=args.resume,
-                   tokenizer=args.tokenizer)
+                   tokenizer=args.tokenizer, test_depths=args.test_depth or (),
+                   extend_loops=args.extend_loops)
     print(format_table(res["summary"], task_title(res)))
+    if args.test_depth:
+        print(format_depth_table(res["summary"]))
     print(f"wrote {out / 'metrics.json'}" + (f" and {out / 'accuracy_vs_length.png'}" if res["plot"]
                                               else f" (no plot: {plots.MISSING})"))
     return 0
