@@ -90,3 +90,21 @@ def test_stacks_have_no_depth_to_change(preset):
     assert not t.dynamic_depth
     with pytest.raises(ConfigError, match="fixed depth"):
         t.set_depth(2)
+
+
+@pytest.mark.parametrize("preset", ["looped-tiny", "hyperloop-tiny", "universal-tiny"])
+def test_compiled_model_compiles_once_per_depth(preset):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = _model(preset)
+    compiled = torch.compile(m, backend="eager")
+    idx = _idx(T=8)
+    for d in (2, 3, 2, 3, 3):  # two depths, five calls: two graphs
+        _set(m, d)
+        with torch.no_grad():
+            got = compiled(idx).logits
+        torch.testing.assert_close(got, m(idx).logits, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
