@@ -20,7 +20,8 @@ def set_model_depth(model, depth: int, extend: str | None = None) -> None:
     if not getattr(trunk, "dynamic_depth", False):
         raise ConfigError(f"a {model.cfg.arch} model is a stack of distinct layers: it has no depth "
                           "to change (--depth applies to weight-tied trunks: universal, looped, hyperloop)")
-    trunk.set_depth(depth, extend=extend)
+    # a plugin trunk written as set_depth(n) (before ``extend``) still works without it
+    trunk.set_depth(depth) if extend is None else trunk.set_depth(depth, extend=extend)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, depth: int | None = None,
