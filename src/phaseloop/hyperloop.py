@@ -26,6 +26,7 @@ from .config import MAX_DEPTH, ModelConfig, fail, register_presets
 from .hyperconn import HyperConnection, copy_streams, merge_streams
 from .layers import Block, Context, compute_dtype
 from .registry import ArchSpec, register_arch
+from .errors import ConfigError
 from .trunk import Trunk
 from .validation import check_ints
 
@@ -158,8 +159,22 @@ class Looped(Trunk):
         self.begin = nn.ModuleList(Block(cfg, i, n) for i in range(b))
         self.middle = nn.ModuleList(Block(cfg, b + i, n) for i in range(m))
         self.end = nn.ModuleList(Block(cfg, b + m + i, n) for i in range(e))
-        self.n_loops = cfg.n_loops
-        self.depth = b + m * cfg.n_loops + e
+        self.n_loops = cfg.n_loops  # trained passes of the middle block
+        self.loops = cfg.n_loops  # passes run now (set_depth)
+        self.depth = b + m * cfg.n_loops + e  # nominal (trained) depth: init scaling, FLOPs
+
+    dynamic_depth = True
+
+    def set_depth(self, n: int, extend: str | None = None) -> None:
+        """Run ``n`` passes of the shared middle block from now on (depth extrapolation
+        of a weight-tied loop, Hyperloop §2); ``extend`` matters only to ``Hyperloop``."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"invalid depth {n!r}: the number of loop passes must be a positive integer")
+        if n > MAX_DEPTH:
+            raise ConfigError(f"invalid depth {n}: at most {MAX_DEPTH} loop passes (config.MAX_DEPTH)")
+        if extend not in (None, "last"):
+            raise ConfigError(f"invalid extend={extend!r}: choose 'last' (or leave it unset)")
+        self.loops = n
 
     @staticmethod
     def run(layers: nn.ModuleList, x_BTD: torch.Tensor, ctx: Context, name: str,
@@ -170,12 +185,12 @@ class Looped(Trunk):
 
     def cache_slots(self) -> list:
         return ([("begin", i) for i in range(len(self.begin))]
-                + [("middle", i, l) for l in range(self.n_loops) for i in range(len(self.middle))]
+                + [("middle", i, l) for l in range(self.loops) for i in range(len(self.middle))]
                 + [("end", i) for i in range(len(self.end))])
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         x_BTD = self.run(self.begin, x_BTD, ctx, "begin")
-        for loop in range(self.n_loops):
+        for loop in range(self.loops):
             x_BTD = self.run(self.middle, x_BTD, ctx, "middle", loop)
         return self.run(self.end, x_BTD, ctx, "end")
 
@@ -184,7 +199,12 @@ class Hyperloop(Looped):
     """Looped + n streams: copy after the begin block, one hyper-connection per loop
     (``hc[l]``, its own W, b, alpha, e_l) around the whole middle block, average before
     the end block (Hyperloop §3). ``hc_per_layer``: one per (loop, middle layer) instead,
-    index l * m + i. ``hc_transition='pooled_mlp'``: the review's variant per loop."""
+    index l * m + i. ``hc_transition='pooled_mlp'``: the review's variant per loop.
+
+    Depth at inference (``set_depth(n)``): pass l uses loop l's parameters (hc[l], its loop
+    embedding e_l), so n <= n_loops runs the first n loops' parameters; n > n_loops has no
+    trained parameters for the extra passes and is refused unless ``extend="last"``, which
+    reuses the last trained loop's parameters for every pass beyond it."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -197,20 +217,34 @@ class Hyperloop(Looped):
                                     for _ in range(n_hc))
         self.pooled = cfg.hc_transition == "pooled_mlp"
 
+    def set_depth(self, n: int, extend: str | None = None) -> None:
+        prev = self.loops
+        super().set_depth(n, extend)  # checks n and extend first
+        if n > self.n_loops and extend is None:
+            self.loops = prev
+            raise ConfigError(f"depth {n} exceeds the {self.n_loops} trained loops of this Hyperloop, "
+                              "whose loops have their own parameters; use extend='last' "
+                              "(--extend-loops last) to reuse the last loop's for the extra passes")
+
+    def _param_loop(self, loop: int) -> int:
+        """The trained loop whose parameters pass ``loop`` uses (extend='last' beyond them)."""
+        return min(loop, self.n_loops - 1)
+
     def cache_slots(self) -> list:  # the pooled-MLP variant caches its running sums per loop
-        return super().cache_slots() + ([("pool", l) for l in range(self.n_loops)] if self.pooled else [])
+        return super().cache_slots() + ([("pool", l) for l in range(self.loops)] if self.pooled else [])
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         x_BTD = self.run(self.begin, x_BTD, ctx, "begin")
         streams_BTnD = copy_streams(x_BTD, self.n_streams)
         m = len(self.middle)
-        for loop in range(self.n_loops):
+        for loop in range(self.loops):
+            p = self._param_loop(loop)
             if self.per_layer:
                 for i, layer in enumerate(self.middle):
-                    streams_BTnD = self.hc[loop * m + i](
+                    streams_BTnD = self.hc[p * m + i](
                         streams_BTnD, lambda h: layer(h, ctx, slot=("middle", i, loop)))
             else:
-                streams_BTnD = self.hc[loop](
+                streams_BTnD = self.hc[p](
                     streams_BTnD, lambda h: self.run(self.middle, h, ctx, "middle", loop),
                     ctx, ("pool", loop))
         return self.run(self.end, merge_streams(streams_BTnD), ctx, "end")

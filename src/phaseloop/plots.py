@@ -69,3 +69,17 @@ def plot_accuracy(per_seed: list[dict], path: str | Path, title: str) -> None:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     save_png(fig, path)
+
+
+def plot_depth_sweep(rows: list[dict], path: str | Path, title: str) -> None:
+    """eval --depth: loss and bits per byte against the trunk's depth at inference."""
+    fig, ax = pyplot().subplots(figsize=(5, 3.2))
+    depths = [r["depth"] for r in rows]
+    ax.plot(depths, [r["val_loss"] for r in rows], "o-", label="loss (nats/token)")
+    ax.plot(depths, [r["val_bpb"] for r in rows], "s--", label="bits per byte")
+    ax.set_xlabel("depth at inference (UT steps / loop passes)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    save_png(fig, path)

@@ -46,7 +46,9 @@ class Trunk(nn.Module):
 
         return [m for m in self.modules() if isinstance(m, Block)]
 
-    def set_depth(self, n: int) -> None:
+    def set_depth(self, n: int, extend: str | None = None) -> None:
+        """``extend='last'``: where passes have their own parameters (Hyperloop's loops),
+        reuse the last trained pass's beyond the trained count (refused otherwise)."""
         raise ConfigError(f"{type(self).__name__} has a fixed depth; its weights define every layer")
 
     def fix_depth(self) -> None:

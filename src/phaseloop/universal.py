@@ -193,7 +193,12 @@ class UniversalTrunk(Trunk):
             raise ConfigError(f"invalid steps={steps!r}: must be a positive integer")
         self.steps = steps
 
-    set_depth = set_steps
+    def set_depth(self, n: int, extend: str | None = None) -> None:
+        """= ``set_steps``; every step shares the weights, so ``extend`` changes nothing
+        (a learned step signal past the trained steps already reuses the last vector)."""
+        if extend not in (None, "last"):
+            raise ConfigError(f"invalid extend={extend!r}: choose 'last' (or leave it unset)")
+        self.set_steps(n)
 
     def fix_depth(self) -> None:
         self.early_exit = False  # every step runs; halted positions keep weight 0 (same output)
@@ -281,9 +286,16 @@ class UniversalSeq2Seq(EncoderDecoder):
         self.depth = 2 * cfg.n_steps
         self._init(self.depth)
 
+    dynamic_depth = True
+
     def set_steps(self, steps: int) -> None:
         self.encoder.set_steps(steps)
         self.decoder.set_steps(steps)
+
+    def set_depth(self, n: int, extend: str | None = None) -> None:
+        """The trunk interface's name for ``set_steps`` (both sides; ``extend`` as UniversalTrunk's)."""
+        self.encoder.set_depth(n, extend)
+        self.decoder.set_depth(n, extend)
 
 
 # Token embeddings at std d^-1/2 times sqrt(d) (tensor2tensor), so they are not drowned

@@ -60,6 +60,16 @@ def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int 
     return p
 
 
+def _depth_options(p, sweep: bool = False) -> None:
+    """--depth: UT steps (ACT: the step limit) or loop passes at inference (issue 25)."""
+    p.add_argument("--depth", type=T.depth_list if sweep else T.depth_int,
+                   metavar="K[,K...]" if sweep else "K",
+                   help="run the weight-tied trunk at this depth: UT steps, loop passes"
+                   + (" (a comma list sweeps: one row per depth)" if sweep else ""))
+    p.add_argument("--extend-loops", choices=("last",), help="past a Hyperloop's trained loops, "
+                   "reuse the last loop's parameters (refused otherwise)")
+
+
 def _data_options(p) -> None:
     """train's data flags: default None (not given), so a config file or a resumed run's
     own settings apply (runconfig.DATA_DEFAULTS otherwise)."""
@@ -100,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", choices=("val", "all"), default="val",
                    help="val: the held-out tail; all: every token (e.g. a separate test file)")
     e.add_argument("--json", action="store_true")
+    _depth_options(e, sweep=True)
+    e.add_argument("--plot", metavar="PNG", help="with --depth: loss and BPB against depth, as a PNG")
 
     g = on_a_run(sub, "generate", "sample text from a run", C.cmd_generate, data=False)
     g.add_argument("--prompt", default="")
@@ -108,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=T.positive_int, default=None)
     g.add_argument("--seed", type=T.seed_int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute the full prefix every token")
+    _depth_options(g)
 
     c = sub.add_parser("params", help="parameter and FLOP counts of a preset (no weights allocated)")
     c.add_argument("--preset", help=f"preset name (default {registry.default_preset()})")
@@ -160,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
             k.add_argument("--n-test", type=int, default=100, help="test examples per test length")
             k.add_argument("--test-file", help="JSONL test file for --task jsonl:PATH (default: 10%% held out)")
             k.add_argument("--tokenizer", help="jsonl tasks: encode with this tokenizer (default: characters)")
+            k.add_argument("--test-depth", type=T.depth_list, metavar="K[,K...]", help="also test at "
+                           "these depths (UT steps, loop passes): accuracy per test length x depth")
+            k.add_argument("--extend-loops", choices=("last",), help="--test-depth past a Hyperloop's "
+                           "trained loops: reuse the last loop's parameters")
         else:
             k.add_argument("--tasks", default="1,2,3", help="task numbers, e.g. 1,2,3")
             k.add_argument("--data-dir", help="folder of qa*_train/test.txt (default $PHASELOOP_DATA_DIR/babi/en-1k)")
@@ -200,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     x.add_argument("--quantized", metavar="FILE", help="a quant-*.safetensors of `phaseloop quantize`: "
                    "export its dequantised weights (the function the quantised model computes)")
+    _depth_options(x)
 
     v = on_a_run(sub, "lm-eval", "lm-evaluation-harness on a run (local: lambada_local, "
                   "wikitext2_local)", C.cmd_lm_eval, data=False)
@@ -207,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--include-path", help="a folder of extra lm-eval task YAMLs")
     v.add_argument("--limit", type=T.positive_float, help="examples per task (a fraction if < 1)")
     v.add_argument("--batch-size", type=int, default=8)  # harness.lm_eval_run checks it
+    _depth_options(v)
     v.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     v.add_argument("--data-dir", help="folder holding lambada/ and wikitext-2/ (default $PHASELOOP_DATA_DIR)")
 

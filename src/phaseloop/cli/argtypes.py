@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..config import MAX_SEQ_LEN
+from ..config import MAX_DEPTH, MAX_SEQ_LEN
 from ..errors import PhaseloopError
 from ..files import check_name
 
@@ -32,6 +32,7 @@ positive_int = int_in(1)
 seq_len_int = int_in(1, MAX_SEQ_LEN, " (positions: the T x T attention scores of more overflow)")
 nonneg_int = int_in(0)
 seed_int = int_in(0, MAX_SEED)
+depth_int = int_in(1, MAX_DEPTH, " (UT steps or loop passes; config.MAX_DEPTH)")
 any_int = int_in(None)  # bounded above only: TrainConfig checks its own lower bounds
 
 
@@ -76,3 +77,19 @@ def safe_name(text: str) -> str:
         return check_name(text, "name")
     except PhaseloopError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def depth_list(text: str) -> list[int]:
+    """Comma-separated depths (``2,4,6``), each a depth_int, no repeats."""
+    items = [item.strip() for item in text.split(",")]
+    try:
+        out = [depth_int(item) for item in items]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers separated by commas, "
+                                         "e.g. 2,4,6") from None
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: a depth is repeated")
+    return out
+
+
+depth_list.__name__ = "depth list"

@@ -63,6 +63,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.depth is None and (args.extend_loops or args.plot):
+        raise PhaseloopError("--extend-loops and --plot apply with --depth; add --depth K[,K...]")
     if args.windows < 1 or (args.seq_len is not None and args.seq_len < 1):
         raise PhaseloopError(f"--windows {args.windows}, --seq-len {args.seq_len}: both must be "
                              "positive integers, e.g. --windows 64")
@@ -76,6 +78,8 @@ def cmd_eval(args) -> int:
     else:
         _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     windows = eval_windows(tokens, seq_len, args.windows)
+    if args.depth is not None:
+        return _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device)
     res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
     res.update({"data": corpus.name, "fingerprint": corpus.fingerprint, "split": args.split,
                 "windows": len(windows), "seq_len": seq_len})
@@ -84,6 +88,49 @@ def cmd_eval(args) -> int:
     else:
         print(f"{corpus.name} [{args.split}] loss {res['val_loss']:.4f}  ppl {res['val_ppl']:.3f}  "
               f"bpb {res['val_bpb']:.4f}  ({res['val_tokens']} tokens)")
+    return 0
+
+
+def _depth_args(args, model) -> None:
+    """Apply --depth / --extend-loops (one depth) to a loaded model."""
+    from ..depth import set_model_depth
+
+    if args.depth is None:
+        if args.extend_loops:
+            raise PhaseloopError("--extend-loops applies with --depth; add --depth K")
+        return
+    set_model_depth(model, args.depth, args.extend_loops)
+
+
+def _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
+    """eval --depth K[,K...]: loss, BPB, FLOPs per token and tokens/s at each depth."""
+    from ..depth import flops_per_token, set_model_depth
+
+    for d in args.depth:  # refuse a bad depth (or a plot without matplotlib) before evaluating
+        set_model_depth(model, d, args.extend_loops)
+    if args.plot:
+        plots.pyplot()
+    rows = []
+    for d in args.depth:
+        set_model_depth(model, d, args.extend_loops)
+        t0 = time.perf_counter()
+        res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
+        tok_s = res["val_tokens"] / max(time.perf_counter() - t0, 1e-9)
+        flops = flops_per_token(model.cfg, seq_len, d, args.extend_loops)
+        rows.append({"depth": d, **res, "flops_per_token": flops,
+                     "tok_per_s": tok_s, "data": corpus.name, "fingerprint": corpus.fingerprint,
+                     "split": args.split,
+                     "windows": len(windows), "seq_len": seq_len})
+    if args.plot:
+        plots.plot_depth_sweep(rows, args.plot, f"{run_folder(args.run).name}: {corpus.name} [{args.split}]")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{corpus.name} [{args.split}], {len(windows)} windows of {seq_len}")
+    print(f"{'depth':>6}{'loss':>9}{'bpb':>9}{'MFLOP/tok':>11}{'tok/s':>10}")
+    for r in rows:
+        fl = "-" if r["flops_per_token"] is None else f"{r['flops_per_token'] / 1e6:.2f}"
+        print(f"{r['depth']:>6}{r['val_loss']:>9.4f}{r['val_bpb']:>9.4f}{fl:>11}{r['tok_per_s']:>10.0f}")
     return 0
 
 
@@ -97,6 +144,7 @@ def cmd_generate(args) -> int:
                              "(0 = greedy, 1 = the model's distribution)")
     device = resolve_device(args.device)
     model, run_cfg = load_run(args.run, device)
+    _depth_args(args, model)
     tok = run_tokenizer(args.run, run_cfg)
     idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]
     if idx.shape[1] + args.max_new_tokens > model.cfg.max_seq_len:
@@ -222,7 +270,8 @@ def cmd_export(args) -> int:
     from .. import hf
 
     hf.require()
-    out = hf.export_run(args.run, args.out, dtype=args.dtype, quantized=args.quantized)
+    out = hf.export_run(args.run, args.out, dtype=args.dtype, quantized=args.quantized,
+                        depth=args.depth, extend_loops=args.extend_loops)
     print(f"exported {args.run} -> {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}) "
           "after `import phaseloop`, or with trust_remote_code=True)")
     return 0
@@ -238,7 +287,7 @@ def cmd_lm_eval(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",")]
     res = lm_eval_run(args.run, tasks, include_path=args.include_path, limit=args.limit,
                       batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                      data=args.data_dir)
+                      data=args.data_dir, depth=args.depth, extend_loops=args.extend_loops)
     from lm_eval.utils import make_table
 
     print(make_table(res))
@@ -305,12 +354,14 @@ def _task_out(args, kind: str) -> Path:
 
 def cmd_task(args) -> int:
     """Algorithmic task (or a JSONL file): train over seeds; table, metrics.json, plot."""
-    from ..tasks.report import format_table, model_label, task_title
+    from ..tasks.report import format_depth_table, format_table, model_label, task_title
     from ..tasks.runner import run_task
 
     if args.task.startswith("jsonl:") and (args.train_len or args.test_len or args.paper):
         raise PhaseloopError("--train-len/--test-len/--paper set the lengths of algorithmic tasks; "
                              "a JSONL task's lengths are those in its files: drop them")
+    if args.extend_loops and not args.test_depth:
+        raise PhaseloopError("--extend-loops applies with --test-depth; add --test-depth K[,K...]")
     cfg, arch, tc, seeds = _task_setup(args)
     train_len = args.train_len or ("40" if args.paper else "1-20")
     test_len = args.test_len or ("400" if args.paper else "40,80")
@@ -323,8 +374,11 @@ def cmd_task(args) -> int:
     res = run_task(args.task, cfg, tc, seeds, train_len, test_len, out, n_test=args.n_test,
                    test_file=args.test_file, offsets=offsets if offsets == "auto" else int(offsets),
                    arch=arch, log=None if args.quiet else print, resume=args.resume,
-                   tokenizer=args.tokenizer)
+                   tokenizer=args.tokenizer, test_depths=args.test_depth or (),
+                   extend_loops=args.extend_loops)
     print(format_table(res["summary"], task_title(res)))
+    if args.test_depth:
+        print(format_depth_table(res["summary"]))
     print(f"wrote {out / 'metrics.json'}" + (f" and {out / 'accuracy_vs_length.png'}" if res["plot"]
                                               else f" (no plot: {plots.MISSING})"))
     return 0

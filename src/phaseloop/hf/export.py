@@ -58,14 +58,21 @@ def _quantized_weights(model, path: Path) -> dict:
 
 
 def from_run(run: str | Path, device: str | torch.device = "cpu", dtype: str = "float32",
-             quantized: str | Path | None = None):
+             quantized: str | Path | None = None, depth: int | None = None,
+             extend_loops: str | None = None):
     """(PhaseloopForCausalLM, PreTrainedTokenizerFast, run config, phaseloop tokenizer)
-    for a run folder or its checkpoint folder; the model in eval mode."""
+    for a run folder or its checkpoint folder; the model in eval mode, its trunk at
+    ``depth`` (None: the trained depth; the config carries it)."""
     if dtype not in DTYPES:
         raise PhaseloopError(f"--dtype {dtype}: choose {' or '.join(DTYPES)}")
     model, run_cfg = load_run(run, "cpu")
     quant = _quantized_weights(model, Path(quantized)) if quantized else None
+    if depth is None and extend_loops is not None:
+        raise PhaseloopError("--extend-loops applies with --depth; add --depth K")
     hf = PhaseloopForCausalLM.from_decoder(model.to(device=device, dtype=DTYPES[dtype]))
+    if depth is not None:
+        hf.config.phaseloop_depth, hf.config.phaseloop_extend_loops = depth, extend_loops
+        hf.apply_depth()
     if quant:
         hf.config.phaseloop_quantization = quant
     tok = run_tokenizer(run, run_cfg)
@@ -141,13 +148,14 @@ def remove_export_orphans(out: Path) -> list[Path]:
 
 
 def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
-               quantized: str | Path | None = None) -> Path:
+               quantized: str | Path | None = None, depth: int | None = None,
+               extend_loops: str | None = None) -> Path:
     """Write the run as a Hugging Face folder at ``out`` (absent or empty); returns it."""
     out = Path(out)
     check_out_dir(out)
     if out.is_dir() and any(out.iterdir()):
         raise PhaseloopError(f"--out {out} is not empty; choose a new folder (nothing was written)")
-    hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized)
+    hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized, depth, extend_loops)
     run, run_dir = Path(run), run_folder(run)
     ckpt = checkpoint_dir(run_dir) if run_dir == run else run
     summary = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}

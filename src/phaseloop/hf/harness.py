@@ -167,7 +167,7 @@ def resolved_tasks(tasks: list[str], *, include_path: str | Path | None = None, 
 def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None = None,
                 limit: int | float | None = None, batch_size: int = 8, device: str = "cpu",
                 dtype: str = "float32", data: str | None = None, log_samples: bool = False,
-                write: bool = True) -> dict:
+                write: bool = True, depth: int | None = None, extend_loops: str | None = None) -> dict:
     """Run lm-eval's ``simple_evaluate`` on ``run``; returns its results dict (with
     ``samples`` when ``log_samples``) and, with ``write``, writes
     ``RUN/lm_eval/results.json`` and ``results.md`` (its table) and the local tasks'
@@ -188,7 +188,7 @@ def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None =
 
     run_dir = run_folder(run)
     dev = resolve_device(device)
-    hf, fast, run_cfg, tok = from_run(run, dev, dtype)
+    hf, fast, run_cfg, tok = from_run(run, dev, dtype, depth=depth, extend_loops=extend_loops)
     out = run_dir / "lm_eval"
     with resolved_tasks(tasks, include_path=include_path, data=data) as (manager, local):
         from .tokenizer import prefix_token_id

@@ -63,8 +63,12 @@ class PhaseloopConfig(PretrainedConfig):
 
     def __init__(self, phaseloop: dict | None = None, bos_token_id: int | None = None,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                 phaseloop_depth: int | None = None, phaseloop_extend_loops: str | None = None,
                  **kwargs):
         d = ModelConfig.from_dict(phaseloop or {}).to_dict()
+        # depth at inference (issue 25; ``Trunk.set_depth``): None = the trained depth
+        if phaseloop_depth is not None or phaseloop_extend_loops is not None:
+            self.phaseloop_depth, self.phaseloop_extend_loops = phaseloop_depth, phaseloop_extend_loops
         top = {k: kwargs.pop(k) for k in TOP_LEVEL if k in kwargs}
         for k, v in top.items():
             d[_field(d, k)] = v
@@ -167,11 +171,20 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: PhaseloopConfig):
         super().__init__(config)
         self.model = DecoderLM(config.model_config)
+        self.apply_depth()
         if config.tie_word_embeddings:
             self._tied_weights_keys = {"model.head.weight": "model.embed.tok.weight"}
         self._built = True  # DecoderLM initialised itself: post_init has nothing to add
         self.post_init()
         self._built = False
+
+    def apply_depth(self) -> None:
+        """Run the trunk at ``config.phaseloop_depth`` (set by ``export --depth``)."""
+        if getattr(self.config, "phaseloop_depth", None) is not None:
+            from ..depth import set_model_depth
+
+            set_model_depth(self.model, self.config.phaseloop_depth,
+                            getattr(self.config, "phaseloop_extend_loops", None))
 
     @classmethod
     def from_decoder(cls, model: DecoderLM) -> "PhaseloopForCausalLM":

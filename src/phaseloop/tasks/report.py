@@ -78,6 +78,21 @@ def format_table(summary: dict, title: str = "") -> str:
     return "\n".join(lines)
 
 
+def format_depth_table(summary: dict) -> str:
+    """--test-depth: sequence accuracy (mean ±std over seeds) per test length x depth."""
+    per_depth = summary["per_depth"]
+    depths = list(per_depth)
+    lines = ["sequence accuracy by test length x depth (UT steps / loop passes)",
+             f"{'length':>6}" + "".join(f"{'depth ' + str(d):>16}" for d in depths)]
+    for L in next(iter(per_depth.values()))["per_length"]:
+        lines.append(f"{L:>6}" + "".join(f"{per_depth[d]['per_length'][L]['seq_acc']:>9.3f} "
+                                         f"±{per_depth[d]['per_length'][L]['seq_acc_seed_std']:.3f}"
+                                         for d in depths))
+    lines.append(f"{'all':>6}" + "".join(f"{per_depth[d]['seq_acc']:>9.3f} ±{per_depth[d]['seq_acc_seed_std']:.3f}"
+                                         for d in depths))
+    return "\n".join(lines)
+
+
 def format_babi_table(out: dict) -> str:
     s = out["summary"]
     title = (f"bAbI tasks {','.join(map(str, out['tasks']))} | {out.get('label', out['arch'])} | "

@@ -34,6 +34,7 @@ from .. import plots
 from ..checkpoint import write_json
 from .. import registry
 from ..config import PRESETS, ModelConfig
+from ..depth import set_model_depth
 from ..engine import RunFolder, TrainConfig, read_metrics, software_versions
 from ..errors import CheckpointError, ConfigError
 from ..tokenizer import load_tokenizer
@@ -41,7 +42,8 @@ from .algorithmic import TASKS, CharVocab, Example, TaskSpec, parse_lengths
 from .babi import N_TASKS as N_BABI_TASKS, BabiExample, WordVocab, failed_tasks, format_example, load_babi, ponder_by_supporting, task_error
 from .jsonl import TokenizerVocab, load_jsonl
 from .metrics import char_accuracy, mean_std, sequence_accuracy
-from .models import Pair, is_seq2seq, decode_pairs, encode_pairs, task_model_class, train_pairs
+from .models import (Pair, build_task_model, decode_pairs, encode_pairs, is_seq2seq, task_model_class,
+                     train_pairs)
 from .positions import check_positions, fix_max_seq_len, positions_needed
 from .report import length_metrics, length_span, model_label, summarize_seeds
 
@@ -74,13 +76,16 @@ def run_examples(model_cfg: ModelConfig, train: Sequence[Example], test: Sequenc
                  log: Callable[[dict], None] | None = None, *, max_offset: int = 0,
                  eval_batch_size: int = 100, run_dir=None, resume: bool = False,
                  describe: dict | None = None, note: Callable[[str], None] | None = None,
-                 too_long_hint: str = "") -> dict:
+                 too_long_hint: str = "", test_depths: Sequence[int] = (),
+                 extend_loops: str | None = None) -> dict:
     """Train a fresh model (seed ``tc.seed``) on ``train``, greedy-decode ``test``.
     ``run_dir``: checkpoint there (``resume``: continue the run found there; ``describe``
     is stored as its config's ``task`` section). max_seq_len: see ``check_positions``
     (``note`` gets its message; ``too_long_hint`` is added to the fix it names).
     Returns ``{"per_length": {L: {char_acc, seq_acc, n[, ponder_mean, ponder_std]}},
-    "char_acc", "seq_acc", "train_log", "params", "seconds", "preds", "decoded"}``."""
+    "char_acc", "seq_acc", "train_log", "params", "seconds", "preds", "decoded"}``;
+    ``test_depths``: also decode at each of these depths (``depth.set_model_depth``; UT steps,
+    loop passes) -> ``"per_depth": {d: {per_length, char_acc, seq_acc}}``."""
     vocab = vocab or CharVocab.for_examples(list(train) + list(test))
     if not train or not test:
         raise ConfigError(f"no {'training' if not train else 'test'} examples; a task run needs both")
@@ -107,6 +112,16 @@ def run_examples(model_cfg: ModelConfig, train: Sequence[Example], test: Sequenc
            "params": sum(p.numel() for p in trainer.model.parameters()),
            "train_seconds": trainer.elapsed, "seconds": time.perf_counter() - t0,
            "model": cfg.to_dict()}
+    if test_depths:  # depth extrapolation (UT §4): the trained weights at other depths
+        res["per_depth"] = {}
+        for d in test_depths:
+            set_model_depth(trainer.model, d, extend_loops)
+            dec_d = decode_pairs(task_model_class(arch)(trainer.model), te, eval_batch_size, trainer.device)
+            preds_d = [vocab.decode(ids) for ids in dec_d.ids]
+            targets = [e.target for e in test]
+            res["per_depth"][d] = {"per_length": length_metrics(test, preds_d, dec_d.ponder),
+                                   "char_acc": char_accuracy(preds_d, targets),
+                                   "seq_acc": sequence_accuracy(preds_d, targets)}
     if run is not None:
         run.finish({**trainer.summary(), **{k: v for k, v in res.items() if k != "train_log"}})
     return {**res, "preds": preds, "decoded": dec}
@@ -194,11 +209,24 @@ def _step_log(log):
     return (lambda r: log(f"  step {r['step']:>5} loss {r['loss']:.4f}")) if log else None
 
 
+def check_test_depths(model_cfg: ModelConfig, arch: str | None, depths: Sequence[int],
+                      extend_loops: str | None = None) -> None:
+    """Refuse a depth the task model cannot run at (a stack, beyond Hyperloop's loops
+    without ``extend_loops``), on a meta-device twin, before anything trains."""
+    if not depths:
+        return
+    with torch.device("meta"):
+        model = build_task_model(model_cfg, arch)
+    for d in depths:
+        set_model_depth(model, d, extend_loops)
+
+
 def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence[int],
              train_lengths="1-20", test_lengths="40,80", out_dir=None, n_test: int = 100,
              n_train: int | None = None, test_file=None, offsets: str | int = 0,
              arch: str | None = None, log: Callable[[str], None] | None = print,
-             resume: bool = False, eval_batch_size: int = 100, tokenizer: str | None = None) -> dict:
+             resume: bool = False, eval_batch_size: int = 100, tokenizer: str | None = None,
+             test_depths: Sequence[int] = (), extend_loops: str | None = None) -> dict:
     """Run one task for several seeds (``n_test`` test examples per test length); write
     ``metrics.json`` and ``accuracy_vs_length.png`` into ``out_dir`` (when given, with one
     run folder per seed; ``resume`` continues them). ``task``: an algorithmic task name or
@@ -207,8 +235,10 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
     ``tokenizer``: encode a JSONL task's text with a corpus tokenizer instead of characters.
     A JSONL task reports the lengths in its data (``length_span`` of the training and the
     test examples) as ``train_lengths`` / ``test_lengths``; ``train_lengths`` and
-    ``test_lengths`` apply to the algorithmic tasks only."""
+    ``test_lengths`` apply to the algorithmic tasks only. ``test_depths``: accuracy per
+    (test length x depth) too (``run_examples``), checked before any training."""
     name, path = parse_task(task)
+    check_test_depths(model_cfg, arch, test_depths, extend_loops)
     if tokenizer is not None and name != "jsonl":
         raise ConfigError(f"--tokenizer applies to jsonl: tasks; the {name} task has its own "
                           "character vocabulary")
@@ -249,7 +279,7 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
                            resume=resume, describe={"task": task, "train_lengths": str(train_lengths),
                                                     "test_lengths": str(test_lengths),
                                                     "tokenizer": tokenizer or "characters"},
-                           note=log, too_long_hint=hint)
+                           note=log, too_long_hint=hint, test_depths=test_depths, extend_loops=extend_loops)
         res.pop("decoded")
         res["seed"], res["max_offset"] = seed, int(max_off)
         res["examples"] = [{"input": e.input, "target": e.target, "pred": p}
@@ -259,6 +289,9 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
               "train_lengths": str(train_lengths), "test_lengths": str(test_lengths),
               "max_seq_len": max(r["model"]["max_seq_len"] for r in per_seed),
               "train_config": tc.to_dict(), "summary": summarize_seeds(per_seed), "per_seed": per_seed}
+    if test_depths:  # accuracy per (test length x depth), mean and std over seeds
+        result["summary"]["per_depth"] = {d: summarize_seeds([{**r["per_depth"][d], "final_loss": r["final_loss"]}
+                                                              for r in per_seed]) for d in test_depths}
     result["plot"] = False
     if out is not None:
         write_json(out / "metrics.json", _jsonable(result))
