@@ -140,7 +140,7 @@ def test_export_at_a_depth_equals_the_native_model_there(runs, tmp_path, capsys)
     assert_one_line(code, err, "no depth to change")
 
 
-def test_lm_eval_depth_refusals(runs, capsys):
+def test_lm_eval_depth_refusals(runs, capsys, data_dir):  # tasks resolve first, then the model
     pytest.importorskip("lm_eval")
     base = ["lm-eval", "--tasks", "wikitext2_local", "--device", "cpu"]
     code, err = run_cli([base[0], runs["rope-tiny"], *base[1:], "--depth", "2"], capsys)

@@ -26,6 +26,7 @@ MAX_LAYERS = 1024  # distinct layers built; the deepest published models have a 
 MAX_DEPTH = 4096  # layer applications per token (loops included): model.build_model checks it
 MAX_SEQ_LEN = 2**24  # positions: a T x T attention score matrix beyond it overflows torch's sizes
 MAX_INT = 2**31 - 1  # any integer field: sizes beyond it overflow the kernels' 32-bit (or torch's 64-bit) counts
+MAX_SEED = 2**63 - 1  # torch.manual_seed's range (CLI seeds, recipe seeds)
 
 
 def _fail(name: str, value: Any, why: str) -> None:

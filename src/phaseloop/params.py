@@ -11,14 +11,20 @@ from .errors import PhaseloopError
 from .model import build_model
 
 
-def count_params(cfg: ModelConfig, seq_len: int | None = None) -> dict:
+def count_params(cfg: ModelConfig, seq_len: int | None = None, depth: int | None = None,
+                 extend: str | None = None) -> dict:
     """Integer fields: total, embedding (input), unembedding (output head; 0 when tied),
     non_embedding (everything else), without_input_embedding (total − embedding: the
     Hyperloop paper's count) and flops_per_token: forward-pass FLOPs per token at
     ``seq_len`` (default the config's max_seq_len), 2 per multiply-add, counted by
     torch's FlopCounterMode on meta tensors — every matmul including the head and the
-    attention score/value products (full T x T, the Kaplan et al. 2020 convention)."""
+    attention score/value products (full T x T, the Kaplan et al. 2020 convention).
+    ``depth`` (``extend``): with the trunk run at that depth (``depth.set_model_depth``)."""
     model = build_model(cfg, device="meta")
+    if depth is not None:
+        from .depth import set_model_depth
+
+        set_model_depth(model, depth, extend)
     total = sum(p.numel() for p in model.parameters())
     embedding = model.embed.tok.weight.numel()
     unembedding = 0 if cfg.tie_embeddings else model.head.weight.numel()
@@ -33,10 +39,10 @@ def count_params(cfg: ModelConfig, seq_len: int | None = None) -> dict:
             "depth": int(model.trunk.depth)}
 
 
-def measure(cfg, seq_len: int) -> dict:
+def measure(cfg, seq_len: int, depth: int | None = None, extend: str | None = None) -> dict:
     """count_params on the meta device; FLOPs None when an arch cannot trace on meta."""
     try:
-        return count_params(cfg, seq_len)
+        return count_params(cfg, seq_len, depth, extend)
     except PhaseloopError:
         raise
     except Exception as e:  # e.g. data-dependent halting loops on meta tensors

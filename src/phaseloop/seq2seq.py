@@ -47,6 +47,7 @@ class EncoderDecoder(nn.Module):
     cross-attention) -> norm -> head. Subclasses build ``encoder`` and ``decoder``."""
 
     add_position_signal = False  # vanilla: sinusoid once at the embedding
+    dynamic_depth = False  # a weight-tied encoder-decoder (the UT's) runs at another depth
 
     def __init__(self, cfg: ModelConfig, pad_id: int = PAD):
         super().__init__()

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .config import MAX_INT
 from .errors import ConfigError, DataError
 from .files import atomic_write_bytes, check_name
 from .sources import resolve
 from .tokenizer import FILE, HFTokenizer, registry
 
 KINDS = ("bpe", "wordlevel")
-MAX_VOCAB = 2**31 - 1  # the tokenizers library counts in 32 bits (and far beyond any real vocabulary)
 UNK = "[UNK]"
 
 
@@ -38,10 +38,10 @@ def train_tokenizer(data: str, kind: str, vocab_size: int, out: str | Path | Non
         raise ConfigError("training a tokenizer needs the tokenizers library: pip install 'phaseloop[data]'") from None
     if kind not in KINDS:
         raise ConfigError(f"unknown tokenizer kind {kind!r}; choose {' or '.join(KINDS)}")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 2 <= vocab_size <= MAX_VOCAB:
-        raise ConfigError(f"--vocab-size {vocab_size!r}: must be an integer from 2 to {MAX_VOCAB}")
-    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or not 0 <= min_frequency <= MAX_VOCAB:
-        raise ConfigError(f"--min-frequency {min_frequency!r}: must be an integer from 0 to {MAX_VOCAB} "
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 2 <= vocab_size <= MAX_INT:
+        raise ConfigError(f"--vocab-size {vocab_size!r}: must be an integer from 2 to {MAX_INT}")
+    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or not 0 <= min_frequency <= MAX_INT:
+        raise ConfigError(f"--min-frequency {min_frequency!r}: must be an integer from 0 to {MAX_INT} "
                           "(the fewest occurrences of a pair that is merged; default 2)")
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if kind == "bpe" and vocab_size < len(alphabet):

@@ -8,12 +8,10 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..config import MAX_DEPTH, MAX_SEQ_LEN
+from ..config import MAX_DEPTH, MAX_INT, MAX_SEED, MAX_SEQ_LEN
 from ..errors import PhaseloopError
 from ..files import check_name
 
-MAX_INT = 2**31 - 1  # counts and sizes: far beyond any real run, within every library's 32 bits
-MAX_SEED = 2**63 - 1  # torch.manual_seed's range
 
 
 def int_in(lo: int | None = None, hi: int = MAX_INT, what: str = "") -> callable:

@@ -4,7 +4,6 @@ prints its result. Nothing here is needed by the library, the benchmarks or the 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 import sys
@@ -65,9 +64,6 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     if args.depth is None and (args.extend_loops or args.plot):
         raise PhaseloopError("--extend-loops and --plot apply with --depth; add --depth K[,K...]")
-    if args.windows < 1 or (args.seq_len is not None and args.seq_len < 1):
-        raise PhaseloopError(f"--windows {args.windows}, --seq-len {args.seq_len}: both must be "
-                             "positive integers, e.g. --windows 64")
     device = resolve_device(args.device)
     model, run_cfg = load_run(args.run, device)
     corpus = run_corpus(args.run, run_cfg, args.data)
@@ -137,9 +133,7 @@ def _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    if args.max_new_tokens < 0 or (args.top_k is not None and args.top_k < 1):
-        raise PhaseloopError("--max-new-tokens must be >= 0 and --top-k >= 1")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
+    if args.temperature < 0:  # the parser's types check the rest (finite, counts in range)
         raise PhaseloopError(f"--temperature {args.temperature}: must be a finite number >= 0 "
                              "(0 = greedy, 1 = the model's distribution)")
     device = resolve_device(args.device)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import registry
-from ..config import PRESETS, ModelConfig, merged
+from ..config import MAX_SEED, PRESETS, ModelConfig, merged
 from ..engine import TrainConfig
 from ..errors import ConfigError, PhaseloopError
 from ..files import why_missing
@@ -218,7 +218,7 @@ class Recipe:
                               f"{_suggest(self.reference, names)}; choose one of "
                               f"{', '.join(names)}")
         if (not isinstance(self.seeds, list) or not self.seeds
-                or any(not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2**63 for s in self.seeds)
+                or any(not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= MAX_SEED for s in self.seeds)
                 or len(set(self.seeds)) != len(self.seeds)):
             raise RecipeError(f"seeds={self.seeds!r}: must be a non-empty list of distinct "
                               "integers from 0 to 2^63 - 1, e.g. [0, 1]")

@@ -173,9 +173,6 @@ def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None =
     ``RUN/lm_eval/results.json`` and ``results.md`` (its table) and the local tasks'
     YAMLs it used (``RUN/lm_eval/tasks``). A refused task, or an evaluation that fails,
     writes nothing in the run."""
-    require("transformers", "lm_eval")
-    if not tasks or any(not t for t in tasks):
-        raise PhaseloopError("--tasks is empty; name tasks, e.g. --tasks lambada_local,wikitext2_local")
     if batch_size < 1 or (limit is not None and not (limit > 0 and math.isfinite(limit))):
         raise PhaseloopError(f"--batch-size {batch_size}, --limit {limit}: both must be positive and finite "
                              "(--limit: examples per task, or a fraction of them below 1)")
@@ -188,11 +185,12 @@ def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None =
 
     run_dir = run_folder(run)
     dev = resolve_device(device)
-    hf, fast, run_cfg, tok = from_run(run, dev, dtype, depth=depth, extend_loops=extend_loops)
     out = run_dir / "lm_eval"
+    # the tasks are resolved (and refused: empty, unknown, broken YAML) before the model loads
     with resolved_tasks(tasks, include_path=include_path, data=data) as (manager, local):
         from .tokenizer import prefix_token_id
 
+        hf, fast, run_cfg, tok = from_run(run, dev, dtype, depth=depth, extend_loops=extend_loops)
         lm = HFLM(pretrained=hf, tokenizer=fast, backend="causal", batch_size=batch_size,
                   max_length=hf.model.cfg.max_seq_len, prefix_token_id=prefix_token_id(tok, fast))
         res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,

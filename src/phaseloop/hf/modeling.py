@@ -31,6 +31,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, Pre
                           PreTrainedModel)
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .. import registry
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..layers import KVCache
@@ -48,7 +49,7 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 def _field(cfg: dict, name: str) -> str:
     if TOP_LEVEL[name] is not None:
         return TOP_LEVEL[name]
-    return ModelConfig.from_dict(cfg).spec.layers_name
+    return registry.get_arch(cfg["arch"]).layers_name
 
 
 class PhaseloopConfig(PretrainedConfig):
