@@ -152,13 +152,17 @@ class Store:
         if isinstance(stamp, dict) and stamp.get("files") == stats:
             max_id = stamp.get("max_id")
         else:
-            digests = {sh["file"]: sh.get("sha256") for sh in self.manifest["shards"]}
-            digests["docs.i64"] = self.manifest.get("docs_sha256")
-            for name, want in digests.items():
-                if want is not None and sha256_file(self.path / name) != want:
+            # one pass over each shard's bytes (its memmap is the raw file): digest and largest id
+            checks = [(sh["file"], sh.get("sha256"), *_digest_and_max(a, sh.get("sha256") is not None))
+                      for sh, a in zip(self.manifest["shards"], shards)]
+            docs_want = self.manifest.get("docs_sha256")
+            if docs_want is not None:
+                checks.append(("docs.i64", docs_want, sha256_file(self.path / "docs.i64"), None))
+            for name, want, got, _ in checks:
+                if want is not None and got != want:
                     raise self._damaged(f"{name} differs from the file written: its sha256 does not match "
                                         "the manifest")
-            max_id = max((int(_chunked_max(s)) for s in shards if len(s)), default=0)
+            max_id = max((m for *_, m in checks if m is not None), default=0)
             d = self.docs
             n = len(self.tokens)
             if len(d) and (d[0] != 0 or (np.diff(d) < 0).any() or d[-1] > n):
@@ -168,8 +172,17 @@ class Store:
             raise self._damaged(f"id {max_id} is beyond the tokenizer's vocabulary of {self.vocab_size}")
 
 
-def _chunked_max(a: np.ndarray, step: int = 1 << 24):
-    return max(a[i: i + step].max() for i in range(0, len(a), step))
+def _digest_and_max(a: np.ndarray, digest: bool, step: int = 1 << 24) -> tuple[str | None, int | None]:
+    """(sha256 of the array's bytes, or None unless ``digest``; its largest value, None if
+    empty) in one chunked pass: for a raw memmap shard these are the file's bytes."""
+    h = hashlib.sha256() if digest else None
+    top = None
+    for i in range(0, len(a), step):
+        chunk = np.ascontiguousarray(a[i: i + step])
+        if h is not None:
+            h.update(memoryview(chunk).cast("B"))
+        top = int(chunk.max()) if top is None else max(top, int(chunk.max()))
+    return (h.hexdigest() if h is not None else None), top
 
 
 def build(source: Source, tok, batch_bytes: int = 2 << 20, shard_tokens: int = 1 << 28,
