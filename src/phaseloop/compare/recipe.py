@@ -21,6 +21,11 @@ from ..validation import check_types
 
 MATCH_KINDS = ("none", "params", "flops", "depth")
 MATCH_BY = ("width", "depth")
+# [train] fields every variant shares: the budget (equal steps and tokens, so budget
+# matching and the step speedup compare like with like), the seed pairing and what the
+# validation loss is measured on. A variant's own ``train`` may set any other field.
+SHARED_TRAIN = ("seed", "steps", "batch_size", "grad_accum", "seq_len", "val_fraction",
+                "eval_every", "eval_windows", "device")
 
 
 class RecipeError(PhaseloopError):
@@ -87,6 +92,8 @@ class Variant:
     set: dict = field(default_factory=dict)  # ModelConfig overrides applied last
     match: str | None = None  # None -> the recipe's budget
     match_to: str | None = None  # None -> the reference variant
+    train: dict = field(default_factory=dict)  # this variant's TrainConfig fields over [train]
+    control: str | None = None  # a second variant it is t-tested against (the report's "vs control")
 
     @property
     def slug(self) -> str:
@@ -105,10 +112,25 @@ class Variant:
             raise RecipeError(f"{where}: set must be a table of ModelConfig fields")
         v = cls(name=str(item.get("name", item["spec"])), spec=str(item["spec"]),
                 set=dict(item.get("set") or {}), match=item.get("match"),
-                match_to=item.get("match_to"))
+                match_to=item.get("match_to"), train=_variant_train(item.get("train") or {}, where),
+                control=item.get("control"))
         if v.match is not None and v.match not in MATCH_KINDS:
             raise RecipeError(f"{where}: match={v.match!r}; choose one of {', '.join(MATCH_KINDS)}")
         return v
+
+
+def _variant_train(table, where: str) -> dict:
+    """A variant's own training settings: TrainConfig fields (typos named), none of the
+    shared ones (``SHARED_TRAIN``); values are checked with [train] in ``Recipe.validate``."""
+    if not isinstance(table, dict):
+        raise RecipeError(f"{where}: train must be a table of TrainConfig fields, e.g. "
+                          "train = { lr = 3e-3, warmup_steps = 50 }")
+    _check_keys(TrainConfig, table, f"{where} train", "key")
+    for k in table:
+        if k in SHARED_TRAIN:
+            raise RecipeError(f"{where} train: {k} is shared by every variant (the budget, the seeds and "
+                              f"the validation split must match); set it in [train]")
+    return dict(table)
 
 
 def _check_spec_keys(v: Variant) -> None:
@@ -187,6 +209,8 @@ class Recipe:
     # what the paper reports for this comparison (free-form; printed in report.md beside
     # the measured table), e.g. {source = "...", ppl = {baseline = 17.31, "mine N=3" = 16.06}}
     paper: dict = field(default_factory=dict)
+    # learning-rate tuning before the reported runs (``tune.Tune``); empty: none
+    tune: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -207,9 +231,11 @@ class Recipe:
             if slugs.count(v.slug) > 1:
                 raise RecipeError(f"variant names {v.name!r} and another map to the same run "
                                   f"folder {v.slug!r}; rename one")
-            if v.match_to is not None and v.match_to not in names:
-                raise RecipeError(f"variant {v.name!r}: match_to={v.match_to!r} names no variant"
-                                  f"{_suggest(v.match_to, names)}")
+            for key in ("match_to", "control"):
+                other = getattr(v, key)
+                if other is not None and (other not in names or other == v.name):
+                    raise RecipeError(f"variant {v.name!r}: {key}={other!r} names no other variant"
+                                      f"{_suggest(other, [n for n in names if n != v.name])}")
             _check_spec_keys(v)  # a typo in a spec is named before anything that follows from it
         if self.reference is None:
             self.reference = names[0]
@@ -251,9 +277,22 @@ class Recipe:
                           if k != "seed"}
         except ConfigError as e:
             raise RecipeError(f"recipe [train]: {e}") from None
+        for v in self.variants:
+            try:
+                TrainConfig.from_dict({**self.train, **v.train})
+            except ConfigError as e:
+                raise RecipeError(f"variant {v.name!r} train: {e}") from None
+        from .tune import Tune  # tune builds on this module
 
-    def train_config(self, seed: int):
-        return TrainConfig.from_dict({**self.train, "seed": seed})
+        self.tune = Tune.parse(self).to_dict() if self.tune else {}
+
+    def variant(self, name: str) -> Variant:
+        return next(v for v in self.variants if v.name == name)
+
+    def train_config(self, seed: int, variant: Variant | None = None, **tuned):
+        """[train], then the variant's own settings, then ``tuned`` ones, at ``seed``."""
+        return TrainConfig.from_dict({**self.train, **(variant.train if variant else {}), **tuned,
+                                      "seed": seed})
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -268,8 +307,11 @@ class Recipe:
         if "variants" not in d:
             raise RecipeError(f"{source}: no variants; add e.g. variants = {registry.arch_names()[:2]!r}")
         items = d["variants"]
+        if isinstance(items, dict):  # [variants.NAME] tables (and [variants.NAME.train]); spec defaults to NAME
+            items = [{"spec": k, **v, "name": k} if isinstance(v, dict) else {"name": k, "spec": v}
+                     for k, v in items.items()]
         if not isinstance(items, list):
-            raise RecipeError(f"{source}: variants must be a list")
+            raise RecipeError(f"{source}: variants must be a list, or tables [variants.NAME]")
         variants = [Variant.from_item(it, f"{source}: variants[{i}]") for i, it in enumerate(items)]
         return cls(**{**d, "variants": variants})
 
@@ -355,6 +397,8 @@ def apply_overrides(recipe: Recipe, variants: list[str] | None = None,
         if not isinstance(steps, int) or steps < 1:
             raise RecipeError(f"--steps {steps}: must be a positive integer")
         d["train"]["steps"] = steps
+        if d["tune"] and d["tune"].get("steps") and d["tune"]["steps"] > steps:
+            d["tune"]["steps"] = steps
         for k in ("eval_every", "ckpt_every", "warmup_steps"):
             if d["train"][k] > max(1, steps // 5):
                 d["train"][k] = max(1, steps // 10) if k != "warmup_steps" else steps // 10

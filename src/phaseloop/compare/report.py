@@ -32,7 +32,11 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
                 seeds.append(seed)
                 sums.append(read_json(d / "summary.json"))
                 curves.append(read_curves(d))
-        rows[p.name] = {"seeds": seeds, "summaries": sums, "curves": curves}
+        settings = {}
+        if seeds:  # what its runs trained with beyond [train]: its own settings, a tuned point
+            ran = read_json(out / "runs" / f"{p.variant.slug}-s{seeds[0]}" / "config.json")["train"]
+            settings = {k: x for k, x in ran.items() if k not in ("seed", "device") and recipe.train.get(k) != x}
+        rows[p.name] = {"seeds": seeds, "summaries": sums, "curves": curves, "settings": settings}
     ref = rows[recipe.reference]
     if not ref["seeds"]:
         raise RecipeError(f"no finished run of the reference {recipe.reference!r} in {out}")
@@ -41,6 +45,11 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
     ref_step = first_reach(ref_mean["step"], ref_mean["val_loss"], target)
     ref_time = first_reach(ref_mean["elapsed_s"], ref_mean["val_loss"], target)
     ref_final = {s: x["val_loss"] for s, x in zip(ref["seeds"], ref["summaries"])}
+
+    def t_test(a: dict, b: dict) -> dict:  # paired over the seeds both finished: b - a
+        paired = [s for s in b["seeds"] if s in a["seeds"]]
+        return paired_t_test([a["summaries"][a["seeds"].index(s)]["val_loss"] for s in paired],
+                             [b["summaries"][b["seeds"].index(s)]["val_loss"] for s in paired], recipe.alpha)
 
     variants = []
     for p in plan:
@@ -55,10 +64,10 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
         for k in ("val_loss", "val_bpb", "val_ppl", "tok_per_s", "mfu", "peak_memory_mb", "elapsed_s"):
             m, sd = mean_std([s.get(k) for s in r["summaries"]])
             stat[k] = {"mean": m, "std": sd}
-        paired = [s for s in r["seeds"] if s in ref_final]
-        test = (None if p.name == recipe.reference else paired_t_test(
-            [ref_final[s] for s in paired],
-            [r["summaries"][r["seeds"].index(s)]["val_loss"] for s in paired], recipe.alpha))
+        test = None if p.name == recipe.reference else t_test(ref, r)
+        control = p.variant.control
+        vs_control = (None if control is None or not rows[control]["seeds"]
+                      else {"control": control, **t_test(rows[control], r)})
         evals = [lm_eval_scores(out / "runs" / f"{p.variant.slug}-s{s}") for s in r["seeds"]]
         lm_eval = {k: dict(zip(("mean", "std"), mean_std([e.get(k) for e in evals])))
                    for k in sorted({k for e in evals for k in e})}
@@ -74,10 +83,10 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
             "reach_step": at_step, "reach_elapsed_s": at_time,
             "step_speedup": speedup(ref_step, at_step),
             "wallclock_speedup": speedup(ref_time, at_time),
-            "vs_reference": test, "curve": mc,
+            "vs_reference": test, "vs_control": vs_control, "settings": r["settings"], "curve": mc,
         })
     total = sum(x.get("elapsed_s", 0.0) for r in rows.values() for x in r["summaries"])
-    return {"reference": recipe.reference, "target_val_loss": target,
+    return {"reference": recipe.reference, "target_val_loss": target, "lr": recipe.train["lr"],
             "train_time_s": total, "variants": variants}
 
 
@@ -111,9 +120,9 @@ def _speed(x) -> str:
     return "not reached" if x is None else f"{x:.2f}x"
 
 
-def _verdict(t: dict | None) -> str:
+def _verdict(t: dict | None, none: str = "reference") -> str:
     if t is None:
-        return "reference"
+        return none
     if t["p"] is None:
         return "n/a (1 seed)"
     return f"{t['verdict']} (p={t['p']:.3f})"
@@ -122,22 +131,28 @@ def _verdict(t: dict | None) -> str:
 def format_table(summary: dict) -> str:
     """The comparison table; an MFU column when any run knew its device's peak (GPUs,
     or ``peak_tflops``)."""
-    mfu = any((v.get("mfu") or {}).get("mean") is not None for v in summary["variants"])
+    done = [v for v in summary["variants"] if v["finished_seeds"]]
+    mfu = any((v.get("mfu") or {}).get("mean") is not None for v in done)
     evals = sorted({k for v in summary["variants"] for k in v.get("lm_eval", {})})
-    head = ("| variant | params | depth | MFLOP/tok | tok/s | " + ("MFU | " if mfu else "")
-            + "peak MB | val loss | BPB | PPL | step speedup | wall speedup | vs reference |"
-            + "".join(f" {k} |" for k in evals))
-    lines = [head, "|" + "---|" * (12 + mfu + len(evals))]
+    lr = any("lr" in v.get("settings", {}) for v in done)  # a variant's own or tuned rate
+    ctl = any(v.get("vs_control") for v in done)
+    head = ("| variant | params | depth | MFLOP/tok | " + ("lr | " if lr else "") + "tok/s | "
+            + ("MFU | " if mfu else "") + "peak MB | val loss | BPB | PPL | step speedup | wall speedup | "
+            "vs reference |" + (" vs control |" if ctl else "") + "".join(f" {k} |" for k in evals))
+    lines = [head, "|" + "---|" * (12 + lr + mfu + ctl + len(evals))]
     for v in summary["variants"]:
         if not v["finished_seeds"]:
-            lines.append(f"| {v['name']} | not run |" + " |" * (10 + mfu + len(evals)))
+            lines.append(f"| {v['name']} | not run |" + " |" * (10 + lr + mfu + ctl + len(evals)))
             continue
+        c = v.get("vs_control")
+        control = (f" {_verdict(c, '')} vs {c['control']} |" if c else " |") if ctl else ""
         ev = v.get("lm_eval", {})
         cells = "".join(f" {_fmt(ev[k]['mean'], ev[k]['std'], 4) if k in ev else 'n/a'} |" for k in evals)
         fl = v["flops_per_token"]
         lines.append(
             f"| {v['name']} | {format_count(v['params'])} | {v['depth']} | "
             f"{'n/a' if fl is None else f'{fl / 1e6:.2f}'} | "
+            + (f"{v['settings'].get('lr', summary['lr']):g} | " if lr else "") +
             f"{_fmt(v['tok_per_s']['mean'], None, 0)} | "
             + (f"{_fmt(v['mfu']['mean'], None, 3)} | " if mfu else "") +
             f"{_fmt(v['peak_memory_mb']['mean'], None, 0)} | "
@@ -145,7 +160,7 @@ def format_table(summary: dict) -> str:
             f"{_fmt(v['val_bpb']['mean'], v['val_bpb']['std'])} | "
             f"{_fmt(v['val_ppl']['mean'], v['val_ppl']['std'], 2)} | "
             f"{_speed(v['step_speedup'])} | {_speed(v['wallclock_speedup'])} | "
-            f"{_verdict(v['vs_reference'])} |" + cells)
+            f"{_verdict(v['vs_reference'])} |" + control + cells)
     return "\n".join(lines)
 
 
@@ -195,14 +210,20 @@ def write_plots(out: Path, summary: dict) -> list[str] | str:
 
 
 def write_report(out: Path, recipe: Recipe, plan: list[Planned], data: dict,
-                 command: str | None = None, log: Callable[[str], None] | None = None) -> dict:
-    """summary.json, report.md and the plots."""
+                 command: str | None = None, log: Callable[[str], None] | None = None,
+                 tuning: dict | None = None) -> dict:
+    """summary.json, report.md and the plots (``tuning``: ``tune.run_tuning``'s results)."""
+    from . import tune
+
     s = summarize(out, recipe, plan)
+    s["tuning"] = tuning or {}
     machine = _machine(resolve_device(recipe.train["device"]))
     s.update(recipe=recipe.to_dict(), data=data, machine=machine, software=software_versions(),
              command=command, reproduce=f"phaseloop compare {shlex.quote(str(out / 'recipe.json'))}"
              f" --out {shlex.quote(str(out) + '-repro')}")
     plots = write_plots(out, s)
+    if tuning and isinstance(plots, list):
+        plots.append(tune.plot(out, tuning))
     s["plots"] = plots if isinstance(plots, list) else []
     write_json(out / "summary.json", s)
     if isinstance(plots, str) and log:
@@ -226,6 +247,12 @@ def write_report(out: Path, recipe: Recipe, plan: list[Planned], data: dict,
           "target shows \"not reached\".",
           f"- vs reference: paired t-test over seeds on the final validation loss "
           f"(alpha={recipe.alpha}); better / worse = lower / higher loss beyond seed noise."]
+    controls = [v for v in s["variants"] if v.get("vs_control")]
+    if controls:
+        md.append("- vs control: the same paired t-test against the variant named after the verdict "
+                  "(a control that differs from it in one respect), " + "; ".join(
+                      f"{v['name']}: {_verdict(v['vs_control'])} vs {v['vs_control']['control']}"
+                      for v in controls) + ".")
     if any(t.get("note") for t in tests):
         md.append(f"- Note: {next(t['note'] for t in tests if t.get('note'))}.")
     if recipe.eval_tasks:
@@ -235,6 +262,14 @@ def write_report(out: Path, recipe: Recipe, plan: list[Planned], data: dict,
                   + "; each run's results are in its lm_eval/results.json.")
     md.append("- Peak memory: the run's peak RSS (CPU; reset between runs) or peak CUDA "
               "allocation; MFLOP/tok: forward FLOPs per token at the training length.")
+    own = [v for v in s["variants"] if v.get("settings")]
+    if own:
+        md += ["", "## Training settings per variant", "",
+               "Beyond [train] (the variant's own `train` table, then its tuned point; each run's "
+               "config.json holds all of them):", ""]
+        md += [f"- {v['name']}: " + ", ".join(f"{k} = {x}" for k, x in sorted(v["settings"].items()))
+               for v in own]
+    md += tune.report_lines(s["tuning"])
     if notes:
         md += ["", "## Budget matching", ""]
         md += [f"- {v['name']}: {describe_match(v['matched'])}" for v in notes]

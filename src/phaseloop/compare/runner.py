@@ -1,4 +1,5 @@
-"""Running a comparison: every (variant, seed) run through ``phaseloop.train.train``,
+"""Running a comparison: the tuning runs (``tune``, when the recipe has [tune]), then
+every (variant, seed) run, each a ``runs.RunSpec`` trained through ``phaseloop.train.train``,
 seed-major, resumable; one run per GPU when there are several."""
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from typing import Callable
 import torch
 
 from .. import train as lm
-from ..checkpoint import checkpoint_dir, read_json, verify_checkpoint, write_json
+from ..checkpoint import read_json, write_json
 from ..files import check_out_dir
 from ..validation import first_difference
 from ..data import load_corpus
 from ..errors import PhaseloopError
 from ..engine import dist, resolve_device
+from ..engine.trainer import DivergedError
 from .budget import Planned, plan_variants
 from .recipe import Recipe, RecipeError, resolve_variant
 from .report import write_report
+from .runs import DIVERGED, RunSpec, tuning_corpus
+from .tune import run_tuning
 
 
 def _stderr(msg: str) -> None:
@@ -61,16 +65,6 @@ def _reset_peak_memory(device) -> bool:
         return True
     except OSError:
         return False
-
-
-def _steps_done(run_dir: Path, steps: int) -> int:
-    if (run_dir / "summary.json").exists():
-        return steps
-    ckpt = checkpoint_dir(run_dir)
-    if ckpt is None:
-        return 0
-    verify_checkpoint(ckpt, ("trainer.json",))
-    return int(read_json(ckpt / "trainer.json")["step"])
 
 
 def devices_for(name: str) -> list[str]:
@@ -118,12 +112,10 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
                    on_step: Callable[[str, int, dict], None] | None = None,
                    log: Callable[[str], None] | None = _stderr,
                    command: str | None = None) -> dict:
-    """Train every (variant, seed) run not yet finished, then write the report.
-
-    Runs go seed-major (every variant of seed 0, then seed 1, ...), so an interrupted
-    comparison already holds complete pairs, one after another; under torchrun every
-    run uses all the processes (rank 0 writes). ``on_step(run_name, step, record)``
-    receives every logged record (tests interrupt through it)."""
+    """Tune (when the recipe has [tune]), train every (variant, seed) run not yet
+    finished (``main_runs``), then write the report. Under torchrun every run uses all
+    the processes (rank 0 writes). ``on_step(run_name, step, record)`` receives every
+    logged record (tests interrupt through it)."""
     out = Path(out_dir)
     w = dist.world()
     log = log if w.main else None
@@ -139,48 +131,80 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     with dist.main_first():  # rank 0 stores the recipe; the others then find it there
         _claim_folder(out, recipe)
 
-    steps = recipe.train["steps"]
-    runs = [(p, seed, out / "runs" / f"{p.variant.slug}-s{seed}")
+    def execute(runs: list[RunSpec]) -> None:
+        _execute(runs, corpus, device, progress, on_step, log, recipe.name)
+
+    tuning = run_tuning(recipe, plan, out, execute, log) if recipe.tune else {}
+    runs = main_runs(recipe, plan, out, {k: r["chosen"] for k, r in tuning.items()})
+    execute(runs)
+    if not w.main:
+        return {}
+    for r in runs:  # also runs finished before an interruption
+        _lm_eval(recipe, r.run_dir, device, log)
+    return write_report(out, recipe, plan, corpus.describe(), command, log, tuning=tuning)
+
+
+def main_runs(recipe: Recipe, plan: list[Planned], out: Path, tuned: dict) -> list[RunSpec]:
+    """The reported runs, seed-major (every variant of seed 0, then seed 1, ...), so an
+    interrupted comparison already holds complete pairs; each at [train], then its own
+    settings, then its tuned point (``tuned``: {variant: {lr: ...}})."""
+    return [RunSpec(f"{p.variant.slug}-s{seed}", p.name, seed, p.cfg,
+                    recipe.train_config(seed, p.variant, **tuned.get(p.name, {})),
+                    out / "runs" / f"{p.variant.slug}-s{seed}")
             for seed in recipe.seeds for p in plan]
-    pending = [r for r in runs if not (r[2] / "summary.json").exists()]
-    if log and len(pending) < len(runs):
-        log(f"{out}: {len(runs) - len(pending)} of {len(runs)} runs already finished; continuing")
+
+
+def data_for(run: RunSpec, corpus):
+    """The corpus a run reads: the reported one, or for a tuning run its tuning slice."""
+    return tuning_corpus(corpus, run.train, run.train.seq_len or run.cfg.max_seq_len) if run.tuning else corpus
+
+
+def _execute(runs: list[RunSpec], corpus, device: str, progress: bool,
+             on_step, log, desc: str) -> None:
+    """Train the runs not finished yet, one after another (a half-done one resumes from
+    its last checkpoint); under torchrun every run uses all the processes. A tuning run
+    that diverges is recorded (diverged.json) and scored as infinite."""
+    w = dist.world()
+    pending = [r for r in runs if not r.finished]
+    if log and pending and len(pending) < len(runs):
+        log(f"{len(runs) - len(pending)} of {len(runs)} {'tuning ' if runs[0].tuning else ''}runs "
+            "already finished; continuing")
     bar = None
-    if progress and w.main:
+    if progress and w.main and pending:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=steps * len(runs), initial=sum(_steps_done(d, steps) for *_, d in runs),
-                   unit="step", dynamic_ncols=True, desc=f"compare {recipe.name}")
-
-    def one(p: Planned, seed: int, run_dir: Path) -> None:
-        last = [_steps_done(run_dir, steps)]
-
-        def _on_step(step: int, rec: dict) -> None:
-            if bar is not None and step > last[0]:
-                bar.update(step - last[0])
-                if "loss" in rec:
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
-            last[0] = max(last[0], step)
-            if on_step is not None:
-                on_step(run_dir.name, step, rec)
-
-        if bar is not None:
-            bar.set_description(run_dir.name)
-        if not _reset_peak_memory(resolve_device(device)) and log:
-            log("note: cannot reset peak memory between runs; it is the process peak")
-        tc = dataclasses.replace(recipe.train_config(seed), device=device)
-        resume = (run_dir / "config.json").exists()
-        dist.barrier()  # every rank has looked before rank 0 writes this run's config.json
-        lm.train(p.cfg, tc, corpus, run_dir, resume=resume, progress=False, on_step=_on_step)
-
+        bar = tqdm(total=sum(r.train.steps for r in runs), initial=sum(r.steps_done() for r in runs),
+                   unit="step", dynamic_ncols=True, desc=f"compare {desc}")
     try:
         for r in pending:
-            one(*r)
+            last = [r.steps_done()]
+
+            def _on_step(step: int, rec: dict, r=r, last=last) -> None:
+                if bar is not None and step > last[0]:
+                    bar.update(step - last[0])
+                    if "loss" in rec:
+                        bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+                last[0] = max(last[0], step)
+                if on_step is not None:
+                    on_step(r.name, step, rec)
+
+            if bar is not None:
+                bar.set_description(r.name)
+            if not _reset_peak_memory(resolve_device(device)) and log:
+                log("note: cannot reset peak memory between runs; it is the process peak")
+            tc = dataclasses.replace(r.train, device=device)
+            resume = (r.run_dir / "config.json").exists()
+            dist.barrier()  # every rank has looked before rank 0 writes this run's config.json
+            try:
+                lm.train(r.cfg, tc, data_for(r, corpus), r.run_dir, resume=resume,
+                         progress=False, on_step=_on_step)
+            except DivergedError as e:
+                if not r.tuning:
+                    raise
+                if w.main:
+                    write_json(r.run_dir / DIVERGED, {"error": str(e)})
+                if log:
+                    log(f"tuning run {r.name} diverged; scored as infinite")
     finally:
         if bar is not None:
             bar.close()
-    if not w.main:
-        return {}
-    for _, _, run_dir in runs:  # also runs finished before an interruption
-        _lm_eval(recipe, run_dir, device, log)
-    return write_report(out, recipe, plan, corpus.describe(), command, log)

@@ -1,0 +1,249 @@
+"""Learning-rate tuning inside a comparison (a recipe's ``[tune]`` table).
+
+Architectures do not share an optimum (looped and weight-shared models want other rates
+than the stack they are compared with), so one shared rate can decide a comparison. With
+``[tune]`` every variant first trains a grid of settings (the learning rate; optionally
+warmup and weight decay) on *tuning seeds*, disjoint from the reported ones, on the
+*tuning slice*: the training portion of the data only (``runs.tuning_corpus``), scored
+on its own held-out tail, never on the reported validation split. Score = the tuning
+runs' final validation loss, mean over the tuning seeds (a diverged run: infinite).
+Each variant then trains all its reported seeds at its best point. When the best rate
+is the grid's smallest or largest, the grid grows one step (the ratio of its two outer
+rates) that way, at most ``extend`` times per variant; the report says how many and
+whether the choice is still on the edge. Every decision is recomputed from the finished
+runs, so an interrupted tuning resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..checkpoint import read_json
+from ..config import MAX_SEED
+from ..engine import TrainConfig
+from ..errors import ConfigError
+from .runs import DIVERGED, RunSpec
+from .recipe import Recipe, RecipeError, _check_keys
+
+AXES = ("lr", "warmup_steps", "weight_decay")  # the grid's axes; the rate alone grows at the edges
+SHORT = {"lr": "lr", "warmup_steps": "w", "weight_decay": "wd"}
+MAX_EXTEND = 10
+
+
+@dataclass
+class Tune:
+    lr: list = field(default_factory=list)  # at least 2 distinct rates (sorted)
+    seeds: list = field(default_factory=list)  # tuning seeds, none of the recipe's seeds
+    warmup_steps: list = field(default_factory=list)  # empty: [train]'s (or the variant's)
+    weight_decay: list = field(default_factory=list)
+    steps: int | None = None  # a tuning run's steps (default: [train]'s)
+    extend: int = 2  # at most this many edge extensions of the rate grid, per variant
+
+    @classmethod
+    def parse(cls, recipe: Recipe) -> "Tune":
+        """The recipe's [tune] table, checked: one RecipeError naming the key and the fix."""
+        d = recipe.tune
+        if not isinstance(d, dict):
+            raise RecipeError("[tune] must be a table, e.g. [tune] lr = [1e-3, 2e-3, 4e-3] seeds = [100]")
+        _check_keys(cls, d, "[tune]", "key")
+        t = cls(**d)
+        if (not isinstance(t.lr, list) or len(t.lr) < 2 or len(set(t.lr)) != len(t.lr)
+                or any(not _number(x) or not x > 0 for x in t.lr)):
+            raise RecipeError(f"[tune] lr={t.lr!r}: must be a list of at least 2 distinct positive rates, "
+                              "e.g. lr = [1e-3, 2e-3, 4e-3]")
+        t.lr = sorted(float(x) for x in t.lr)
+        if (not isinstance(t.seeds, list) or not t.seeds or len(set(t.seeds)) != len(t.seeds)
+                or any(not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= MAX_SEED for s in t.seeds)):
+            raise RecipeError(f"[tune] seeds={t.seeds!r}: must be a non-empty list of distinct integers, "
+                              f"none of the reported seeds {recipe.seeds}, e.g. seeds = [100]")
+        shared = sorted(set(t.seeds) & set(recipe.seeds))
+        if shared:
+            raise RecipeError(f"[tune] seeds {shared} are also reported seeds {recipe.seeds}: tuning on the "
+                              f"seeds it reports would bias the comparison; use others, e.g. seeds = "
+                              f"[{max(recipe.seeds) + 100}]")
+        for k, lo, hi, kind in (("warmup_steps", 0, None, int), ("weight_decay", 0, 1, float)):
+            xs = getattr(t, k)
+            if (not isinstance(xs, list) or len(set(xs)) != len(xs)
+                    or any(not (_number(x) if kind is float else isinstance(x, int) and not isinstance(x, bool))
+                           or x < lo or (hi is not None and x > hi) for x in xs)):
+                rng = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
+                raise RecipeError(f"[tune] {k}={xs!r}: must be a list of distinct {kind.__name__}s {rng}, "
+                                  f"e.g. {k} = {[25, 50] if kind is int else [0.0, 0.1]}")
+            setattr(t, k, sorted(kind(x) for x in xs))
+        if t.steps is not None and (not isinstance(t.steps, int) or isinstance(t.steps, bool) or t.steps < 1):
+            raise RecipeError(f"[tune] steps={t.steps!r}: must be a positive integer (default: [train] steps)")
+        if not isinstance(t.extend, int) or isinstance(t.extend, bool) or not 0 <= t.extend <= MAX_EXTEND:
+            raise RecipeError(f"[tune] extend={t.extend!r}: must be an integer from 0 to {MAX_EXTEND} "
+                              "(edge extensions of the rate grid per variant)")
+        for v in recipe.variants:
+            both = [k for k in t.axes() if k in v.train]
+            if both:
+                raise RecipeError(f"variant {v.name!r} sets train.{both[0]} and [tune] tunes {both[0]}; "
+                                  "drop one of them")
+            for point in t.grid(t.lr):
+                try:
+                    t.train_config(recipe, v, point, t.seeds[0])
+                except ConfigError as e:
+                    raise RecipeError(f"[tune] point {point} of variant {v.name!r}: {e}") from None
+        return t
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def axes(self) -> list[str]:
+        return [k for k in AXES if k == "lr" or getattr(self, k)]
+
+    def grid(self, lrs: list[float]) -> list[dict]:
+        """Every point of the grid at rates ``lrs``: {axis: value}, rate-major."""
+        values = [lrs] + [getattr(self, k) for k in self.axes()[1:]]
+        return [dict(zip(self.axes(), combo)) for combo in itertools.product(*values)]
+
+    def train_config(self, recipe: Recipe, variant, point: dict, seed: int) -> TrainConfig:
+        tc = recipe.train_config(seed, variant, **point)
+        return tc.replace(steps=self.steps) if self.steps is not None else tc
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def point_name(point: dict) -> str:
+    return "-".join(f"{SHORT[k]}{v:g}" for k, v in point.items())
+
+
+def score(runs: list[RunSpec]) -> dict:
+    """A grid point's tuning runs -> {losses per seed (None: diverged), mean, std}."""
+    losses = {}
+    for r in runs:
+        if (r.run_dir / DIVERGED).exists():
+            losses[r.seed] = None
+        elif (r.run_dir / "summary.json").exists():
+            losses[r.seed] = read_json(r.run_dir / "summary.json")["val_loss"]
+    xs = [x for x in losses.values() if x is not None]
+    finite = len(xs) == len(runs) and all(math.isfinite(x) for x in xs)
+    mean = sum(xs) / len(xs) if finite else math.inf
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if finite and len(xs) > 1 else None
+    return {"losses": losses, "loss": mean, "std": std}
+
+
+def choose(rows: list[dict], lrs: list[float], used: int, extend: int) -> tuple[dict, str | None]:
+    """(the best row, "down" / "up" / None): the lowest mean tuning loss (ties: the
+    first in grid order), and which way the rate grid grows when its rate is an edge of
+    ``lrs`` and fewer than ``extend`` extensions are ``used``."""
+    best = min(rows, key=lambda r: r["loss"])  # min keeps the first of equals
+    edge = "down" if best["point"]["lr"] == lrs[0] else "up" if best["point"]["lr"] == lrs[-1] else None
+    return best, (edge if used < extend else None)
+
+
+def grow(lrs: list[float], way: str) -> list[float]:
+    """One more rate beyond the edge, at the ratio of the two outer ones."""
+    if way == "up":
+        return lrs + [_round(lrs[-1] * lrs[-1] / lrs[-2])]
+    return [_round(lrs[0] * lrs[0] / lrs[1])] + lrs
+
+
+def tuning_runs(recipe: Recipe, tune: Tune, planned, lrs: list[float], out: Path) -> list[RunSpec]:
+    v = planned.variant
+    return [RunSpec(f"tune/{v.slug}/{point_name(pt)}-s{seed}", v.name, seed, planned.cfg,
+                    tune.train_config(recipe, v, pt, seed),
+                    out / "tune" / v.slug / f"{point_name(pt)}-s{seed}", tuning=True)
+            for pt in tune.grid(lrs) for seed in tune.seeds]
+
+
+def run_tuning(recipe: Recipe, plan: list, out: Path, execute: Callable[[list[RunSpec]], None],
+               log: Callable[[str], None] | None = None) -> dict:
+    """Train every variant's grid (growing at the edges), round by round; returns
+    {variant: {grid, points, chosen, extensions, max_extensions, on_edge}}."""
+    tune = Tune(**recipe.tune)
+    state = {p.name: {"lrs": list(tune.lr), "used": 0} for p in plan}
+    while True:
+        rounds = {p.name: tuning_runs(recipe, tune, p, state[p.name]["lrs"], out) for p in plan}
+        execute([r for runs in rounds.values() for r in runs])
+        grew = False
+        for p in plan:
+            s, runs = state[p.name], rounds[p.name]
+            rows = [{"point": pt, **score([r for r in runs if r.run_dir.name.rsplit("-s", 1)[0] == point_name(pt)])}
+                    for pt in tune.grid(s["lrs"])]
+            best, way = choose(rows, s["lrs"], s["used"], tune.extend)
+            s.update(rows=rows, best=best)
+            if way is not None:
+                s["lrs"], s["used"], grew = grow(s["lrs"], way), s["used"] + 1, True
+                if log:
+                    log(f"tune {p.name}: best lr {best['point']['lr']:g} is the grid's edge; adding "
+                        f"{s['lrs'][0 if way == 'down' else -1]:g} ({s['used']} of at most {tune.extend})")
+        if not grew:
+            break
+    results = {}
+    for name, s in state.items():
+        if not math.isfinite(s["best"]["loss"]):
+            raise RecipeError(f"variant {name!r}: every tuning run diverged (rates {s['lrs']}); "
+                              "lower [tune] lr, lengthen warmup, or raise extend")
+        edge = s["best"]["point"]["lr"] in (s["lrs"][0], s["lrs"][-1])
+        results[name] = {"lrs": s["lrs"], "points": s["rows"], "chosen": s["best"]["point"],
+                         "extensions": s["used"], "max_extensions": tune.extend, "on_edge": edge,
+                         "seeds": tune.seeds, "steps": tune.steps or recipe.train["steps"]}
+        if log:
+            log(f"tune {name}: chose {point_name(s['best']['point'])} (tuning loss {s['best']['loss']:.4f})"
+                + (" -- still the grid's edge: widen [tune] lr" if edge else ""))
+    return results
+
+
+def report_lines(results: dict) -> list[str]:
+    """report.md's tuning section: per variant, the grid's tuning losses and the choice."""
+    if not results:
+        return []
+    any_r = next(iter(results.values()))
+    md = ["", "## Learning-rate tuning", "",
+          f"Each variant trained every grid point on tuning seeds {any_r['seeds']} ({any_r['steps']} steps) "
+          "on the tuning slice (the training portion of the data; scored on its own held-out tail, never "
+          "the reported validation split); tuning loss = final validation loss on that slice, mean over the "
+          "tuning seeds. The reported runs use each variant's best point. A best rate on the grid's edge "
+          f"grows the grid one step that way, at most {any_r['max_extensions']} times per variant.", ""]
+    for name, r in results.items():
+        axes = list(r["chosen"])
+        md += [f"### {name}", "", "| " + " | ".join(axes) + " | tuning loss | |",
+               "|" + "---|" * (len(axes) + 2)]
+        for row in r["points"]:
+            pt = row["point"]
+            loss = ("diverged" if not math.isfinite(row["loss"]) else f"{row['loss']:.4f}"
+                    + (f" ± {row['std']:.4f}" if row["std"] is not None else ""))
+            mark = "**chosen**" if pt == r["chosen"] else ""
+            md.append("| " + " | ".join(f"{pt[k]:g}" for k in axes) + f" | {loss} | {mark} |")
+        md += ["", "Chosen: " + ", ".join(f"{k} = {x:g}" for k, x in r["chosen"].items()) + f"; grid extended {r['extensions']} of at most "
+               f"{r['max_extensions']} times" + (" -- **the choice is still on the grid's edge**: widen "
+                                                 "[tune] lr or raise extend." if r["on_edge"] else "."), ""]
+    return md
+
+
+def plot(out: Path, results: dict, fname: str = "tuning_loss_vs_lr.png") -> str:
+    """Tuning loss against the rate, one line per variant (the best over the other axes
+    at each rate), the chosen rate starred."""
+    from .. import plots
+
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name, r in results.items():
+        lrs = sorted({row["point"]["lr"] for row in r["points"]})
+        ys = [min(row["loss"] for row in r["points"] if row["point"]["lr"] == x) for x in lrs]
+        ok = [(x, y) for x, y in zip(lrs, ys) if math.isfinite(y)]
+        line, = ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", label=name)
+        best = next(row["loss"] for row in r["points"] if row["point"] == r["chosen"])
+        ax.plot([r["chosen"]["lr"]], [best], marker="*", ms=14, color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("tuning loss (nats/token, tuning slice)")
+    ax.set_title("learning-rate tuning (mean over tuning seeds; star = chosen)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plots.save_png(fig, out / fname)
+    return fname
