@@ -244,3 +244,34 @@ def test_quick_recipe_has_the_control():
     assert control.spec == "rope" and control.name != r.reference
     c, t = cfgs[control.name], cfgs[three.name]
     assert (c.embed_init_std, c.init, c.embed_scale) == (t.embed_init_std, t.init, t.embed_scale) == (1.0, "torch", False)
+
+
+def test_variants_option_drops_a_control_left_out():
+    msgs = []
+    r = apply_overrides(load_recipe(None), variants=["rope", "three_phase N=3"], log=msgs.append)
+    assert [v.control for v in r.variants] == [None, None]
+    assert any("its control 'rope (3PT regime)' is not among --variants" in m for m in msgs)
+
+
+def test_a_diverged_tuning_run_scores_infinite_and_is_not_redone(tmp_path, text_file, monkeypatch):
+    from phaseloop.engine.trainer import DivergedError
+
+    r = recipe(text_file, {"lr": [1e-3, 3e-3, 1e-2], "extend": 0})
+    real_train, calls = train_mod.train, []
+
+    def train(model_cfg, tc, data, out_dir, **kw):
+        calls.append(Path(out_dir).name)
+        if tc.lr == 1e-2:  # as the trainer does at a non-finite loss
+            raise DivergedError("step 1: loss nan: training diverged")
+        return real_train(model_cfg, tc, data, out_dir, **kw)
+
+    monkeypatch.setattr(train_mod, "train", train)
+    s = run_comparison(r, tmp_path / "cmp", progress=False, log=None)
+    t = s["tuning"]["rope"]
+    assert [math.isfinite(row["loss"]) for row in t["points"]] == [True, True, False]
+    assert t["chosen"]["lr"] in (1e-3, 3e-3) and t["extensions"] == 0
+    assert (tmp_path / "cmp" / "tune" / "rope" / "lr0.01-s7" / "diverged.json").exists()
+    assert "| 0.01 | diverged |" in (tmp_path / "cmp" / "report.md").read_text()
+    calls.clear()
+    run_comparison(r, tmp_path / "cmp", progress=False, log=None)
+    assert calls == []  # every run finished (the diverged one included): nothing redone

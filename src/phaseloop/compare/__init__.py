@@ -13,8 +13,10 @@ architecture's ``ArchSpec.modifiers``; ``registry.modifiers()`` lists them). KEY
 lazily, at plan time, so a recipe naming an unregistered architecture fails with one
 clear error before anything is trained or written.
 
-The package along its seams: ``recipe`` (recipes, variant specs), ``budget`` (budget
-matching on the meta device), ``stats`` (speedups, the paired t-test), ``runner`` (the
+The package along its seams: ``recipe`` (recipes, variant specs, a variant's own
+training settings), ``budget`` (budget matching on the meta device), ``tune`` (the
+``[tune]`` learning-rate grid per variant, on tuning seeds and the tuning slice),
+``stats`` (speedups, the paired t-test), ``runs`` (run descriptions), ``runner`` (the
 runs) and ``report`` (tables, plots, report.md).
 
 Every (variant, seed) run goes through ``phaseloop.train.train`` into
@@ -27,11 +29,13 @@ from .budget import Planned, match_budget, measure, plan_variants
 from .recipe import (BUILTIN_RECIPES, KEY_ALIASES, QUICK_TOML, Recipe, RecipeError,
                      Variant, apply_overrides, load_recipe, parse_spec, resolve_variant, slugify)
 from .report import format_table, summarize, write_report
-from .runner import devices_for, run_comparison
+from .runner import devices_for, main_runs, run_comparison
+from .runs import RunSpec, tuning_corpus
+from .tune import Tune
 from .stats import first_reach, paired_t_test, speedup, t_two_sided_p
 
 __all__ = ["BUILTIN_RECIPES", "KEY_ALIASES", "QUICK_TOML", "Planned", "Recipe",
-           "RecipeError", "Variant", "apply_overrides", "devices_for", "first_reach", "format_table",
-           "load_recipe", "match_budget", "measure", "paired_t_test", "parse_spec", "plan_variants",
+           "RecipeError", "RunSpec", "Tune", "Variant", "apply_overrides", "devices_for", "first_reach", "format_table",
+           "load_recipe", "main_runs", "match_budget", "measure", "paired_t_test", "parse_spec", "plan_variants",
            "resolve_variant", "run_comparison", "slugify", "speedup", "summarize", "t_two_sided_p",
-           "write_report"]
+           "tuning_corpus", "write_report"]

@@ -385,6 +385,12 @@ def apply_overrides(recipe: Recipe, variants: list[str] | None = None,
         names = [v["name"] if isinstance(v, dict) else v for v in d["variants"]]
         if d["reference"] not in names:
             d["reference"] = names[0]
+        for v in d["variants"]:  # a control left out: the variant keeps only its verdict vs the reference
+            if isinstance(v, dict) and v.get("control") not in (None, *names):
+                if log:
+                    log(f"note: variant {v['name']!r}: its control {v['control']!r} is not among --variants; "
+                        "no vs-control verdict")
+                v["control"] = None
     if seeds is not None:
         if isinstance(seeds, str):
             try:

@@ -203,6 +203,7 @@ def _execute(runs: list[RunSpec], corpus, device: str, progress: bool,
                     raise
                 if w.main:
                     write_json(r.run_dir / DIVERGED, {"error": str(e)})
+                dist.barrier()  # every rank sees it before deciding what is finished
                 if log:
                     log(f"tuning run {r.name} diverged; scored as infinite")
     finally:
