@@ -10,7 +10,8 @@ import pytest
 
 import phaseloop.train as train_mod
 from phaseloop import store
-from phaseloop.compare import Recipe, RecipeError, apply_overrides, load_recipe, plan_variants, run_comparison
+from phaseloop.compare import (Recipe, RecipeError, apply_overrides, load_recipe, paired_t_test, plan_variants,
+                               run_comparison)
 from phaseloop.compare.dryrun import dry_run
 from phaseloop.compare.tune import choose, grow
 from phaseloop.engine import TrainConfig
@@ -115,8 +116,9 @@ def test_tuned_choice_equals_a_hand_run_grid(tmp_path, text_file):
     portion of the reported split (the validation tail cut off), so tuning saw no more.
     Each variant's own settings and its tuned rate land in its runs' config.json."""
     lrs = [3e-4, 3e-3, 3e-2]
-    r = recipe(text_file, {"lr": lrs, "extend": 0},
-               variants=["rope", {"spec": "three_phase N=3", "train": {"warmup_steps": 2, "beta2": 0.99}}])
+    r = recipe(text_file, {"lr": lrs, "extend": 0}, seeds=[0, 1],
+               variants=["rope", {"spec": "three_phase N=3", "train": {"warmup_steps": 2, "beta2": 0.99},
+                                  "control": "rope"}])
     out = tmp_path / "cmp"
     s = run_comparison(r, out, progress=False, log=None)
 
@@ -136,7 +138,12 @@ def test_tuned_choice_equals_a_hand_run_grid(tmp_path, text_file):
         cfg = json.loads((out / "runs" / f"{v.slug}-s0" / "config.json").read_text())["train"]
         assert cfg["lr"] == tuned["chosen"]["lr"]
         assert cfg["warmup_steps"] == v.train.get("warmup_steps", 1) and cfg["beta2"] == v.train.get("beta2", 0.95)
+    # the vs-control verdict: the paired t-test of the two variants' final losses, read by hand
+    finals = {v.slug: [final_loss(out / "runs" / f"{v.slug}-s{seed}") for seed in (0, 1)] for v in r.variants}
+    got = next(v for v in s["variants"] if v["name"] == "three_phase N=3")["vs_control"]
+    assert got == {"control": "rope", **paired_t_test(finals["rope"], finals["three_phase-N3"])}
     report = (out / "report.md").read_text()
+    assert "| vs control |" in report and f"{got['verdict']} (p={got['p']:.3f}) vs rope |" in report
     assert "## Learning-rate tuning" in report and "**chosen**" in report and "beta2 = 0.99" in report
     assert (out / "tuning_loss_vs_lr.png").stat().st_size > 0
     # the per-variant settings are part of what a rerun into the folder checks

@@ -44,7 +44,6 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
     target = ref_mean["val_loss"][-1]  # reference's final validation loss (seed mean)
     ref_step = first_reach(ref_mean["step"], ref_mean["val_loss"], target)
     ref_time = first_reach(ref_mean["elapsed_s"], ref_mean["val_loss"], target)
-    ref_final = {s: x["val_loss"] for s, x in zip(ref["seeds"], ref["summaries"])}
 
     def t_test(a: dict, b: dict) -> dict:  # paired over the seeds both finished: b - a
         paired = [s for s in b["seeds"] if s in a["seeds"]]
