@@ -15,7 +15,7 @@ from phaseloop.compare import (Recipe, RecipeError, apply_overrides, load_recipe
 from phaseloop.compare.dryrun import dry_run
 from phaseloop.compare.tune import choose, grow
 from phaseloop.engine import TrainConfig
-from tests.conftest import assert_one_line, run_cli
+from conftest import assert_one_line, run_cli
 
 TINY_TRAIN = dict(steps=6, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=1, eval_every=2,
                   eval_windows=2, ckpt_every=2, log_every=1)
