@@ -26,7 +26,7 @@ def run(out: Path, data: Path, args, nproc: int = 1, threads: int | None = None,
            "--eval-every", str(args.steps), "--eval-windows", "2", "--ckpt-every", str(args.steps),
            "--warmup", "5", "--quiet", "--data", str(data), "--out", str(out), "--device", "cpu"]
     if compile:
-        cmd.append("--compile")
+        cmd += ["--compile", "model"]
     if nproc > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads or os.cpu_count())}

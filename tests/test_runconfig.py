@@ -92,14 +92,14 @@ def test_the_flags_of_earlier_versions_still_parse():
            "--device": ("device", "cpu"), "--parallel": ("parallel", "fsdp"),
            "--peak-tflops": ("peak_tflops", "100"), "--skip-nonfinite": ("skip_nonfinite", "2")}
     argv = [a for flag, (_, v) in old.items() for a in (flag, v)]
-    args = parse(*argv, "--compile", "--checkpoint-activations", "--preset", "rope-tiny", "--set", "n_layers=2",
+    args = parse(*argv, "--compile", "model", "--checkpoint-activations", "--preset", "rope-tiny", "--set", "n_layers=2",
                  "--data", "x.txt", "--tokenizer", "bytes", "--text-column", "body", "--data-split", "test",
                  "--streaming", "--out", "o", "--resume", "--quiet")
     want = {"steps": 7, "batch_size": 3, "grad_accum": 2, "seq_len": 32, "lr": 0.01, "min_lr_ratio": 0.2,
             "warmup_steps": 5, "weight_decay": 0.05, "decay": "all", "loss_ignore_id": 0, "grad_clip": 0.5,
             "seed": 4, "eval_every": 9, "eval_windows": 8, "ckpt_every": 6, "log_every": 2, "val_fraction": 0.2,
             "device": "cpu", "parallel": "fsdp", "peak_tflops": 100.0, "skip_nonfinite": 2}
-    assert trainflags.given(args) == {**want, "compile": True, "checkpoint_activations": True}
+    assert trainflags.given(args) == {**want, "compile": "model", "checkpoint_activations": True}
     assert (args.preset, args.set, args.data, args.tokenizer, args.text_column, args.data_split, args.streaming,
             args.out, args.resume, args.quiet) == ("rope-tiny", ["n_layers=2"], "x.txt", "bytes", "body", "test",
                                                    True, "o", True, True)
@@ -194,16 +194,16 @@ def test_flags_override_the_file(tmp_path, text_file, capsys):
                    f'[data]\nsource = "{text_file}"\ntext_column = "body"\n')
     spec = resolve_run(cfg)
     assert (spec.model.n_layers, spec.model.dropout, spec.model.d_model) == (1, 0.1, 96)
-    assert (spec.train.steps, spec.train.lr, spec.train.compile, spec.train.warmup_steps) == (7, 0.01, True, 50)
+    assert (spec.train.steps, spec.train.lr, spec.train.compile, spec.train.warmup_steps) == (7, 0.01, "model", 50)  # compile = true: the whole model, as before issue 30
     assert spec.data == {"source": str(text_file), "tokenizer": "bytes", "text_column": "body", "split": "train",
                          "streaming": False}
     assert spec.preset == "rope-tiny" and spec.out.name.startswith("rope-tiny-")
     text = printed(capsys, ["--config", str(cfg), "--preset", "3pt-tiny", "--set", "n_layers=2", "--steps", "3",
-                            "--no-compile", "--data", str(other), "--text-column", "text"])
+                            "--compile", "off", "--data", str(other), "--text-column", "text"])
     (tmp_path / "flags.toml").write_text(text)
     spec = resolve_run(tmp_path / "flags.toml")
     assert (spec.model.arch, spec.model.n_layers, spec.model.dropout) == ("three_phase", 2, 0.1)
-    assert (spec.train.steps, spec.train.lr, spec.train.compile) == (3, 0.01, False)
+    assert (spec.train.steps, spec.train.lr, spec.train.compile) == (3, 0.01, "off")
     assert (spec.data["source"], spec.data["text_column"]) == (str(other), "text")
 
 

@@ -230,6 +230,10 @@ class Hyperloop(Looped):
         """The trained loop whose parameters pass ``loop`` uses (extend='last' beyond them)."""
         return min(loop, self.n_loops - 1)
 
+    def compile_targets(self) -> list:  # the blocks, and each loop's coefficient maths
+        return super().compile_targets() + [(hc, "coefficients") for hc in self.hc
+                                             if isinstance(hc, HyperConnection)]
+
     def cache_slots(self) -> list:  # the pooled-MLP variant caches its running sums per loop
         return super().cache_slots() + ([("pool", l) for l in range(self.loops)] if self.pooled else [])
 
@@ -266,6 +270,11 @@ class MHC(Trunk):
 
     def cache_slots(self) -> list:
         return list(range(len(self.layers)))
+
+    def compile_targets(self) -> list:  # mHC calls the blocks' branches, not their forward
+        out = [(b, f) for b in self.layers for f in ("attn_branch", "ffn_branch")]
+        out += [(b.between, "forward") for b in self.layers if not isinstance(b.between, nn.Identity)]
+        return out + [(hc, "coefficients") for hc in self.hc]
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         streams_BTnD = copy_streams(x_BTD, self.n_streams)

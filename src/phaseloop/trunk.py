@@ -36,6 +36,8 @@ class Trunk(nn.Module):
       architecture allows it (``dynamic_depth``); ``fix_depth()``: make the number of block
       applications independent of the input (FSDP needs every rank to apply them equally).
     * ``cache_slots()``: the KV-cache slots one forward may write (``layers.KVCache``).
+    * ``compile_targets()``: the (module, method) pairs ``--compile block`` compiles
+      (engine/compiling.py): every Block's forward, plus a trunk's per-step extras.
     """
 
     depth: int
@@ -50,6 +52,9 @@ class Trunk(nn.Module):
         """``extend='last'``: where passes have their own parameters (Hyperloop's loops),
         reuse the last trained pass's beyond the trained count (refused otherwise)."""
         raise ConfigError(f"{type(self).__name__} has a fixed depth; its weights define every layer")
+
+    def compile_targets(self) -> list[tuple[nn.Module, str]]:
+        return [(b, "forward") for b in self.blocks()]
 
     def fix_depth(self) -> None:
         """Nothing to do for a trunk whose depth never depends on the input."""

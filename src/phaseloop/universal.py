@@ -200,6 +200,9 @@ class UniversalTrunk(Trunk):
             raise ConfigError(f"invalid extend={extend!r}: choose 'last' (or leave it unset)")
         self.set_steps(n)
 
+    def compile_targets(self) -> list:  # the shared block, and ACT's halting unit
+        return super().compile_targets() + ([(self.halting, "forward")] if self.halting is not None else [])
+
     def fix_depth(self) -> None:
         self.early_exit = False  # every step runs; halted positions keep weight 0 (same output)
 

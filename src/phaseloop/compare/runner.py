@@ -31,6 +31,14 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _compared(recipe: dict) -> dict:
+    """A stored recipe without the train settings a run may change on resume (device, compile...)."""
+    from ..engine.run import RESUMABLE_CHANGES
+
+    train = {k: v for k, v in recipe.get("train", {}).items() if k not in RESUMABLE_CHANGES}
+    return {**recipe, "train": train}
+
+
 def _claim_folder(out: Path, recipe: Recipe) -> None:
     """Store the recipe on first start; refuse a folder holding anything else."""
     stored = out / "recipe.json"
@@ -41,7 +49,7 @@ def _claim_folder(out: Path, recipe: Recipe) -> None:
             have = json.loads(json.dumps(Recipe.from_dict(have, str(stored)).to_dict()))
         except PhaseloopError:
             pass
-        diff = first_difference(have, want)
+        diff = first_difference(_compared(have), _compared(want))
         if diff is not None:
             k, there, now = diff
             raise RecipeError(f"{out} holds a different comparison ({k}: {there} there, {now} now); "

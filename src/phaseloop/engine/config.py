@@ -66,7 +66,10 @@ class TrainConfig:
     log_every: int = _f(10, "steps between metric records")
     val_fraction: float = _f(0.1, "fraction of tokens held out")
     device: str = _f("auto", "auto | cpu | cuda[:N]")
-    compile: bool = _f(False, "torch.compile the model")
+    compile: str = _f("auto", "off | block: compile each block once, reused by every layer and pass "
+                      "| model: the whole model | auto: block when the saving expected over the "
+                      "run's steps beats the compile time, else off (engine/compiling.py)",
+                      ("off", "block", "model", "auto"))
     skip_nonfinite: int = _f(0, "skip up to K steps whose loss or gradient is NaN/inf (not applied) "
                              "before stopping; 0: stop at the first")
     parallel: str = _f("ddp", "under torchrun: ddp, or fsdp (FSDP2 fully_shard per block, root last)",
@@ -115,6 +118,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
+        if isinstance(d.get("compile"), bool):  # runs before issue 30: compile was on/off (whole model)
+            d = {**d, "compile": "model" if d["compile"] else "off"}
         return strict_from_dict(cls, d, "train config")
 
     def replace(self, **overrides) -> "TrainConfig":

@@ -21,7 +21,7 @@ from torch import nn
 from ..checkpoint import (data_state, load_model_state, load_trainer_state, optimizer_state,
                           remove_orphans, rng_states, save_checkpoint)
 from ..errors import ConfigError, PhaseloopError
-from . import dist
+from . import compiling, dist
 from .config import TrainConfig
 from .optim import autocast, check_memory, lr_at, make_optimizer, peak_memory_mb, resolve_device
 from .run import RunFolder
@@ -129,7 +129,12 @@ class Trainer:
         restored = self._restore_model(ckpt) if ckpt is not None else None
         if tc.checkpoint_activations:  # before FSDP2 wraps the blocks, as torchtitan does
             dist.checkpoint_activations(self.model)
+        self.compiler = compiling.RunCompiler(  # block mode compiles before DDP / FSDP2 wrap
+            tc.compile, self.model, self.device, f"{tc.batch_size}x{tc.seq_len}x{tc.grad_accum}",
+            restored[0].get("compile") if restored is not None else None,
+            sharded=self.world.size > 1 and tc.parallel == "fsdp", main=self.world.main)
         self.fwd = dist.parallelize(self.model, tc.parallel, self.device)  # from outside the model
+        self.compiler.attach(self.fwd)
         self.peak = dist.peak_flops(self.device, tc.peak_tflops)
         self.optimizer = make_optimizer(self.model, tc)  # after FSDP2 made its parameters DTensors
         if restored is not None:
@@ -195,7 +200,8 @@ class Trainer:
         if self.world.main:
             save_checkpoint(self.run.path, model_state, optim_state, self.step, self.batches.state(),
                             {"elapsed": self.elapsed, "tokens": self.tokens, "skipped": self.skipped,
-                             "world_size": self.world.size}, rng=rng, config=self.run.config)
+                             "world_size": self.world.size,
+                             **({"compile": self.compiler.chosen} if self.compiler.chosen else {})}, rng=rng, config=self.run.config)
         dist.barrier()
         self.saved = self.step
 
@@ -207,6 +213,17 @@ class Trainer:
             self.on_step(record["step"], record)
 
     # ------------------------------------------------------------------ the loop
+    def _snapshot(self):
+        """What a step consumes (data position, random state, token count): the compile
+        fallback re-runs a failed first compiled step from here."""
+        return self.batches.state(), torch.get_rng_state(), self.tokens
+
+    def _rewind(self, snap) -> None:
+        self.batches.set_state(snap[0])
+        torch.set_rng_state(snap[1])
+        self.tokens = snap[2]
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _train_step(self, fwd) -> dict:
         tc, dev = self.tc, self.device
         lr = lr_at(self.step, tc)
@@ -252,7 +269,6 @@ class Trainer:
         used to test interruption); returns the summary (also summary.json when done)."""
         self.setup()
         tc = self.tc
-        fwd = torch.compile(self.fwd) if tc.compile else self.fwd
         bar = None
         if self.progress and self.world.main:
             from tqdm.auto import tqdm
@@ -263,7 +279,7 @@ class Trainer:
         t_last, tok_last = time.perf_counter(), self.tokens
         try:
             while self.step < tc.steps and (stop_after is None or self.ran < stop_after):
-                rec = self._train_step(fwd)
+                rec = self.compiler.step(self._train_step, self._snapshot, self._rewind, tc.steps - self.step)
                 self.ran += 1
                 last = self.step == tc.steps
                 if self.step % tc.log_every == 0 or last:
