@@ -174,9 +174,9 @@ def _execute(runs: list[RunSpec], corpus, device: str, progress: bool,
     that diverges is recorded (diverged.json) and scored as infinite."""
     w = dist.world()
     pending = [r for r in runs if not r.finished]
-    if log and pending and len(pending) < len(runs):
+    if log and len(pending) < len(runs):
         log(f"{len(runs) - len(pending)} of {len(runs)} {'tuning ' if runs[0].tuning else ''}runs "
-            "already finished; continuing")
+            f"already finished{'; continuing' if pending else ''}")
     bar = None
     if progress and w.main and pending:
         from tqdm.auto import tqdm
