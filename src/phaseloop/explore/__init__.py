@@ -10,7 +10,15 @@ Layout:
 - ``learn.py``    Learn pages and endpoints (UT explainer sections, 3PT, Hyperloop)
 - ``runs.py``     run / comparison folders: curves, tables, plots
 - ``inside.py``   inside a trained model: per-token loss, ponder map, angles, streams
+- ``notebook.py`` ``show(run_dir, page=...)``: the pages inline in a notebook (IPython IFrame)
 Each page module exposes ``routes(ctx) -> list[Route]`` and ``PAGES`` (nav entries).
 
 Needs the ``explore`` extra (starlette, uvicorn, jinja2, plotly).
 """
+
+
+def show(paths=(), page: str = "/", width="100%", height: int = 800):
+    """The explore page ``page`` for ``paths``, inline in a notebook (``notebook.show``)."""
+    from .notebook import show as _show
+
+    return _show(paths, page, width, height)

@@ -35,7 +35,8 @@ def flag(params, name: str, default: bool = False) -> bool:
     return raw in ("1", "true", "on")
 
 
-# (url tail, title, template) in reading order; stable URLs (issue 26)
+# (url tail, title, template) in reading order; stable URLs (issue 26). The nav sorts groups
+# by name (Jinja's groupby, case-insensitive): "the Universal" before "Three-Phase".
 UT_PAGES = [
     ("schedules", "1 · Four schedules", "schedules.html"),
     ("equations", "2 · The update equations", "equations.html"),
@@ -50,8 +51,8 @@ OTHER_PAGES = [("3pt", "Three-Phase Transformer", "three_phase.html"),
                ("hyperloop", "Hyperloop", "hyperloop.html")]
 
 PAGES: list[dict] = (
-    [{"group": "Learn: Universal Transformer", "title": t, "url": f"/learn/ut/{u}"} for u, t, _ in UT_PAGES]
-    + [{"group": "Learn: more", "title": t, "url": f"/learn/{u}"} for u, t, _ in OTHER_PAGES])
+    [{"group": "Learn: the Universal Transformer", "title": t, "url": f"/learn/ut/{u}"} for u, t, _ in UT_PAGES]
+    + [{"group": "Learn: Three-Phase, Hyperloop", "title": t, "url": f"/learn/{u}"} for u, t, _ in OTHER_PAGES])
 
 
 def endpoints() -> dict:
