@@ -55,6 +55,16 @@ def test_calculator_counts_equal_accounting_and_the_built_models(client):
     assert shared["model"]["total"] == 26_302_464 and shared["model"]["steps"] == 8
 
 
+def test_calculator_equals_phaseloop_params(client, capsys):
+    from phaseloop.cli import main
+
+    for name in accounting.PRESETS:
+        assert main(["params", "--preset", name, "--json"]) == 0
+        assert get(client, "/api/learn/accounting", preset=name)["model"] == json.loads(capsys.readouterr().out)
+    assert main(["params", "--match", "transformer-base", "--shared", "--json"]) == 0
+    assert get(client, "/api/learn/accounting")["match"]["d"] == json.loads(capsys.readouterr().out)["d"]
+
+
 @pytest.mark.parametrize("path,params,match", [
     ("/api/learn/accounting", {"d": "-1"}, "d must be between"),
     ("/api/learn/accounting", {"d": str(10**12)}, "d must be between"),
@@ -170,6 +180,31 @@ def test_results_read_from_claim_files(tmp_path):
     assert b["measured"]["found"] and v["seeds"] == [0, 1]
     assert v["rows"] == [{"length": 4, "seeds": 2, "acc": 0.6, "ponder": 2.5, "halt1": 0.5}]
     assert b["paper"]["lambada"]["rows"][-1] == ["UT + ACT", 142]
+
+
+def test_results_read_from_task_runs(tmp_path):
+    """A ``phaseloop task`` metrics.json (its summary made by tasks.report.summarize_seeds)
+    and a bAbI one, one level below the served folder, are shown as written."""
+    from phaseloop.tasks.report import summarize_seeds
+
+    per_seed = [{"per_length": {8: {"n": 5, "char_acc": a, "seq_acc": a / 2}}, "char_acc": a,
+                 "seq_acc": a / 2, "final_loss": 0.1} for a in (0.8, 1.0)]
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "metrics.json").write_text(json.dumps(
+        {"task": "copy", "label": "UT", "seeds": [0, 1], "summary": summarize_seeds(per_seed)}))
+    (tmp_path / "babi").mkdir()
+    (tmp_path / "babi" / "metrics.json").write_text(json.dumps(
+        {"tasks": [1], "label": "UT+ACT", "seeds": [0], "summary": {
+            "errors": {"1": [0.1, 0.0]}, "mean_error": [0.1, 0.0], "ponder": {"1": {"1": [[2.3, 0.0], [0.8, 0.0]]}}}}))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.json").write_text("{")  # damaged / not a task run: skipped
+    t = TestClient(create_app(Context.from_paths([tmp_path]))).get("/api/learn/results").json()["tasks"]
+    assert t["found"] and [r["kind"] for r in t["runs"]] == ["babi", "algorithmic"]
+    babi, copy = t["runs"]
+    assert copy["per_length"] == [{"length": "8", "char_acc": 0.9, "seq_acc": 0.45, "ponder_mean": None}]
+    assert copy["char_acc"] == 0.9 and copy["file"].endswith("copy/metrics.json")
+    assert babi["ponder"]["1"]["1"][0][0] == 2.3 and babi["mean_error"] == [0.1, 0.0]
+    assert not TestClient(create_app()).get("/api/learn/results").json()["tasks"]["found"]
 
 
 def test_self_check_answers_come_from_the_endpoints(client):

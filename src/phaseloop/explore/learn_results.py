@@ -1,9 +1,11 @@
 """Learn endpoints for UT §7 (what ACT learned, the results) and §8 (self-check).
 
 The paper's numbers are quoted below with their section; phaseloop's own measured
-results are read from the JSON files ``benchmarks/claim_act.py`` writes (one per variant
-and seed, ``<name>-s<seed>.json``) in the served folders, never typed in. Without such
-files the page says so and names the command that writes them.
+results are read from the files its runs write in the served folders, never typed in:
+``benchmarks/claim_act.py``'s JSON (one per variant and seed, ``<name>-s<seed>.json``)
+and the ``metrics.json`` of ``phaseloop task`` / ``phaseloop babi`` runs (the served
+folder or one level below). Without such files the page says so and names the commands
+that write them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ PAPER = {
 }
 CLAIM_COMMAND = ("python benchmarks/claim_act.py  (writes runs/claim-act/<variant>-s<seed>.json); "
                  "then phaseloop explore runs/claim-act")
+TASK_COMMAND = ("phaseloop task copy --arch universal --out runs/task-copy (or phaseloop babi ... "
+                "--out DIR; docs/results_tasks.md); then phaseloop explore runs/task-copy")
+MAX_SUBFOLDERS = 200  # a served folder's children looked at for task runs
 
 
 def _claim_files(ctx) -> list[tuple[str, dict]]:
@@ -85,8 +90,43 @@ def measured(ctx) -> dict:
     return {"found": True, "files": [w for w, _ in files], "variants": out, "command": CLAIM_COMMAND}
 
 
+def _task_metrics(ctx) -> list[tuple[str, dict]]:
+    """(where, metrics.json) of task / bAbI runs in a served folder or one level below."""
+    found = []
+    for root in ctx.roots:
+        base = ctx.resolve(root)
+        rels = [""] + sorted(p.name for p in list(base.iterdir())[:MAX_SUBFOLDERS]
+                             if p.is_dir() and not p.is_symlink())
+        for rel in rels:
+            try:
+                path = ctx.resolve(root, f"{rel}/metrics.json" if rel else "metrics.json")
+                rec = json.loads(path.read_text()) if path.is_file() else None
+            except (BadInput, OSError, ValueError):
+                continue
+            if isinstance(rec, dict) and ("task" in rec or "tasks" in rec) and "summary" in rec:
+                found.append((f"{root}/{rel + '/' if rel else ''}metrics.json", rec))
+    return found
+
+
+def task_runs(ctx) -> dict:
+    runs = []
+    for where, rec in _task_metrics(ctx):
+        s = rec["summary"]
+        row = {"file": where, "label": rec.get("label"), "arch": rec.get("arch"), "seeds": rec.get("seeds")}
+        if "task" in rec:  # algorithmic (tasks/report.summarize_seeds)
+            row.update(kind="algorithmic", task=rec["task"], char_acc=s.get("char_acc"),
+                       seq_acc=s.get("seq_acc"), train_lengths=rec.get("train_lengths"),
+                       per_length=[{"length": L, **{k: r.get(k) for k in ("char_acc", "seq_acc", "ponder_mean")}}
+                                   for L, r in s.get("per_length", {}).items()])
+        else:  # bAbI: error per task, ponder by number of supporting facts (mean over seeds)
+            row.update(kind="babi", tasks=rec["tasks"], mean_error=s.get("mean_error"),
+                       errors=s.get("errors"), ponder=s.get("ponder"))
+        runs.append(row)
+    return {"found": bool(runs), "runs": runs, "command": TASK_COMMAND}
+
+
 def results(ctx, params) -> dict:
-    return {"paper": PAPER, "measured": measured(ctx)}
+    return {"paper": PAPER, "measured": measured(ctx), "tasks": task_runs(ctx)}
 
 
 # Self-check (§8): each answer is read from a widget's endpoint by the page
