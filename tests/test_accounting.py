@@ -166,3 +166,27 @@ def test_cli_built(capsys):
 def test_spec_config_refuses_unequal_stacks():
     with pytest.raises(acc.ConfigError, match="enc_layers"):
         acc.EncDecSpec("x", 64, 4, 2, 3).config()
+
+
+def test_free_d_ff_counts_match_torch_modules_and_the_built_model():
+    """``ffn_dim`` frees d_ff (the explore calculator's input): the closed form still
+    equals torch's modules and phaseloop's built model."""
+    for spec in (acc.EncDecSpec("t", 64, 4, 2, 2, vocab_size=100, ffn_dim=96),
+                 acc.EncDecSpec("u", 64, 4, shared=True, steps=3, vocab_size=100, ffn_dim=320)):
+        assert spec.d_ff == spec.ffn_dim
+        assert acc.count(spec)["total"] == torch_params(spec) == \
+            acc.count_built(spec, flops=False)["built_total"]
+    assert acc.EncDecSpec("t", 64, 4).d_ff == 256
+
+
+def test_layer_matmul_flops_are_the_4x_convention():
+    """UT base costs "exactly 4x" base in the layers' weight matrices alone (0.0881 vs
+    0.3523 GFLOP/token); with attention over 256 keys and the softmax: 3.30x."""
+    base, ut = acc.count(acc.PRESETS["transformer-base"]), acc.count(acc.PRESETS["ut-base"])
+    # per layer application, 2 FLOPs per multiply-add: encoder 4d^2 + 2 d d_ff = 12 d^2,
+    # decoder 8d^2 + 2 d d_ff = 16 d^2; 6 of each
+    assert base["layer_matmul_flops_per_token"] == 6 * 2 * (12 + 16) * 512**2 == 88_080_384
+    assert round(base["layer_matmul_flops_per_token"] / 1e9, 4) == 0.0881
+    assert round(ut["layer_matmul_flops_per_token"] / 1e9, 4) == 0.3523
+    assert ut["layer_matmul_flops_per_token"] == 4 * base["layer_matmul_flops_per_token"]
+    assert round(ut["flops_per_token"] / base["flops_per_token"], 2) == 3.30

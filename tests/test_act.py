@@ -230,3 +230,37 @@ def test_t2t_literal_by_hand():
     close(out, (w.unsqueeze(-1) * states).sum(0) - w.sum(0).unsqueeze(-1))
     # position A halts at step 1 with w = 1: basic gives s_1, the literal line s_1 - 1
     close(out[0], states[0, 0] - 1)
+
+
+def test_listing_line_by_line_on_the_explainer_examples():
+    """The explore executor's trace (paper appendix C, Listing 2): right after init p =
+    sigmoid(1) halts every position at step 2 (R 0.2689, ponder 2.269, effective weights
+    0.5344 + 0.2689 = 0.8034); p > 0.99 halts at step 1 (R 1, ponder 2); p = 0.05 runs all
+    12 steps (sum 0.60, R 0, ponder 12, weights summing to 1 - 0.95^12)."""
+    from phaseloop.act import listing
+
+    p = torch.full((12, 2), 1 / (1 + math.exp(-1)), dtype=torch.float64)
+    p[0, 1] = 0.995
+    out = listing(p)
+    s = out["schedule"]
+    assert s.steps_run == 2 and s.n_updates.tolist() == [2.0, 1.0]
+    close(s.remainders, [1 - 0.7310585786300049, 1.0])
+    close(out["ponder_cost"], [2.2689414213699951, 2.0])
+    close(s.effective_weights[:2, 0], [0.7310585786 * (1 - 0.2689414214), 0.2689414214], 1e-9)
+    assert round(s.effective_weights[:, 0].sum().item(), 4) == 0.8034
+    first, second = out["steps"]
+    assert first["still_running_before"].tolist() == [1.0, 1.0]
+    assert first["new_halted"].tolist() == [0.0, 1.0] and first["still_running"].tolist() == [1.0, 0.0]
+    close(first["update_weights"], [0.7310585786300049, 1.0])
+    assert second["still_running_before"].tolist() == [1.0, 0.0]
+    assert second["new_halted"].tolist() == [1.0, 0.0]
+    close(second["halting_probability"], [1.0, 1.0])
+    close(out["state_weights"], s.effective_weights)  # combine() on unit states = the weights
+    hes = listing(torch.full((12, 1), 0.05, dtype=torch.float64))
+    assert hes["schedule"].steps_run == 12 and hes["schedule"].remainders.item() == 0
+    close(hes["steps"][-1]["halting_probability"], [0.6])
+    close(hes["ponder_cost"], [12.0])
+    close(hes["schedule"].effective_weights.sum(), 1 - 0.95 ** 12)
+    lit = listing(p[:, :1], mode="t2t_literal")  # previous - w on every channel
+    w = lit["schedule"].update_weights[:, 0]
+    close(lit["state_weights"][:, 0], w - w.sum())

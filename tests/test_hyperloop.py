@@ -558,3 +558,16 @@ def test_torch_path_compiles_with_fullgraph():
     g_got, = torch.autograd.grad(got.square().sum(), y)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-6)
+
+
+def test_param_breakdown_sums_to_the_total():
+    from phaseloop.params import breakdown, count_params
+
+    for name in ("hyperloop-tiny", "looped-tiny", "transformer-tiny"):
+        cfg = ModelConfig.from_preset(name)
+        b = breakdown(cfg)
+        assert sum(b.values()) == count_params(cfg)["total"]
+        assert b["embedding"] == cfg.vocab_size * cfg.d_model
+    b = breakdown(ModelConfig.from_preset("hyperloop-tiny"))
+    assert b["trunk.begin"] == b["trunk.end"] and b["trunk.middle"] == 2 * b["trunk.begin"]
+    assert b["trunk.hc"] > 0 and "trunk.hc" not in breakdown(ModelConfig.from_preset("looped-tiny"))

@@ -95,3 +95,14 @@ def test_render_demo_report():
     assert render_demo(100, seed=0) == text  # deterministic
     assert render_demo(100, seed=1) != text
     assert "solved in 0 steps" in render_demo(1)
+
+
+def test_exact_from_each_position_needs_ceil_log2_i_steps():
+    from phaseloop.tasks.parity_demo import steps_needed
+
+    for n in (40, 400):
+        tr = run_shared(random_bits(n, seed=1))
+        assert tr.steps == {40: 6, 400: 9}[n]
+        assert tr.exact_from == [steps_needed(i) for i in range(1, n + 1)]
+    stack = run_fixed_stack(random_bits(70), 6)  # N = 6 covers 64
+    assert stack.exact_from[63] == 6 and stack.exact_from[64:] == [None] * 6

@@ -309,3 +309,14 @@ def test_3pt_paper_recipe_uses_the_authors_settings():
         cfg = plan[name]
         assert cfg.arch == "three_phase" and cfg.n_phases == N and not cfg.embed_scale
         assert cfg.horn and cfg.phase_rotation and cfg.phase_norm
+
+
+def test_horn_zero_sum_closed_form_equals_the_diagnostic():
+    """N·H_T/T (0.0220 for N = 3, T = 1024) is the zero-sum diagnostic of the horn's
+    output on any input (the injection sets the all-ones component to r(t))."""
+    from phaseloop.three_phase import horn_zero_sum
+
+    assert round(horn_zero_sum(3, 1024), 4) == 0.0220
+    horn = HornInjection(cfg3())
+    x = torch.randn(2, 1024, 48, dtype=torch.float64)
+    assert abs(zero_sum_diagnostic(horn(x), 3) - horn_zero_sum(3, 1024)) < 1e-12

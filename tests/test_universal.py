@@ -565,3 +565,40 @@ def test_act_halting_at_the_first_step_gets_no_gradient():
     out = m(idx, idx)
     g_w, g_b = torch.autograd.grad(out.loss, [h.weight, h.bias])
     assert g_b.abs().max() > 0
+
+
+def test_coordinate_signal_norms_both_conventions():
+    """One sinusoid has norm sqrt(d/2) (16 at d 512); position + step peaks at sqrt(2d)
+    (32) where i = t and depends on i - t only; at i - t = 997 the paper's interleaved
+    formula (eq. 6-7) gives 24.715, tensor2tensor's concatenated sinusoid 24.834."""
+    from phaseloop.universal import coordinate_signal
+
+    d = 512
+    for conv in ("t2t", "paper"):
+        one = coordinate_signal(torch.arange(50), 0, d, "position", conv).norm(dim=-1)
+        assert torch.allclose(one, torch.full((50,), 16.0, dtype=torch.float64), atol=1e-4)
+        step = coordinate_signal(torch.arange(5), 3, d, "step", conv)
+        assert torch.equal(step[0], step[4])  # the step part: one row for every position
+        s10 = coordinate_signal(torch.arange(40), 10, d, "sum", conv).norm(dim=-1)
+        assert s10.argmax() == 10 and abs(s10[10] - 32.0) < 1e-4
+        s20 = coordinate_signal(torch.arange(50), 20, d, "sum", conv).norm(dim=-1)
+        assert torch.allclose(s10[:30], s20[10:40], atol=1e-3)  # a shift with t
+    far = {c: coordinate_signal(torch.tensor([997]), 0, d, "sum", c).norm().item() for c in ("paper", "t2t")}
+    assert round(far["paper"], 3) == 24.715 and round(far["t2t"], 3) == 24.834
+    # "t2t" is what the model adds (CoordinateSignal's tables)
+    assert torch.allclose(coordinate_signal(torch.arange(4), 0, 8, "position").float(),
+                          timing_signal(torch.arange(4), 8))
+    with pytest.raises(ConfigError, match="convention"):
+        coordinate_signal(torch.arange(2), 0, 8, "sum", "x")
+
+
+def test_schedule_grids():
+    from phaseloop.universal import schedule_grids
+
+    p = torch.tensor([[0.995, 0.5, 0.2], [0.5, 0.6, 0.2], [0.5, 0.5, 0.2]], dtype=torch.float64)
+    g = schedule_grids(3, 2, p)
+    assert g["rnn"] == [[0, -1, -1], [-1, 0, -1], [-1, -1, 0]]
+    assert g["transformer"] == [[0, 0, 0], [1, 1, 1]] and g["ut"] == [[0, 0, 0], [0, 0, 0]]
+    # position 0 halts at step 1, position 1 at step 2, position 2 runs the 3 steps
+    assert g["ut_act"] == [[0, 0, 0], [-2, 0, 0], [-2, -2, 0]]
+    assert g["ut_act_n_updates"] == halting_schedule(p).n_updates.tolist() == [1, 2, 3]

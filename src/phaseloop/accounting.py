@@ -3,7 +3,8 @@
 
 * one embedding matrix (vocabulary 37,000) shared by source, target and the output
   projection (so ``unembedding`` is 0 and ``embedding`` is V*d);
-* biases on every attention projection (q, k, v, o) and FFN projection; d_ff = 4d;
+* biases on every attention projection (q, k, v, o) and FFN projection; d_ff = 4d
+  (``ffn_dim`` sets another);
 * LayerNorm (gain + bias) before each sub-layer: 2 per encoder layer, 3 per decoder
   layer, plus one final LayerNorm per stack;
 * a weight-tied ("shared") model has one encoder layer and one decoder layer applied
@@ -47,10 +48,11 @@ class EncDecSpec:
     shared: bool = False
     steps: int = 6
     vocab_size: int = T2T_VOCAB
+    ffn_dim: int | None = None  # d_ff; None: 4d, as every published model here
 
     @property
     def d_ff(self) -> int:
-        return 4 * self.d_model
+        return 4 * self.d_model if self.ffn_dim is None else self.ffn_dim
 
     @property
     def unique(self) -> tuple[int, int]:
@@ -112,9 +114,13 @@ def count(spec: EncDecSpec, seq_len: int = DEFAULT_SEQ_LEN) -> dict:
     enc_flops = 2 * (4 * d * d + 2 * d * f) + 4 * seq_len * d
     dec_flops = 2 * (8 * d * d + 2 * d * f) + 2 * 4 * seq_len * d
     flops = ae * enc_flops + ad * dec_flops + 2 * V * d
+    # the layers' weight matrices alone (no attention scores/values, no softmax): the
+    # convention under which UT base costs "exactly 4x" base (explainer §3)
+    layer_matmuls = ae * 2 * (4 * d * d + 2 * d * f) + ad * 2 * (8 * d * d + 2 * d * f)
     return {"preset": spec.name, "arch": "ut-encdec" if spec.shared else "transformer-encdec",
             "total": total, "embedding": embedding, "unembedding": 0,
-            "non_embedding": total - embedding, "flops_per_token": flops, "steps": spec.steps,
+            "non_embedding": total - embedding, "flops_per_token": flops,
+            "layer_matmul_flops_per_token": layer_matmuls, "steps": spec.steps,
             "shared": spec.shared, "d_model": d, "d_ff": f, "n_heads": spec.n_heads,
             "enc_layers": ue, "dec_layers": ud, "vocab_size": V, "seq_len": seq_len}
 

@@ -71,7 +71,7 @@ class ACTState:
         """
         return (self.halting_probability < threshold) & (self.n_updates < max_steps)
 
-    def step(self, p: Tensor, threshold: float = 0.99) -> Tensor:
+    def step(self, p: Tensor, threshold: float = 0.99, lines: dict | None = None) -> Tensor:
         """Apply one ACT step with halting probabilities ``p`` (shape of the state).
 
         Updates the accumulators (by reassignment, so autograd sees the graph) and
@@ -96,7 +96,12 @@ class ACTState:
         hp = hp + new_halted * rem
         n = n + still_running + new_halted
         self.halting_probability, self.remainders, self.n_updates = hp, rem, n
-        return p * still_running + new_halted * rem
+        update_weights = p * still_running + new_halted * rem
+        if lines is not None:
+            lines.update(p=p, new_halted=new_halted, still_running=still_running,
+                         halting_probability=hp, remainders=rem, n_updates=n,
+                         update_weights=update_weights)
+        return update_weights
 
 
 def combine(previous_state: Tensor, transformed: Tensor, update_weights: Tensor,
@@ -200,6 +205,32 @@ def halting_schedule(p: Tensor, threshold: float = 0.99, max_steps: int | None =
         effective_weights=effective_weights(update_weights, mode),
         steps_run=steps_run,
     )
+
+
+def listing(p: Tensor, threshold: float = 0.99, max_steps: int | None = None,
+             mode: str = "basic") -> dict:
+    """The ACT loop of :func:`halting_schedule` line by line (paper appendix C, Listing
+    2), for the explore executor: per step run, every line's value per position (the
+    ``still_running`` mask before the step, then ``new_halted``, the updated
+    ``still_running``, ``halting_probability``, ``remainders``, ``n_updates`` and
+    ``update_weights``), and the final schedule, ponder cost and ``state_weights``: the
+    output of :func:`combine` in ``mode`` when step k's transformed state is the unit
+    vector e_k, i.e. how much of each step's state the output holds (``t2t_literal``
+    also subtracts sum_k w_k from every channel)."""
+    sched = halting_schedule(p, threshold, max_steps, mode)
+    state, steps = ACTState.like(p[0]), []
+    for k in range(sched.steps_run):  # the same steps again, now keeping every line
+        before = (state.halting_probability < 1.0).to(p.dtype)
+        lines: dict = {}
+        state.step(p[k], threshold, lines)
+        steps.append({"still_running_before": before, **lines})
+    S = p.shape[0]
+    out = torch.zeros(p.shape[1], S, dtype=p.dtype)  # [positions, steps]: one channel per step
+    for k in range(S):
+        out = combine(out, torch.eye(S, dtype=p.dtype)[k].expand_as(out),
+                      sched.update_weights[k], mode)
+    return {"steps": steps, "schedule": sched, "ponder_cost": ponder_cost(sched),
+            "state_weights": out.T, "mode": mode, "threshold": threshold}
 
 
 def ponder_cost(schedule_or_state: HaltingSchedule | ACTState) -> Tensor:

@@ -117,6 +117,18 @@ def timing_signal(positions: torch.Tensor, d: int, min_timescale: float = 1.0,
     return nn.functional.pad(sig_TD, (0, d % 2))
 
 
+def paper_timing_signal(positions: torch.Tensor, d: int) -> torch.Tensor:
+    """[len(positions), d] sinusoid as Dehghani et al. 2019 eq. 6-7 (and Vaswani et al.
+    §3.5) write it: channel 2j = sin(p / 10000^(2j/d)), channel 2j+1 = cos(same),
+    *interleaved*, in float64. phaseloop's models use ``timing_signal`` (tensor2tensor's
+    concatenated halves, frequencies log-spaced to exactly 1e4); this one is for
+    comparison (explore's coordinate-signal page: 24.715 vs 24.834 at i - t = 997)."""
+    n = (d + 1) // 2
+    inv_K = 10000.0 ** (-2 * torch.arange(n, dtype=torch.float64, device=positions.device) / d)
+    angles_TK = positions.double()[:, None] * inv_K[None, :]
+    return torch.stack([angles_TK.sin(), angles_TK.cos()], dim=-1).flatten(-2)[:, :d]
+
+
 # ---------------------------------------------------------------------------- KV cache
 @dataclass
 class KVCache:

@@ -39,6 +39,27 @@ def count_params(cfg: ModelConfig, seq_len: int | None = None, depth: int | None
             "depth": int(model.trunk.depth)}
 
 
+def breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters per part of the model built on the meta device: the embedding, each
+    child of the trunk (a looped trunk's begin / middle / end / hc; a stack's layers)
+    and the rest (final norm, untied head); the parts sum to ``count_params``' total."""
+    model = build_model(cfg, device="meta")
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def add(name: str, module) -> None:
+        n = sum(p.numel() for p in module.parameters() if id(p) not in seen)
+        seen.update(id(p) for p in module.parameters())
+        if n:
+            out[name] = out.get(name, 0) + int(n)
+
+    add("embedding", model.embed)
+    for name, child in model.trunk.named_children():
+        add(f"trunk.{name}", child)
+    add("other (final norm, head)", model)
+    return out
+
+
 def measure(cfg, seq_len: int, depth: int | None = None, extend: str | None = None) -> dict:
     """count_params on the meta device; FLOPs None when an arch cannot trace on meta."""
     try:

@@ -172,6 +172,13 @@ def zero_sum_diagnostic(x_BTD: torch.Tensor, n_phases: int) -> float:
     return x_BTD.unflatten(-1, (n_phases, -1)).mean(-1).sum(-1).mean().item()
 
 
+def horn_zero_sum(n_phases: int, T: int) -> float:
+    """N·H_T/T: the zero-sum diagnostic right after the horn injection over T positions
+    (every channel holds r(t) = 1/(t+1), so each stripe's mean does; 0.0220 for N = 3,
+    T = 1024). ``zero_sum_diagnostic`` of ``HornInjection``'s output equals it."""
+    return n_phases * sum(1.0 / (t + 1) for t in range(T)) / T
+
+
 def angle_drift(model: nn.Module) -> list[dict]:
     """Per rotation layer: |θ_final − θ_init| (mean and max over pairs), the quantity whose
     U-shaped profile over depth the paper reports (largest in the first and last blocks)."""

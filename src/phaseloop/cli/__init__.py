@@ -261,6 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", type=T.nonneg_int, help="fixed-stack depth (default: one layer short)")
     d.set_defaults(func=C.cmd_demo)
 
+    x = sub.add_parser("explore", help="a local web app: the Learn pages, runs, inside a model "
+                       "(needs the explore extra)")
+    x.add_argument("paths", nargs="*", metavar="RUN_OR_COMPARE_DIR", help="folders to serve (none: Learn only)")
+    x.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    x.add_argument("--port", type=T.int_in(0, 65535), default=0, help="0 or a taken port: a free one")
+    x.add_argument("--no-browser", action="store_true", help="print the URL only")
+    x.set_defaults(func=C.cmd_explore)
+
     for spec in registry.all_archs():  # an architecture's own commands (3PT: angles, zero-sum)
         if spec.commands is not None:
             spec.commands(sub)

@@ -408,6 +408,17 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_explore(args) -> int:
+    """Serve the explore web app until Ctrl-C (which ends it cleanly: exit 0)."""
+    from ..explore.app import serve  # a missing explore extra: one line, exit 2
+
+    try:
+        return serve(args.paths, args.host, args.port, open_browser=not args.no_browser)
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the signal
+        print("phaseloop explore: stopped", file=sys.stderr)
+        return 0
+
+
 # ---------------------------------------------------------------------------- tokenizers
 def cmd_tokenizer(args) -> int:
     """Train a tokenizer, encode / decode with one, or measure one on a data source."""

@@ -170,6 +170,19 @@ class ScanTrace:
         return None
 
     @property
+    def exact_from(self) -> list[int | None]:
+        """Per position, the step from which it stays exact to the end of the run
+        (``None``: not exact after the last step). For the shared scan position i
+        needs ceil(log2 i) steps: earlier positions finish earlier."""
+        out: list[int | None] = []
+        for i in range(len(self.bits)):
+            t = len(self.exact)
+            while t > 0 and self.exact[t - 1][i]:
+                t -= 1
+            out.append(t if t < len(self.exact) else None)
+        return out
+
+    @property
     def first_failure(self) -> int | None:
         """1-based position of the first non-exact position after the last step."""
         for i, ok in enumerate(self.exact[-1]):

@@ -1,0 +1,97 @@
+"""What an explore server may read, and how its inputs are checked (issue 26, "Safe").
+
+Only the folders named on the command line are served, each under a short name; a
+request names a folder by that name plus a relative path, and ``..``, absolute paths and
+symlinks leading outside are refused. Nothing here writes. Bad input raises
+``BadInput``, which the app turns into a 400 with the message (never a 500).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable
+
+from ..errors import PhaseloopError
+
+
+class BadInput(PhaseloopError, ValueError):
+    """A request parameter the server refuses; the message is shown on the page."""
+
+
+def number(params, name: str, kind: type = int, *, default=None, lo=None, hi=None):
+    """Read ``params[name]`` as ``kind`` within [lo, hi], or raise BadInput naming it."""
+    raw = params.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise BadInput(f"{name} is required")
+        return default
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise BadInput(f"{name} must be {'an integer' if kind is int else 'a number'}, "
+                       f"got {str(raw)[:40]!r}") from None
+    if kind is float and value != value:
+        raise BadInput(f"{name} must be a number, got NaN")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise BadInput(f"{name} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+@dataclass
+class Context:
+    """The served folders (name -> resolved path) and a bounded cache of loaded models."""
+
+    roots: dict[str, Path] = field(default_factory=dict)
+    model_cache_size: int = 2
+    _models: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    # one model evaluation at a time: a CPU server must not run two forward passes at once
+    model_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def from_paths(cls, paths: list[str | Path]) -> "Context":
+        roots: dict[str, Path] = {}
+        for p in paths:
+            path = Path(p)
+            if not path.is_dir():
+                raise PhaseloopError(f"explore: {p} is not a folder; name a run or comparison "
+                                     "folder (or none for the Learn pages)")
+            path = path.resolve()
+            name, k = path.name or "root", 2
+            while name in roots:
+                name, k = f"{path.name}-{k}", k + 1
+            roots[name] = path
+        return cls(roots=roots)
+
+    def resolve(self, root: str, rel: str = "") -> Path:
+        """The served path ``root/rel``; refuses unknown roots, absolute paths, ``..``, escapes."""
+        if root not in self.roots:
+            raise BadInput(f"unknown folder {root!r}; served: {', '.join(self.roots) or 'none'}")
+        base = self.roots[root]
+        rel_path = PurePosixPath(rel or ".")
+        if rel_path.is_absolute() or "\\" in rel or ".." in rel_path.parts:
+            raise BadInput(f"path {rel!r} must be relative to {root!r}, without '..'")
+        path = base.joinpath(*rel_path.parts)
+        # no symlink anywhere below the served root (a link could lead outside it)
+        cur = base
+        for part in rel_path.parts:
+            cur = cur / part
+            if cur.is_symlink():
+                raise BadInput(f"path {rel!r} goes through a symbolic link; explore does not "
+                               "follow links")
+        if not path.resolve().is_relative_to(base):
+            raise BadInput(f"path {rel!r} leaves the served folder {root!r}")
+        return path
+
+    def model(self, key: Any, load: Callable[[], Any]) -> Any:
+        """A loaded model from the bounded LRU cache (``load()`` on a miss)."""
+        if key in self._models:
+            self._models.move_to_end(key)
+            return self._models[key]
+        value = load()
+        self._models[key] = value
+        while len(self._models) > self.model_cache_size:
+            self._models.popitem(last=False)
+        return value

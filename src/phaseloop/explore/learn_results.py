@@ -1,0 +1,162 @@
+"""Learn endpoints for UT §7 (what ACT learned, the results) and §8 (self-check).
+
+The paper's numbers are quoted below with their section; phaseloop's own measured
+results are read from the files its runs write in the served folders, never typed in:
+``benchmarks/claim_act.py``'s JSON (one per variant and seed, ``<name>-s<seed>.json``)
+and the ``metrics.json`` of ``phaseloop task`` / ``phaseloop babi`` runs (the served
+folder or one level below). Without such files the page says so and names the commands
+that write them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from .context import BadInput
+
+# Dehghani et al. 2019, quoted (the explainer's §7-§8; /work/shared/specs/explainer.md)
+PAPER = {
+    "babi_ponder": {"source": "§3.1 (bAbI, mean ponder time over all positions of the test set)",
+                    "columns": ["supporting facts", "ponder time"],
+                    "rows": [[1, "2.3 ± 0.8"], [2, "3.1 ± 1.1"], [3, "3.8 ± 2.2"]]},
+    "lambada": {"source": "Table 3 (LAMBADA test perplexity; UT+ACT runs 8.2 ± 2.1 steps)",
+                "columns": ["model", "test perplexity"],
+                "rows": [["UT, fixed 6 steps", 319], ["UT, fixed 8 steps", 202],
+                         ["UT, fixed 9 steps", 239], ["UT + ACT", 142]]},
+    "algorithmic": {"source": "§3.4 (train length 40, test 400; char / sequence accuracy)",
+                    "columns": ["model", "copy", "reverse", "addition"],
+                    "rows": [["Transformer", "0.53 / 0.03", "0.13 / 0.06", "0.07 / 0.0"],
+                             ["Universal Transformer", "0.91 / 0.35", "0.96 / 0.46", "0.34 / 0.02"],
+                             ["Neural GPU (curriculum)", "1.0 / 1.0", "1.0 / 1.0", "1.0 / 1.0"]]},
+    "babi_error": {"source": "§3.1 (bAbI 10k, mean error over the 20 tasks)",
+                   "columns": ["model", "mean error"],
+                   "rows": [["Transformer", "15.2 %"], ["UT", "0.23 %"], ["UT + ACT", "0.21 %"]]},
+}
+CLAIM_COMMAND = ("python benchmarks/claim_act.py  (writes runs/claim-act/<variant>-s<seed>.json); "
+                 "then phaseloop explore runs/claim-act")
+TASK_COMMAND = ("phaseloop task copy --arch universal --out runs/task-copy (or phaseloop babi ... "
+                "--out DIR; docs/results_tasks.md); then phaseloop explore runs/task-copy")
+MAX_SUBFOLDERS = 200  # a served folder's children looked at for task runs
+
+
+def _claim_files(ctx) -> list[tuple[str, dict]]:
+    """(where, record) for every claim_act JSON directly in a served folder or its claim-act/."""
+    found = []
+    for root in ctx.roots:
+        for rel in ("", "claim-act"):
+            try:
+                folder = ctx.resolve(root, rel)
+            except BadInput:
+                continue
+            if not folder.is_dir():
+                continue
+            for path in sorted(folder.glob("*-s*.json")):
+                if path.is_symlink():
+                    continue
+                try:
+                    rec = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue  # not ours or damaged: listed as skipped below
+                if isinstance(rec, dict) and {"name", "seed", "per_length"} <= rec.keys():
+                    found.append((f"{root}/{rel + '/' if rel else ''}{path.name}", rec))
+    return found
+
+
+def measured(ctx) -> dict:
+    files = _claim_files(ctx)
+    if not files:
+        return {"found": False, "files": [], "command": CLAIM_COMMAND,
+                "message": "No claim-run results among the served folders "
+                           f"({', '.join(ctx.roots) or 'none given'})."}
+    variants: dict = {}
+    for where, rec in files:
+        variants.setdefault(rec["name"], []).append((where, rec))
+    out = []
+    for name, recs in sorted(variants.items()):
+        lengths = sorted({int(L) for _, r in recs for L in r["per_length"]})
+        rows = []
+        for L in lengths:
+            vals = [r["per_length"][str(L)] for _, r in recs if str(L) in r["per_length"]]
+            row = {"length": L, "seeds": len(vals), "acc": statistics.mean(v["acc"] for v in vals)}
+            for key in ("ponder", "halt1"):
+                if all(key in v for v in vals):
+                    row[key] = statistics.mean(v[key] for v in vals)
+            rows.append(row)
+        out.append({"name": name, "seeds": sorted(r["seed"] for _, r in recs),
+                    "files": [w for w, _ in recs], "rows": rows,
+                    "final_loss": statistics.mean(r["final_loss"] for _, r in recs),
+                    "spearman": [r.get("spearman") for _, r in recs if "spearman" in r]})
+    return {"found": True, "files": [w for w, _ in files], "variants": out, "command": CLAIM_COMMAND}
+
+
+def _task_metrics(ctx) -> list[tuple[str, dict]]:
+    """(where, metrics.json) of task / bAbI runs in a served folder or one level below."""
+    found = []
+    for root in ctx.roots:
+        base = ctx.resolve(root)
+        rels = [""] + sorted(p.name for p in list(base.iterdir())[:MAX_SUBFOLDERS]
+                             if p.is_dir() and not p.is_symlink())
+        for rel in rels:
+            try:
+                path = ctx.resolve(root, f"{rel}/metrics.json" if rel else "metrics.json")
+                rec = json.loads(path.read_text()) if path.is_file() else None
+            except (BadInput, OSError, ValueError):
+                continue
+            if isinstance(rec, dict) and ("task" in rec or "tasks" in rec) and "summary" in rec:
+                found.append((f"{root}/{rel + '/' if rel else ''}metrics.json", rec))
+    return found
+
+
+def task_runs(ctx) -> dict:
+    runs = []
+    for where, rec in _task_metrics(ctx):
+        s = rec["summary"]
+        row = {"file": where, "label": rec.get("label"), "arch": rec.get("arch"), "seeds": rec.get("seeds")}
+        if "task" in rec:  # algorithmic (tasks/report.summarize_seeds)
+            row.update(kind="algorithmic", task=rec["task"], char_acc=s.get("char_acc"),
+                       seq_acc=s.get("seq_acc"), train_lengths=rec.get("train_lengths"),
+                       per_length=[{"length": L, **{k: r.get(k) for k in ("char_acc", "seq_acc", "ponder_mean")}}
+                                   for L, r in s.get("per_length", {}).items()])
+        else:  # bAbI: error per task, ponder by number of supporting facts (mean over seeds)
+            row.update(kind="babi", tasks=rec["tasks"], mean_error=s.get("mean_error"),
+                       errors=s.get("errors"), ponder=s.get("ponder"))
+        runs.append(row)
+    return {"found": bool(runs), "runs": runs, "command": TASK_COMMAND}
+
+
+def results(ctx, params) -> dict:
+    return {"paper": PAPER, "measured": measured(ctx), "tasks": task_runs(ctx)}
+
+
+# Self-check (§8): each answer is read from a widget's endpoint by the page
+SELF_CHECK = [
+    {"q": "How many parameters does ut-small have (tensor2tensor conventions)?",
+     "endpoint": "/api/learn/accounting", "params": {"preset": "ut-small"}, "field": "model.total",
+     "tol": 0.5},
+    {"q": "Which shared width d (d_ff = 4d) matches transformer-base's parameters?",
+     "endpoint": "/api/learn/accounting", "params": {}, "field": "match.d", "tol": 0.5},
+    {"q": "How many scan steps does a length-400 input need?",
+     "endpoint": "/api/learn/parity", "params": {"length": 400}, "field": "steps_needed", "tol": 0},
+    {"q": "Up to which length does a fixed stack of 6 layers solve prefix parity?",
+     "endpoint": "/api/learn/parity", "params": {"length": 8, "layers": 6},
+     "field": "max_length_fixed_stack", "tol": 0},
+    {"q": "Right after init (p = σ(1) everywhere), what is a position's ponder time N + R?",
+     "endpoint": "/api/learn/act", "params": {"preset": "init"}, "field": "ponder_cost.0",
+     "tol": 0.001},
+    {"q": "With p = 0.05 at every step, how many steps run?",
+     "endpoint": "/api/learn/act", "params": {"preset": "hesitating"}, "field": "steps_run", "tol": 0},
+    {"q": "Norm of phaseloop's coordinate signal (d 512) at i − t = 997?",
+     "endpoint": "/api/learn/coordinates", "params": {"d": 512, "t": 0, "positions": 1},
+     "field": "far.t2t", "tol": 0.001},
+    {"q": "3PT: the zero-sum diagnostic right after the horn, N = 3, T = 1024?",
+     "endpoint": "/api/learn/3pt/horn", "params": {"n": 3, "T": 1024}, "field": "zero_sum",
+     "tol": 0.0001},
+]
+
+
+def self_check(ctx, params) -> dict:
+    return {"questions": SELF_CHECK}
+
+
+ENDPOINTS = {"/api/learn/results": results, "/api/learn/selfcheck": self_check}

@@ -1,0 +1,20 @@
+// Shared page helpers: every number comes from /api (the pages never compute one).
+"use strict";
+
+async function api(path, params) {
+  const url = new URL(path, window.location.origin);
+  for (const [k, v] of Object.entries(params || {})) url.searchParams.set(k, v);
+  const r = await fetch(url);
+  const body = await r.json();
+  const box = document.getElementById("error");
+  if (!r.ok) {
+    if (box) { box.textContent = body.error || r.statusText; box.hidden = false; }
+    throw new Error(body.error || r.statusText);
+  }
+  if (box) box.hidden = true;
+  return body;
+}
+
+function fmtInt(n) { return n == null ? "—" : Number(n).toLocaleString("en-US"); }
+
+function setText(id, value) { document.getElementById(id).textContent = value; }

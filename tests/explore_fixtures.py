@@ -1,0 +1,89 @@
+"""Fixtures for explore's tests (issue 26): a live server and a real headless Chromium.
+
+``explore_server(paths)`` serves the app on a free loopback port in a thread;
+``browser`` is Selenium driving Debian's ``chromium`` + ``chromium-driver`` (installed by
+.ci/run). Without them the browser tests skip saying why (CI=true makes that a failure).
+Screenshots go to docs/explore/ when ``PHASELOOP_SCREENSHOTS=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+SCREENSHOTS = Path(__file__).resolve().parents[1] / "docs" / "explore"
+
+
+def _absent(why: str):
+    if os.environ.get("CI", "").lower() == "true":
+        raise RuntimeError(f"CI=true: {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture
+def explore_server():
+    """Call with a list of folders; returns the base URL of a running server."""
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    import uvicorn
+
+    from phaseloop.explore.app import create_app, free_port
+    from phaseloop.explore.context import Context
+
+    servers = []
+
+    def start(paths=()):
+        app = create_app(Context.from_paths(list(paths)))
+        port = free_port("127.0.0.1", 0)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                               log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.time() + 20
+        while not server.started:
+            if time.time() > deadline:
+                raise RuntimeError("explore server did not start in 20 s")
+            time.sleep(0.05)
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """A headless Chromium through Selenium (Debian's chromium + chromium-driver)."""
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        _absent("explore's browser tests need selenium (pip install -e '.[dev]')")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_bin = shutil.which("chromedriver")
+    if not chromium or not driver_bin:
+        _absent("explore's browser tests need Debian's chromium and chromium-driver "
+                "(apt-get install chromium chromium-driver; .ci/run does)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1000"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_bin), options=opts)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def screenshot(driver, name: str) -> None:
+    """Save a screenshot to docs/explore/NAME.png when PHASELOOP_SCREENSHOTS=1."""
+    if os.environ.get("PHASELOOP_SCREENSHOTS") == "1":
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(SCREENSHOTS / f"{name}.png"))

@@ -1,0 +1,54 @@
+"""explore's app skeleton: safe folder resolution, input checks, no external URL (issue 26)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from phaseloop.explore.app import create_app  # noqa: E402
+from phaseloop.explore.context import BadInput, Context, number  # noqa: E402
+
+from explore_fixtures import browser, explore_server  # noqa: E402,F401
+
+
+def test_resolve_refuses_escapes(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "secret").write_text("x")
+    os.symlink(tmp_path / "secret", tmp_path / "run" / "link")
+    ctx = Context.from_paths([tmp_path / "run"])
+    assert ctx.resolve("run", "metrics.jsonl") == (tmp_path / "run" / "metrics.jsonl").resolve()
+    for bad in ("../secret", "/etc/passwd", "link", "a/../../secret"):
+        with pytest.raises(BadInput):
+            ctx.resolve("run", bad)
+    with pytest.raises(BadInput, match="unknown folder"):
+        ctx.resolve("nope")
+
+
+def test_number_bounds():
+    assert number({"d": "512"}, "d", lo=1, hi=10**6) == 512
+    for raw in ("-1", "1000000000000", "x", "nan"):
+        with pytest.raises(BadInput, match="d must be"):
+            number({"d": raw}, "d", float if raw == "nan" else int, lo=1, hi=10**6)
+
+
+def test_pages_reference_no_external_url():
+    client = TestClient(create_app())
+    urls = ["/"] + [r.path for r in client.app.routes
+                    if getattr(r, "path", "").count("{") == 0 and not r.path.startswith(("/api", "/static"))]
+    for url in urls:
+        html = client.get(url).text
+        assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html), url
+
+
+def test_home_in_a_real_browser(explore_server, browser):
+    base = explore_server([])
+    browser.get(base + "/")
+    assert "phaseloop explore" in browser.title
+    assert browser.execute_script("return typeof Plotly") == "object"
