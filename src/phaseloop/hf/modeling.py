@@ -259,18 +259,26 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
                                       attention_mask=None, inputs_embeds=None, **kwargs):
         """The new tokens only once a cache holds the rest (``cache.seen`` columns). With
-        ``inputs_embeds`` (generate's prompt as vectors), ``input_ids`` holds the
-        generated tokens only: the columns not yet consumed are taken from both. Other
+        ``inputs_embeds`` (generate's prompt as vectors, E columns) the sequence so far is
+        the E prompt vectors then the G generated tokens, which are the last G of
+        ``input_ids`` (generate passes the prompt's ids too when it was given them, else
+        the generated ones only); G = the sequence's length (the mask's or the
+        position_ids' columns) - E. The columns not yet consumed are taken from both. Other
         keyword arguments go to ``forward``, which supports or refuses each."""
         seen = cache.seen if cache is not None else 0
+        first = kwargs.get("is_first_iteration")
         out = {k: v for k, v in kwargs.items() if v is not None and k not in GENERATE_STATE}
         out.update(cache=cache, attention_mask=attention_mask, use_cache=kwargs.get("use_cache", True))
         E = inputs_embeds.shape[1] if inputs_embeds is not None else 0
+        if E:
+            pos = out.get("position_ids")
+            N = (attention_mask.shape[1] if attention_mask is not None else pos.shape[-1] if pos is not None
+                 else E if first else E + input_ids.shape[1])
+            input_ids = input_ids[:, input_ids.shape[1] - (N - E):]  # the generated tokens
         if E > seen:
-            new = input_ids[:, max(seen - E, 0):]
             emb = inputs_embeds[:, seen:]
-            if new.shape[1]:
-                emb = torch.cat([emb, self.get_input_embeddings()(new)], 1)
+            if input_ids.shape[1]:
+                emb = torch.cat([emb, self.get_input_embeddings()(input_ids)], 1)
             out["inputs_embeds"] = emb
         else:
             out["input_ids"] = input_ids[:, seen - E:]
