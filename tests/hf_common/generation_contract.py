@@ -27,7 +27,7 @@ values against the model's own forward pass:
 * ``logits_to_keep``; ``max_new_tokens`` / ``max_length`` / ``min_new_tokens``; EOS stops
   a row and pads it; no ``input_ids`` starts from ``bos_token_id``;
 * refused clearly: ``output_attentions`` / ``output_hidden_states`` in generate (issue 31
-  item 2), assisted and prompt-lookup decoding for a stateful model (transformers' own
+  item 2), ``cache_implementation`` (static, offloaded: the cache is the model's own), assisted and prompt-lookup decoding for a stateful model (transformers' own
   refusal, checked here; the "equals greedy" comparison runs for a model that is not
   stateful), ``low_memory`` beam search (refused by transformers 5.x for every model).
 """
@@ -377,6 +377,16 @@ class GenerationTesterMixin:
             for name in ("output_attentions", "output_hidden_states"):
                 with self.assertRaisesRegex(ConfigError, f"{name} is not supported"):
                     self._generate(model, inputs, do_sample=False, return_dict_in_generate=True, **{name: True})
+
+    def test_generate_with_static_cache(self):
+        """transformers' static / offloaded caches (and so its compiled generate) do not apply to
+        the model's own cache: ``cache_implementation`` is refused with the reason, not ignored."""
+        from phaseloop.errors import ConfigError
+
+        for model, inputs in self._models():
+            for impl in ("static", "offloaded"):
+                with self.assertRaisesRegex(ConfigError, f"cache_implementation='{impl}' is not supported"):
+                    self._generate(model, inputs, do_sample=False, cache_implementation=impl)
 
     def _candidates(self, model, inputs, **kw):
         """Assisted decoding (the model as its own assistant) and prompt lookup."""

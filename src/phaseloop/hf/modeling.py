@@ -199,6 +199,16 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
+    def _prepare_cache_for_generation(self, generation_config, *args, **kwargs):
+        """``cache_implementation`` (static, offloaded, quantized, ...) is refused, not left
+        to transformers' one-time "will be ignored" warning: the cache is phaseloop's own
+        (``PhaseloopCache``, module docstring), made by ``forward``."""
+        if generation_config.cache_implementation is not None:
+            _refuse(f"cache_implementation={generation_config.cache_implementation!r}",
+                    "the cache is phaseloop's own (one KVCache per left-padding length, a slot per "
+                    "application of an attention layer), not a transformers Cache; leave it unset")
+        return super()._prepare_cache_for_generation(generation_config, *args, **kwargs)
+
     def initialize_weights(self):
         self.__dict__["_initializing"] = True
         try:
