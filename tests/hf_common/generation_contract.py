@@ -27,9 +27,10 @@ values against the model's own forward pass:
 * ``logits_to_keep``; ``max_new_tokens`` / ``max_length`` / ``min_new_tokens``; EOS stops
   a row and pads it; no ``input_ids`` starts from ``bos_token_id``;
 * refused clearly: ``output_attentions`` / ``output_hidden_states`` in generate (issue 31
-  item 2), ``cache_implementation`` (static, offloaded: the cache is the model's own), assisted and prompt-lookup decoding for a stateful model (transformers' own
-  refusal, checked here; the "equals greedy" comparison runs for a model that is not
-  stateful), ``low_memory`` beam search (refused by transformers 5.x for every model).
+  item 2), ``cache_implementation`` (static, offloaded: the cache is the model's own),
+  assisted and prompt-lookup decoding for a stateful model (transformers' own refusal,
+  checked here; the "equals greedy" comparison runs for a model that is not stateful),
+  ``low_memory`` beam search (refused by transformers 5.x for every model).
 """
 
 from __future__ import annotations
@@ -388,28 +389,31 @@ class GenerationTesterMixin:
                 with self.assertRaisesRegex(ConfigError, f"cache_implementation='{impl}' is not supported"):
                     self._generate(model, inputs, do_sample=False, cache_implementation=impl)
 
-    def _candidates(self, model, inputs, **kw):
+    @staticmethod
+    def _candidates(model):
         """Assisted decoding (the model as its own assistant) and prompt lookup."""
-        return ({"assistant_model": model, **kw}, {"prompt_lookup_num_tokens": 2, **kw})
+        return ({"assistant_model": model}, {"prompt_lookup_num_tokens": 2})
 
     def test_assisted_decoding_refused_for_stateful_models(self):
+        """transformers refuses both for a stateful model with its own error (checked, not assumed)."""
         for model, inputs in self._models():
             if not model._is_stateful:
                 self.skipTest(f"{type(model).__name__} is not stateful: assisted decoding runs "
                               "(test_assisted_decoding_matches_greedy_search)")
-            for extra in self._candidates(model, inputs):
+            for extra in self._candidates(model):
                 with self.assertRaisesRegex(ValueError, "not supported with stateful models"):
                     self._generate(model, inputs, do_sample=False, **extra)
 
     def _matches_greedy(self, which):
         for model, inputs in self._models():
             if model._is_stateful:
-                self.skipTest(f"{type(model).__name__} is stateful (its cache cannot be cropped back to the "
-                              "accepted tokens: ACT's halted step inputs, one KVCache per padding length), "
-                              "so transformers refuses assisted and prompt-lookup decoding for it "
+                self.skipTest(f"{type(model).__name__} is stateful: its cache cannot be cropped back to the "
+                              "accepted tokens (PhaseloopCache has no crop: one KVCache per padding length, "
+                              "and under UT+ACT the halted positions' step inputs), so transformers refuses "
+                              "assisted and prompt-lookup decoding for it "
                               "(test_assisted_decoding_refused_for_stateful_models)")
             want = self._generate(model, inputs, do_sample=False, max_new_tokens=5)
-            got = self._generate(model, inputs, do_sample=False, max_new_tokens=5, **self._candidates(model, inputs)[which])
+            got = self._generate(model, inputs, do_sample=False, max_new_tokens=5, **self._candidates(model)[which])
             self.assertTrue(torch.equal(got, want))
 
     def test_assisted_decoding_matches_greedy_search(self):
