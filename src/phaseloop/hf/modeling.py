@@ -20,8 +20,9 @@ Under torch.export / torch.compile (no cache) the batch runs at once instead, ea
 rotated to start at position 0 (``_forward_batch``): no data-dependent branch.
 
 What transformers asks of a model and these models cannot mean the same way
-(``output_attentions``, ``output_hidden_states``, other ``position_ids``) is refused
-with a ConfigError naming the reason, never ignored (docs/hf.md).
+(``output_attentions``, ``output_hidden_states``, other ``position_ids``, generate's
+``cache_implementation``) is refused with a ConfigError naming the reason, never ignored
+(docs/hf.md).
 """
 
 from __future__ import annotations
