@@ -1,7 +1,10 @@
 """transformers' own common model tests (issue 31) for every registered architecture.
 
 ``ModelTesterMixin`` and ``ConfigTester`` come from the installed transformers' sdist
-(``tests/hf_common/fetch.py``, run by ``.ci/run``): one small tester class per
+(``tests/hf_common/fetch.py``, run by ``.ci/run``); ``GenerationTesterMixin``, which the
+sdist lacks, is phaseloop's, written to the contract of transformers' own
+(``tests/hf_common/generation_contract.py``; the sdist's stand-in re-exports it, so
+``test_generation_tester_mixin_inheritance`` runs). One small tester class per
 architecture of ``phaseloop.registry`` (a plugin's arch is picked up the same way), at
 transformers' tester sizes (vocab 99, d_model 32, 2 layers or steps). Tests of features
 no causal LM here has are skipped with the reason (``SKIP``). Items 1-7 of the issue each
@@ -46,7 +49,9 @@ try:
 except ImportError:
     _absent("transformers' common tests need the parameterized package (pip install -e '.[dev]')")
 
+fetch.write_standins(PKG)  # an extraction by an older fetch.py gets the current stand-ins
 sys.path.insert(0, str(PKG.parent))
+from generation_contract import GenerationTesterMixin  # noqa: E402
 from hf_sdist_tests.test_configuration_common import ConfigTester  # noqa: E402
 from hf_sdist_tests.test_modeling_common import ModelTesterMixin  # noqa: E402
 
@@ -78,9 +83,6 @@ HIDDEN = ("sets output_hidden_states=True, which PhaseloopForCausalLM refuses (i
           "the trunks have no common per-layer state; test_refused_outputs_are_errors)")
 # test name -> why it does not apply to these models
 SKIP: dict[str, str] = {
-    "test_generation_tester_mixin_inheritance":
-        "transformers' GenerationTesterMixin is not in its sdist (tests/hf_common/fetch.py); generate "
-        "is tested against phaseloop itself in test_hf.py and test_generate_* here",
     "test_eager_matches_sdpa_inference":
         "one attention implementation (SDPA, as phaseloop computes it): no eager path to compare; it also "
         "sets output_hidden_states and right-pads, both refused",
@@ -131,7 +133,8 @@ def _make(arch: str, over: dict):
         base = next((n for n in SKIP if attr == n or (attr.startswith(n + "_") and attr[len(n) + 1:][:2].isdigit())), None)
         if base and attr not in SKIP_TEMPLATES:
             body[attr] = _skipped(attr, SKIP[base])
-    return f"TestHFCommon_{tag}", type(f"TestHFCommon_{tag}", (ModelTesterMixin, unittest.TestCase), body)
+    return f"TestHFCommon_{tag}", type(f"TestHFCommon_{tag}", (ModelTesterMixin, GenerationTesterMixin,
+                                                                unittest.TestCase), body)
 
 
 for _arch, _over in VARIANTS:

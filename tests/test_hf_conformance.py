@@ -206,11 +206,36 @@ def test_inputs_embeds(arch, over):
         mask = _left_mask(x)
         assert torch.allclose(m(inputs_embeds=e, attention_mask=mask).logits,
                               m(x, attention_mask=mask).logits, atol=1e-6)
-    want = m.generate(x, max_new_tokens=4, do_sample=False)[:, 9:]
+    full = m.generate(x, max_new_tokens=4, do_sample=False)
+    want = full[:, 9:]
     assert torch.equal(m.generate(inputs_embeds=e, max_new_tokens=4, do_sample=False), want)
     assert torch.equal(m.generate(inputs_embeds=e, max_new_tokens=4, do_sample=False, use_cache=False), want)
+    for use_cache in (True, False):  # the ids too: generate's input_ids then hold the prompt as well
+        assert torch.equal(m.generate(x, inputs_embeds=e, max_new_tokens=4, do_sample=False,
+                                      use_cache=use_cache), full)
     with pytest.raises(ConfigError, match="exactly one"):
         m(x, inputs_embeds=e)
+
+
+def test_prepare_inputs_with_embeds_without_positions():
+    """With inputs_embeds and neither a mask nor position_ids to give the sequence's length,
+    input_ids hold the prompt's ids on the first step (the vectors are used) and the
+    generated tokens after it (no cache: the prompt's vectors, then those tokens')."""
+    m, x = _model(), _ids()
+    e = m.get_input_embeddings()(x)
+    first = m.prepare_inputs_for_generation(x, inputs_embeds=e, is_first_iteration=True, use_cache=False)
+    assert torch.equal(first["inputs_embeds"], e) and "input_ids" not in first
+    new = _ids(T=2, seed=5)
+    later = m.prepare_inputs_for_generation(new, inputs_embeds=e, use_cache=False)
+    assert torch.equal(later["inputs_embeds"], torch.cat([e, m.get_input_embeddings()(new)], 1))
+
+
+def test_cache_implementation_refused():
+    """generate's cache_implementation (static, offloaded, ...) is refused with the reason
+    (transformers would warn once and ignore it: the cache is phaseloop's own)."""
+    m, x = _model(), _ids()
+    with pytest.raises(ConfigError, match="cache_implementation='static' is not supported.*phaseloop's own"):
+        m.generate(x, max_new_tokens=2, cache_implementation="static")
 
 
 @pytest.mark.parametrize("arch,over", VARIANTS, ids=IDS)

@@ -100,8 +100,8 @@ def test_generic_tests_pick_up_the_plugin(env):
     """The same test files, run where the plugin is installed, test it too."""
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
                         "tests/test_model.py", "tests/test_config.py", "tests/test_hf.py",
-                        "-k", "parallel"], env=env, cwd=REPO, capture_output=True, text=True,
-                       timeout=900)
+                        "tests/test_hf_common.py", "-k", "parallel"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     passed = set(re.findall(r"^PASSED (\S+)", r.stdout, re.M))
     for test in ("test_model.py::test_causal_no_future_leak[arch=parallel]",
@@ -112,6 +112,13 @@ def test_generic_tests_pick_up_the_plugin(env):
                  "test_hf.py::test_logits_equal_fp32_and_bf16[arch=parallel]",
                  "test_hf.py::test_generate_greedy_cache_and_no_cache_equal_phaseloop[arch=parallel]"):
         assert f"tests/{test}" in passed, (test, sorted(passed))
+    sys.path.insert(0, str(REPO / "tests" / "hf_common"))
+    import fetch  # transformers' common tests and the generation contract, where fetched
+
+    if (fetch.package_dir() / "test_modeling_common.py").is_file():
+        for test in ("test_save_load", "test_left_padding_compatibility",
+                     "test_generate_continue_from_past_key_values"):
+            assert f"tests/test_hf_common.py::TestHFCommon_parallel::{test}" in passed, (test, sorted(passed))
 
 
 def test_without_the_plugin_naming_it_is_one_line(tmp_path):

@@ -11,12 +11,15 @@ tests/test_hf_common.py). ``.ci/run`` runs it before pytest.
 The sdist does not carry the three modules those files import relatively
 (``generation/test_utils.py``, ``exporters/test_export.py``, ``utils/
 test_configuration_utils.py``: transformers' repository has them, the sdist does not), so
-this writes stand-ins of its own: an empty ``GenerationTesterMixin`` and
-``ExportTesterMixin`` (phaseloop's generation, torch.export and torch.compile are tested
-by tests/test_hf.py and tests/test_hf_common.py themselves) and a
-``config_common_kwargs`` of non-default values for the base config's fields.
+this writes stand-ins of its own: ``generation/test_utils.py`` re-exports phaseloop's
+``GenerationTesterMixin`` (``tests/hf_common/generation_contract.py``, written to the
+contract of transformers' own; tests/test_hf_common.py puts this folder on ``sys.path``
+and mixes the same class into its tester classes), an empty ``ExportTesterMixin``
+(torch.export and torch.compile of the model are tested by tests/test_hf_conformance.py)
+and a ``config_common_kwargs`` of non-default values for the base config's fields.
 
-``PHASELOOP_HF_TESTS`` overrides DEST. Idempotent: an existing extraction is kept.
+``PHASELOOP_HF_TESTS`` overrides DEST. Idempotent: an existing extraction is kept (no
+download); stand-ins that differ from the ones here are rewritten.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ STANDINS = {
     "__init__.py": '"""transformers\' common tests, from its sdist (tests/hf_common/fetch.py)."""\n',
     "generation/__init__.py": "",
     "generation/test_utils.py": (
-        '"""Stand-in (the sdist lacks tests/generation): generation is tested by phaseloop\'s\n'
-        'tests/test_hf.py (greedy, sampling, beam search, left padding against phaseloop\n'
-        'itself) and tests/test_hf_common.py."""\n\n\n'
-        "class GenerationTesterMixin:\n    pass\n"),
+        '"""Stand-in (the sdist lacks tests/generation): phaseloop\'s GenerationTesterMixin,\n'
+        'written to the contract of transformers\' own (tests/hf_common/generation_contract.py;\n'
+        'tests/test_hf_common.py puts that folder on sys.path)."""\n\n'
+        "from generation_contract import GenerationTesterMixin  # noqa: F401\n"),
     "exporters/__init__.py": "",
     "exporters/test_export.py": (
         '"""Stand-in (the sdist lacks tests/exporters): torch.export and torch.compile of the\n'
@@ -80,8 +83,23 @@ def package_dir(dest: Path | None = None, version: str | None = None) -> Path:
 def fetch(dest: Path | None = None, version: str | None = None) -> Path:
     version = version or transformers_version()
     pkg = package_dir(dest, version)
-    if all((pkg / f).is_file() for f in (*FILES, *STANDINS)):
-        return pkg
+    if not all((pkg / f).is_file() for f in FILES):
+        _download(pkg, version)
+    write_standins(pkg)
+    return pkg
+
+
+def write_standins(pkg: Path) -> None:
+    """(Re)write the stand-ins that differ from STANDINS (an extraction made by an older
+    fetch.py gets the current ones; tests/test_hf_common.py calls this too)."""
+    for name, text in STANDINS.items():
+        path = pkg / name
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+
+
+def _download(pkg: Path, version: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:",
                         "--no-deps", f"transformers=={version}", "-d", tmp],
@@ -92,10 +110,6 @@ def fetch(dest: Path | None = None, version: str | None = None) -> Path:
             for f in FILES:
                 member = tar.getmember(f"transformers-{version}/tests/{f}")
                 (pkg / f).write_bytes(tar.extractfile(member).read())
-    for name, text in STANDINS.items():
-        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / name).write_text(text)
-    return pkg
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ Under torch.export / torch.compile (no cache) the batch runs at once instead, ea
 rotated to start at position 0 (``_forward_batch``): no data-dependent branch.
 
 What transformers asks of a model and these models cannot mean the same way
-(``output_attentions``, ``output_hidden_states``, other ``position_ids``) is refused
-with a ConfigError naming the reason, never ignored (docs/hf.md).
+(``output_attentions``, ``output_hidden_states``, other ``position_ids``, generate's
+``cache_implementation``) is refused with a ConfigError naming the reason, never ignored
+(docs/hf.md).
 """
 
 from __future__ import annotations
@@ -199,6 +200,16 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
+    def _prepare_cache_for_generation(self, generation_config, *args, **kwargs):
+        """``cache_implementation`` (static, offloaded, quantized, ...) is refused, not left
+        to transformers' one-time "will be ignored" warning: the cache is phaseloop's own
+        (``PhaseloopCache``, module docstring), made by ``forward``."""
+        if generation_config.cache_implementation is not None:
+            _refuse(f"cache_implementation={generation_config.cache_implementation!r}",
+                    "the cache is phaseloop's own (one KVCache per left-padding length, a slot per "
+                    "application of an attention layer), not a transformers Cache; leave it unset")
+        return super()._prepare_cache_for_generation(generation_config, *args, **kwargs)
+
     def initialize_weights(self):
         self.__dict__["_initializing"] = True
         try:
@@ -259,18 +270,26 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
                                       attention_mask=None, inputs_embeds=None, **kwargs):
         """The new tokens only once a cache holds the rest (``cache.seen`` columns). With
-        ``inputs_embeds`` (generate's prompt as vectors), ``input_ids`` holds the
-        generated tokens only: the columns not yet consumed are taken from both. Other
+        ``inputs_embeds`` (generate's prompt as vectors, E columns) the sequence so far is
+        the E prompt vectors then the G generated tokens, which are the last G of
+        ``input_ids`` (generate passes the prompt's ids too when it was given them, else
+        the generated ones only); G = the sequence's length (the mask's or the
+        position_ids' columns) - E. The columns not yet consumed are taken from both. Other
         keyword arguments go to ``forward``, which supports or refuses each."""
         seen = cache.seen if cache is not None else 0
+        first = kwargs.get("is_first_iteration")
         out = {k: v for k, v in kwargs.items() if v is not None and k not in GENERATE_STATE}
         out.update(cache=cache, attention_mask=attention_mask, use_cache=kwargs.get("use_cache", True))
         E = inputs_embeds.shape[1] if inputs_embeds is not None else 0
+        if E:
+            pos = out.get("position_ids")
+            N = (attention_mask.shape[1] if attention_mask is not None else pos.shape[-1] if pos is not None
+                 else E if first else E + input_ids.shape[1])
+            input_ids = input_ids[:, input_ids.shape[1] - (N - E):]  # the generated tokens
         if E > seen:
-            new = input_ids[:, max(seen - E, 0):]
             emb = inputs_embeds[:, seen:]
-            if new.shape[1]:
-                emb = torch.cat([emb, self.get_input_embeddings()(new)], 1)
+            if input_ids.shape[1]:
+                emb = torch.cat([emb, self.get_input_embeddings()(input_ids)], 1)
             out["inputs_embeds"] = emb
         else:
             out["input_ids"] = input_ids[:, seen - E:]
