@@ -230,6 +230,11 @@ class Hyperloop(Looped):
         """The trained loop whose parameters pass ``loop`` uses (extend='last' beyond them)."""
         return min(loop, self.n_loops - 1)
 
+    def stream_sites(self) -> list[nn.Module]:
+        """The begin blocks, each loop's hyper-connection (its output: the n streams) and
+        the end blocks; a middle block's own output is F of the mixed read, not the stream."""
+        return [*self.begin, *self.hc, *self.end]
+
     def cache_slots(self) -> list:  # the pooled-MLP variant caches its running sums per loop
         return super().cache_slots() + ([("pool", l) for l in range(self.loops)] if self.pooled else [])
 
@@ -266,6 +271,11 @@ class MHC(Trunk):
 
     def cache_slots(self) -> list:
         return list(range(len(self.layers)))
+
+    def stream_sites(self) -> list[nn.Module]:
+        """The hyper-connection of each sub-layer (its output: the n streams); the blocks'
+        own forward never runs here."""
+        return list(self.hc)
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         streams_BTnD = copy_streams(x_BTD, self.n_streams)

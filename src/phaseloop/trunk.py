@@ -36,6 +36,9 @@ class Trunk(nn.Module):
       architecture allows it (``dynamic_depth``); ``fix_depth()``: make the number of block
       applications independent of the input (FSDP needs every rank to apply them equally).
     * ``cache_slots()``: the KV-cache slots one forward may write (``layers.KVCache``).
+    * ``stream_sites()``: the modules whose output is the residual stream after one layer
+      application (a forward hook on each sees every application, in order): the blocks
+      by default; trunks that wrap their blocks (hyper-connections) name the wrappers.
     """
 
     depth: int
@@ -45,6 +48,9 @@ class Trunk(nn.Module):
         from .layers import Block
 
         return [m for m in self.modules() if isinstance(m, Block)]
+
+    def stream_sites(self) -> list[nn.Module]:
+        return self.blocks()
 
     def set_depth(self, n: int, extend: str | None = None) -> None:
         """``extend='last'``: where passes have their own parameters (Hyperloop's loops),
