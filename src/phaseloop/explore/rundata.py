@@ -4,8 +4,8 @@
   bytes appended since the last; a last line without its newline is a record being
   written, left for the next poll; a file rewritten shorter, as a resumed run does, is
   read again from the start), columns kept in memory, ``downsample``d when served.
-* ``find``: the runs and comparisons in a served folder (itself, its children, a
-  comparison's ``runs/``), never following a link.
+* ``find``: the runs and comparisons in a served folder (itself, the folders below it,
+  a comparison's ``runs/``), never following a link.
 * ``comparison``: a comparison's table as ``compare/report.py`` formats it, read from the
   summary.json it wrote (nothing recomputed), and the plots it lists.
 """
@@ -124,12 +124,20 @@ def _dirs(path: Path) -> list[Path]:
         return []
 
 
+MAX_DEPTH = 3  # folder levels searched below a served folder for runs
+MAX_VISITS = 2000  # folders looked at per listing (a served home folder stays quick)
+
+
 def find(base: Path) -> list[tuple[str, str]]:
     """(kind, path relative to ``base``) of the runs and comparisons in ``base``: itself,
-    its children, and each comparison's runs/<name>."""
-    found = []
+    the folders below it (``MAX_DEPTH`` levels, not inside a run), each comparison's
+    runs/<name>."""
+    found, visits = [], [0]
 
     def visit(p: Path, depth: int) -> None:
+        visits[0] += 1
+        if visits[0] > MAX_VISITS:
+            return
         k = kind(p)
         if k:
             found.append((k, p.relative_to(base).as_posix() if p != base else ""))
@@ -137,9 +145,9 @@ def find(base: Path) -> list[tuple[str, str]]:
             for r in _dirs(p / "runs") if not (p / "runs").is_symlink() else []:
                 if kind(r) == "run":
                     found.append(("run", r.relative_to(base).as_posix()))
-        elif k is None and depth == 0:
+        elif k is None and depth < MAX_DEPTH:
             for child in _dirs(p):
-                visit(child, 1)
+                visit(child, depth + 1)
 
     visit(base, 0)
     return found
