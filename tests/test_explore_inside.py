@@ -23,6 +23,7 @@ from conftest import tiny_run  # noqa: E402
 from explore_fixtures import browser, explore_server, screenshot  # noqa: E402,F401
 
 PROMPT = "the quick brown fox"
+PAGE_PROMPT = "The quick brown fox jumps over the lazy dog."  # the page's default
 PHASES = ["--set", "n_phases=2", "--set", "phase_rotation=true", "--set", "phase_norm=true", "--set", "horn=true"]
 RUNS = {  # name -> extra train arguments (after TINY's rope-tiny)
     "rope": [],
@@ -173,25 +174,27 @@ def test_inside_page_in_a_browser(served, client, q, explore_server, browser):
 
     base = explore_server([served])
     browser.get(f"{base}/inside?root={served.name}&path=act/run")
-    _wait(browser, lambda: browser.find_element("id", "mean-loss").text != "—")
+    _wait(browser, lambda: browser.find_element("id", "model-info").get_attribute("data-done") == PAGE_PROMPT)
     box = browser.find_element("id", "prompt")
     box.clear()
     box.send_keys("hello world, hello")
     browser.find_element("id", "go").click()
     want = client.get("/api/inside/analyze", params=q("act", prompt="hello world, hello")).json()
-    _wait(browser, lambda: browser.find_element("id", "n-tokens").text == str(len(want["tokens"])))
+    _wait(browser, lambda: browser.find_element("id", "model-info").get_attribute("data-done") == "hello world, hello")
+    assert browser.find_element("id", "n-tokens").text == str(len(want["tokens"]))
     assert float(browser.find_element("id", "mean-loss").text) == pytest.approx(want["mean_loss"], abs=1e-4)
     spans = browser.find_elements("css selector", "#tokens .tok")
     assert [float(s.get_attribute("data-value")) for s in spans[1:]] == pytest.approx(want["loss"], abs=1e-5)
     assert browser.find_element("id", "ponder-section").is_displayed()
     assert "p per step" in browser.find_elements("css selector", "#ponder .tok")[3].get_attribute("title")
-    _wait(browser, lambda: browser.execute_script("return document.getElementById('depth-chart').data.length") == 1)
+    assert browser.execute_script("return document.getElementById('depth-chart').data.length") == 1
 
     def top_p():
         return float(browser.find_element("css selector", "#next-table tbody tr td.p").text)
 
-    _wait(browser, lambda: top_p() > 0)
     before = top_p()
+    want_1 = client.get("/api/inside/next", params=q("act", prompt="hello world, hello")).json()
+    assert before == pytest.approx(want_1["tokens"][0]["p"], abs=1e-4)
     slider = browser.find_element("id", "temp")
     for _ in range(12):  # temperature 1.0 -> 0.4 (step 0.05): a sharper distribution
         slider.send_keys(Keys.ARROW_LEFT)
@@ -199,10 +202,14 @@ def test_inside_page_in_a_browser(served, client, q, explore_server, browser):
     want_p = client.get("/api/inside/next", params=q("act", prompt="hello world, hello", temperature=0.4)).json()
     _wait(browser, lambda: top_p() == pytest.approx(want_p["tokens"][0]["p"], abs=1e-4))
     assert top_p() > before
+    browser.execute_script("window.scrollTo(0, 0)")
     screenshot(browser, "inside_act")
-    for name in ("3pt", "hyper3pt"):
+    browser.execute_script("document.getElementById('attn-chart').scrollIntoView()")
+    screenshot(browser, "inside_attention_next_token")
+    for name, section in (("3pt", "phase-section"), ("hyper3pt", "mix-section")):
         browser.get(f"{base}/inside?root={served.name}&path={name}/run")
-        _wait(browser, lambda: browser.find_element("id", "mean-loss").text != "—")
-        _wait(browser, lambda: browser.execute_script("return document.getElementById('dc-chart').data.length") == 1)
-        assert browser.find_element("id", "phase-section").is_displayed()
+        _wait(browser, lambda: browser.find_element("id", "model-info").get_attribute("data-done") == PAGE_PROMPT)
+        assert browser.execute_script("return document.getElementById('dc-chart').data.length") == 1
+        assert browser.find_element("id", section).is_displayed()
+        browser.execute_script(f"document.getElementById('{section}').scrollIntoView()")
         screenshot(browser, f"inside_{name}")

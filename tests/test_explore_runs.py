@@ -220,3 +220,15 @@ def _waiter(driver, timeout=30):
                 raise AssertionError(f"timed out; page error: {driver.find_element('id', 'error').text!r}")
             time.sleep(0.2)
     return wait
+
+
+def test_bench_explore_smoke(capsys):
+    """benchmarks/bench_explore.py runs (smallest setting); its figures are measured by running it."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_explore
+
+    assert bench_explore.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "open a run of 1,000 metric records" in out and "ponder map of 16 tokens" in out

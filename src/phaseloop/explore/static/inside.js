@@ -4,6 +4,12 @@
 const $ = (id) => document.getElementById(id);
 const LAYOUT = {margin: {t: 30, r: 10, l: 60, b: 40}, height: 320};
 let current = null;  // {root, path, prompt | window}
+const latest = {};  // kind -> number of the latest request: older answers are dropped
+
+function newest(kind) {  // a ticket; ticket() is true while no later request of that kind began
+  const n = latest[kind] = (latest[kind] || 0) + 1;
+  return () => latest[kind] === n;
+}
 
 function input() {
   const [root, path] = JSON.parse($("run").value);
@@ -33,14 +39,16 @@ function tokenSpans(box, tokens, values, title) {
   });
 }
 
-function heat(div, z, x, y, title, extra) {
+function heat(div, z, x, y, title, extra, layout) {
   Plotly.react(div, [{type: "heatmap", z, x, y, colorscale: "Viridis", ...(extra || {})}],
-               {...LAYOUT, title: {text: title, font: {size: 13}}});
+               {...LAYOUT, title: {text: title, font: {size: 13}}, ...(layout || {})});
 }
 
 async function analyse() {
+  const ticket = newest("analyse");
   current = input();
   const a = await api("/api/inside/analyze", current);
+  if (!ticket()) return;
   const T = a.tokens.length;
   $("model-info").textContent = `${a.arch}, max_seq_len ${a.max_seq_len}, vocabulary ${a.vocab_size}`;
   $("mean-loss").textContent = a.mean_loss.toFixed(4);
@@ -55,17 +63,18 @@ async function analyse() {
     tokenSpans($("ponder"), a.tokens, a.ponder, i => `ponder ${a.ponder[i].toFixed(3)}; p per step: ` +
       a.halting.map((row, t) => `${t + 1}: ${row[i].toFixed(3)}`).join(", "));
     heat("halting-chart", a.halting, [...Array(T).keys()], a.halting.map((_, t) => `step ${t + 1}`),
-         "halting probability per step and position");
+         "halting probability per step and position", null, {xaxis: {title: "position"}});
   }
 
   $("phase-section").hidden = !(a.angles || a.stripes);
   if (a.angles) {
     heat("angles-chart", a.angles.theta, null, a.angles.theta.map((_, l) => `layer ${l}`),
-         "rotation angle θ (rad), layer × channel pair");
+         "rotation angle θ (rad), layer × channel pair", null, {xaxis: {title: "channel pair k"}});
     Plotly.react("drift-chart", [
       {x: a.angles.drift.map(r => r.layer), y: a.angles.drift.map(r => r.mean_abs_drift), name: "mean |θ − θ_init|"},
       {x: a.angles.drift.map(r => r.layer), y: a.angles.drift.map(r => r.max_abs_drift), name: "max |θ − θ_init|"}],
-      {...LAYOUT, height: 250, title: {text: "angle drift (three_phase.angle_drift)", font: {size: 13}}, xaxis: {title: "layer"}});
+      {...LAYOUT, height: 250, title: {text: "angle drift (three_phase.angle_drift)", font: {size: 13}},
+       xaxis: {title: "layer", dtick: 1}});
   }
   if (a.stripes) {
     const sites = a.stripes.map(r => r.site);
@@ -73,7 +82,9 @@ async function analyse() {
                                                             type: "bar", name: `stripe ${i}`}));
     traces.push({x: sites, y: a.stripes.map(r => r.zero_sum), name: "Σ stripes (zero-sum)", mode: "lines+markers"});
     Plotly.react("stripes-chart", traces, {...LAYOUT, title: {text: "per-phase stripe means after every layer application", font: {size: 13}}});
-    heat("dc-chart", a.stripes.map(r => r.dc), [...Array(T).keys()], sites, "DC (mean over channels) per token, after every layer application");
+    heat("dc-chart", a.stripes.map(r => r.dc), [...Array(T).keys()], sites,
+         "DC (mean over channels) per token, after every layer application (the horn sets 1/(t+1))", null,
+         {margin: {...LAYOUT.margin, l: 120}, xaxis: {title: "position t"}});
   }
 
   $("mix-section").hidden = !a.mixing;
@@ -95,9 +106,11 @@ async function analyse() {
   $("depth-section").hidden = !a.dynamic_depth;
   if (a.dynamic_depth) {
     const d = await api("/api/inside/depth", current);
+    if (!ticket()) return;
     Plotly.react("depth-chart", [{x: d.rows.map(r => r.depth), y: d.rows.map(r => r.loss), mode: "lines+markers"}],
                  {...LAYOUT, height: 260, xaxis: {title: "passes / steps"}, yaxis: {title: "mean loss (nats)"}});
   }
+  $("model-info").dataset.done = current.prompt ?? "window " + current.window;  // every section drawn
 }
 
 function drawMixing(a) {
@@ -107,7 +120,8 @@ function drawMixing(a) {
   const z = [...m.pre[0].map((_, i) => m.pre.map(r => r[i])), ...m.post[0].map((_, i) => m.post.map(r => r[i])),
              ...(res ? res[0].map((_, i) => res.map(r => r[i])) : [])];
   const y = [...streams.map(s => "H_pre " + s), ...streams.map(s => "H_post " + s), ...(res ? streams.map(s => "H_res " + s) : [])];
-  heat("mix-chart", z, [...Array(m.pre.length).keys()], y, `${m.site}: coefficients per token`);
+  heat("mix-chart", z, [...Array(m.pre.length).keys()], y, `${m.site}: coefficients per token`, null,
+       {margin: {...LAYOUT.margin, l: 120}, xaxis: {title: "position"}});
   if (m.similarity)
     heat("sim-chart", m.similarity, streams, streams,
          `cosine similarity of the streams it wrote` + (m.vs_previous ? `; vs the previous application: ${m.vs_previous.map(v => v.toFixed(3)).join(", ")}` : ""));
@@ -115,7 +129,9 @@ function drawMixing(a) {
 
 async function drawAttention() {
   if (!$("attn-site").options.length) return;
+  const ticket = newest("attention");
   const r = await api("/api/inside/attention", {...current, site: $("attn-site").value, head: $("attn-head").value});
+  if (!ticket()) return;
   const labels = r.tokens.map((t, i) => `${i}:${shown(t)}`);
   heat("attn-chart", r.weights, labels, labels, `${r.site}, head ${r.head} (row: query, column: key)`,
        {colorscale: "Blues"});
@@ -125,8 +141,10 @@ async function drawNext() {
   $("pos-val").textContent = $("pos").value;
   $("temp-val").textContent = $("temp").value;
   $("topk-val").textContent = $("topk").value;
+  const ticket = newest("next");
   const r = await api("/api/inside/next", {...current, pos: $("pos").value, temperature: $("temp").value,
                                            top_k: $("topk").value});
+  if (!ticket()) return;
   $("next-table").querySelector("tbody").innerHTML = "";
   for (const t of r.tokens) {
     const tr = document.createElement("tr");

@@ -11,6 +11,7 @@ function followCurves(runs, lossDiv, bpbDiv, statusEl) {
   let timer = null, stopped = false;
   async function tick() {
     const data = await Promise.all(runs.map(r => api("/api/runs/curves", {root: r.root, path: r.path})));
+    if (stopped) return;  // the selection changed while this poll was out
     const loss = [], bpb = [];
     data.forEach((d, i) => {
       const name = runLabel(runs[i]);
