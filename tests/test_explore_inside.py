@@ -213,3 +213,21 @@ def test_inside_page_in_a_browser(served, client, q, explore_server, browser):
         assert browser.find_element("id", section).is_displayed()
         browser.execute_script(f"document.getElementById('{section}').scrollIntoView()")
         screenshot(browser, f"inside_{name}")
+
+
+def test_a_newer_checkpoint_is_loaded_again(served):
+    """Models are cached by their checkpoint's files: a run still training shows its latest."""
+    import os
+
+    ctx = Context.from_paths([served])
+    client = TestClient(create_app(ctx))
+    params = {"root": served.name, "path": "rope/run", "prompt": PROMPT}
+    first = client.get("/api/inside/analyze", params=params).json()
+    weights = served / "rope" / "run" / "checkpoint" / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    try:
+        assert client.get("/api/inside/analyze", params=params).json() == first
+        assert len(ctx._models) == 2 and len({k[:2] for k in ctx._models}) == 1
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))

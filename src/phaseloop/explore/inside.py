@@ -32,6 +32,7 @@ class Inside:
         self.analyses: OrderedDict = OrderedDict()
 
     def loaded(self, run: Path):
+        """(model, run_cfg, tokenizer, key): key names the checkpoint's files as loaded."""
         ckpt = checkpoint_dir(run)
         if ckpt is None:
             raise BadInput(f"{run.name} has no checkpoint yet; wait for its first --ckpt-every step")
@@ -41,10 +42,11 @@ class Inside:
             model, run_cfg = load_run(run)
             return model, run_cfg, run_tokenizer(run, run_cfg)
 
-        return self.ctx.model((str(run), str(ckpt), stamp), load)
+        key = (str(run), str(ckpt), stamp)
+        return (*self.ctx.model(key, load), key)
 
     def ids(self, run: Path, params: dict):
-        model, run_cfg, tok = self.loaded(run)
+        model, run_cfg, tok, _ = self.loaded(run)
         L = model.cfg.max_seq_len
         if params.get("window") not in (None, ""):
             k = number(params, "window", int, lo=0, hi=7)
@@ -53,9 +55,9 @@ class Inside:
 
     def analysis(self, params: dict):
         run = target(self.ctx, params, "run")
-        model, run_cfg, tok = self.loaded(run)
+        model, run_cfg, tok, loaded = self.loaded(run)
         ids = self.ids(run, params)
-        key = (str(run), id(model), tuple(ids.tolist()))
+        key = (loaded, tuple(ids.tolist()))
         if key in self.analyses:
             self.analyses.move_to_end(key)
         else:

@@ -32,6 +32,7 @@ class MetricsTail:
 
     def _reset(self, ident=None) -> None:
         self.ident, self.offset, self.records, self.damaged, self.torn = ident, 0, 0, 0, False
+        self._drawn = (None, None)  # (key, downsampled columns) of the last curves()
         self.train = {k: [] for k in ("step",) + TRAIN_KEYS}
         self.eval = {k: [] for k in ("step",) + EVAL_KEYS}
 
@@ -82,9 +83,12 @@ class MetricsTail:
                     cols[k].append(v if isinstance(v, (int, float)) else None)
 
     def curves(self, max_points: int) -> dict:
-        return {"records": self.records, "damaged_lines": self.damaged, "torn": self.torn,
-                "train": downsample(self.train, "loss", max_points),
-                "eval": downsample(self.eval, "val_loss", max_points)}
+        """The downsampled columns (computed again only when records came in)."""
+        key = (self.ident, self.offset, self.records, max_points)
+        if self._drawn[0] != key:
+            self._drawn = (key, {"train": downsample(self.train, "loss", max_points),
+                                 "eval": downsample(self.eval, "val_loss", max_points)})
+        return {"records": self.records, "damaged_lines": self.damaged, "torn": self.torn, **self._drawn[1]}
 
 
 def downsample(cols: dict, key: str, max_points: int) -> dict:
