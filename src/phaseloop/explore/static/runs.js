@@ -15,7 +15,8 @@ function followCurves(runs, lossDiv, bpbDiv, statusEl) {
     const loss = [], bpb = [];
     data.forEach((d, i) => {
       const name = runLabel(runs[i]);
-      loss.push({x: d.train.step, y: d.train.loss, name: name + " train", mode: "lines"});
+      loss.push({x: d.train.step, y: d.train.loss, name: name + " train",
+                 mode: d.train.step.length < 50 ? "lines+markers" : "lines"});
       loss.push({x: d.eval.step, y: d.eval.val_loss, name: name + " val", mode: "lines+markers"});
       bpb.push({x: d.eval.step, y: d.eval.val_bpb, name: name + " val", mode: "lines+markers"});
     });
