@@ -140,6 +140,12 @@ def test_loss_vs_depth_on_a_copy():
     assert rows[0]["loss"] != pytest.approx(plain) and model.trunk.loops == 2  # the model itself unchanged
 
 
+def test_recording_refuses_other_models():
+    with pytest.raises(PhaseloopError, match="not a decoder-only phaseloop model"):
+        with recording(torch.nn.Linear(2, 2)):
+            pass
+
+
 def test_encode_prompt_bounds():
     tok = ByteTokenizer()
     assert encode_prompt(tok, "hello", 8).tolist() == list(b"hello")

@@ -68,6 +68,10 @@ def recording(model: nn.Module, attention: bool = False):
     """Record the stream after every layer application (and attention maps when asked)
     during the forward passes inside the ``with``; hooks are removed on exit. Sites are
     named by module path, with "pass k" where a module applies more than once."""
+    if not (hasattr(model, "embed") and isinstance(getattr(model, "trunk", None), nn.Module)
+            and hasattr(model.trunk, "stream_sites")):
+        raise PhaseloopError(f"{type(model).__name__} is not a decoder-only phaseloop model (embedding, "
+                             "trunk, head): probe reads those only")
     rec = Recording()
     names = {id(m): n.removeprefix("trunk.") for n, m in model.named_modules()}
     seen: Counter = Counter()
