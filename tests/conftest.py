@@ -89,12 +89,13 @@ def assert_one_line(code, err, pattern, status=2, prefix="phaseloop"):
     assert pattern in err, err
 
 
-def tiny_run(root: Path, steps: int = 4, every: int = 2) -> dict:
-    """A finished tiny run under ``root`` (checkpoints and evaluations every ``every`` steps)."""
+def tiny_run(root: Path, steps: int = 4, every: int = 2, *extra: str) -> dict:
+    """A finished tiny run under ``root`` (checkpoints and evaluations every ``every`` steps);
+    ``extra``: more ``train`` arguments (a later ``--preset`` or ``--set`` wins)."""
     from phaseloop.cli import main
 
     text = write_corpus(root / "corpus.txt")
     run = root / "run"
     assert main(["train", *TINY, "--steps", str(steps), "--eval-every", str(every), "--ckpt-every",
-                 str(every), "--data", str(text), "--out", str(run)]) == 0
+                 str(every), "--data", str(text), "--out", str(run), *extra]) == 0
     return {"root": root, "run": run, "text": text}

@@ -10,17 +10,23 @@ import torch
 from .layers import KVCache
 
 
-def pick_next(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-              generator: torch.Generator | None = None) -> torch.Tensor:
-    """[B, 1] next tokens: argmax for temperature 0, else a sample of softmax(logits / T)
-    restricted to the ``top_k`` largest logits."""
-    if temperature <= 0:
-        return logits_BV.argmax(-1, keepdim=True)
+def sampling_probs(logits_BV: torch.Tensor, temperature: float, top_k: int | None = None) -> torch.Tensor:
+    """[B, V]: the distribution ``pick_next`` samples from at ``temperature`` > 0,
+    softmax(logits / T) restricted to the ``top_k`` largest logits (ties at the k-th kept)."""
     logits_BV = logits_BV / temperature
     if top_k is not None and top_k < logits_BV.shape[-1]:
         kth = torch.topk(logits_BV, top_k).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
-    return torch.multinomial(logits_BV.softmax(-1), 1, generator=generator)
+    return logits_BV.softmax(-1)
+
+
+def pick_next(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, 1] next tokens: argmax for temperature 0, else a sample of
+    ``sampling_probs(logits, temperature, top_k)``."""
+    if temperature <= 0:
+        return logits_BV.argmax(-1, keepdim=True)
+    return torch.multinomial(sampling_probs(logits_BV, temperature, top_k), 1, generator=generator)
 
 
 @torch.no_grad()

@@ -234,6 +234,11 @@ class Hyperloop(Looped):
         return super().compile_targets() + [(hc, "coefficients") for hc in self.hc
                                              if isinstance(hc, HyperConnection)]
 
+    def stream_sites(self) -> list[nn.Module]:
+        """The begin blocks, each loop's hyper-connection (its output: the n streams) and
+        the end blocks; a middle block's own output is F of the mixed read, not the stream."""
+        return [*self.begin, *self.hc, *self.end]
+
     def cache_slots(self) -> list:  # the pooled-MLP variant caches its running sums per loop
         return super().cache_slots() + ([("pool", l) for l in range(self.loops)] if self.pooled else [])
 
@@ -275,6 +280,11 @@ class MHC(Trunk):
         out = [(b, f) for b in self.layers for f in ("attn_branch", "ffn_branch")]
         out += [(b.between, "forward") for b in self.layers if not isinstance(b.between, nn.Identity)]
         return out + [(hc, "coefficients") for hc in self.hc]
+
+    def stream_sites(self) -> list[nn.Module]:
+        """The hyper-connection of each sub-layer (its output: the n streams); the blocks'
+        own forward never runs here."""
+        return list(self.hc)
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         streams_BTnD = copy_streams(x_BTD, self.n_streams)

@@ -193,20 +193,16 @@ def angle_drift(model: nn.Module) -> list[dict]:
 
 @torch.no_grad()
 def zero_sum_profile(model: nn.Module, idx_BT: torch.Tensor) -> list[dict]:
-    """The zero-sum diagnostic at the embedding output and after every trunk layer."""
+    """The zero-sum diagnostic at the embedding output and after every layer application
+    the trunk makes (``Trunk.stream_sites``, via ``probe.recording``): a looped or UT block
+    once per pass, a hyper-connection's n streams (their mean: the diagnostic is linear)."""
+    from .probe import recording
+
     n = model.cfg.n_phases
-    out: list[dict] = []
-    hooks = [model.embed.register_forward_hook(
-        lambda m, i, o: out.append({"site": "embedding", "zero_sum": zero_sum_diagnostic(o, n)}))]
-    for j, layer in enumerate(model.trunk.blocks()):
-        hooks.append(layer.register_forward_hook(
-            lambda m, i, o, j=j: out.append({"site": f"layer {j}", "zero_sum": zero_sum_diagnostic(o, n)})))
-    try:
+    with recording(model) as rec:
         model.eval()(idx_BT)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out
+    return [{"site": site, "zero_sum": zero_sum_diagnostic(x if x.dim() == 3 else x.mean(2), n)}
+            for site, x in rec.states]
 
 
 register_block_option("phase_norm", norm=lambda cfg: PhaseRMSNorm(cfg.d_model, cfg.n_phases, cfg.norm_eps))

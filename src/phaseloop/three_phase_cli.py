@@ -57,5 +57,5 @@ def cmd_zero_sum(args) -> int:
     expect = N * sum(1 / k for k in range(1, T + 1)) / T
     print(f"zero-sum diagnostic, N={N}, T={T} (horn value N*H_T/T = {expect:.4f})")
     for r in zero_sum_profile(model, windows):
-        print(f"  {r['site']:<10} {r['zero_sum']:+.5f}")
+        print(f"  {r['site']:<18} {r['zero_sum']:+.5f}")
     return 0

@@ -38,6 +38,9 @@ class Trunk(nn.Module):
     * ``cache_slots()``: the KV-cache slots one forward may write (``layers.KVCache``).
     * ``compile_targets()``: the (module, method) pairs ``--compile block`` compiles
       (engine/compiling.py): every Block's forward, plus a trunk's per-step extras.
+    * ``stream_sites()``: the modules whose output is the residual stream after one layer
+      application (a forward hook on each sees every application, in order): the blocks
+      by default; trunks that wrap their blocks (hyper-connections) name the wrappers.
     """
 
     depth: int
@@ -47,6 +50,9 @@ class Trunk(nn.Module):
         from .layers import Block
 
         return [m for m in self.modules() if isinstance(m, Block)]
+
+    def stream_sites(self) -> list[nn.Module]:
+        return self.blocks()
 
     def set_depth(self, n: int, extend: str | None = None) -> None:
         """``extend='last'``: where passes have their own parameters (Hyperloop's loops),

@@ -1,7 +1,129 @@
-"""Explore: inside pages and endpoints (issue 26). Placeholder until its pages land."""
+"""Explore's "Inside a trained model" page (issue 26): a served run and a prompt (typed,
+or one of its validation windows) through ``phaseloop.probe``. Prompts are bounded by
+the model's max_seq_len, one evaluation runs at a time (``ctx.model_lock``), models and
+the latest analyses sit in bounded caches; the endpoints only call probe's functions."""
 
-PAGES: list[dict] = []  # nav entries: {"group": ..., "title": ..., "url": ...}
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+from starlette.routing import Route
+
+from .. import probe
+from ..checkpoint import checkpoint_dir, load_run, run_tokenizer
+from . import rundata
+from .app import api, page
+from .context import BadInput, Context, number
+from .runs import target
+
+PAGES = [{"group": "Inside a trained model", "title": "Inside a run", "url": "/inside"}]
+ANALYSES = 4  # analyses kept (a page asks several endpoints about the same prompt)
+TOP = 10  # next tokens listed
+MAX_DEPTH_SWEEP = 16
 
 
-def routes(ctx) -> list:
-    return []
+class Inside:
+    """The state of the inside endpoints: loaded models (in ``ctx``'s bounded cache) and
+    the latest analyses (LRU)."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.analyses: OrderedDict = OrderedDict()
+
+    def loaded(self, run: Path):
+        """(model, run_cfg, tokenizer, key): key names the checkpoint's files as loaded."""
+        ckpt = checkpoint_dir(run)
+        if ckpt is None:
+            raise BadInput(f"{run.name} has no checkpoint yet; wait for its first --ckpt-every step")
+        stamp = max((p.stat().st_mtime_ns for p in ckpt.iterdir()), default=0)
+
+        def load():
+            model, run_cfg = load_run(run)
+            return model, run_cfg, run_tokenizer(run, run_cfg)
+
+        key = (str(run), str(ckpt), stamp)
+        return (*self.ctx.model(key, load), key)
+
+    def ids(self, run: Path, params: dict):
+        model, run_cfg, tok, _ = self.loaded(run)
+        L = model.cfg.max_seq_len
+        if params.get("window") not in (None, ""):
+            k = number(params, "window", int, lo=0, hi=7)
+            return probe.validation_window(run, run_cfg, k, L - 1)  # L tokens
+        return probe.encode_prompt(tok, params.get("prompt"), L)
+
+    def analysis(self, params: dict):
+        run = target(self.ctx, params, "run")
+        model, run_cfg, tok, loaded = self.loaded(run)
+        ids = self.ids(run, params)
+        key = (loaded, tuple(ids.tolist()))
+        if key in self.analyses:
+            self.analyses.move_to_end(key)
+        else:
+            with self.ctx.model_lock:
+                self.analyses[key] = probe.analyze(model, ids)
+            while len(self.analyses) > ANALYSES:
+                self.analyses.popitem(last=False)
+        return run, model, tok, ids, self.analyses[key]
+
+
+def _tokens(tok, ids) -> list[str]:
+    return [tok.decode([i]) for i in ids]
+
+
+def routes(ctx: Context) -> list:
+    inside = Inside(ctx)
+
+    def runs(ctx: Context, params: dict) -> dict:
+        out = []
+        for root, base in ctx.roots.items():
+            for k, rel in rundata.find(base):
+                if k == "run" and checkpoint_dir(base / rel) is not None:
+                    out.append({"root": root, "path": rel, "name": f"{root}/{rel}" if rel else root})
+        return {"runs": out}
+
+    def analyze(ctx: Context, params: dict) -> dict:
+        run, model, tok, ids, a = inside.analysis(params)
+        cfg = model.cfg
+        return {**a.summary(), "tokens": _tokens(tok, ids), "arch": cfg.arch, "max_seq_len": cfg.max_seq_len,
+                "vocab_size": cfg.vocab_size, "dynamic_depth": bool(model.trunk.dynamic_depth),
+                "n_phases": getattr(cfg, "n_phases", 1)}
+
+    def attention(ctx: Context, params: dict) -> dict:
+        run, model, tok, ids, a = inside.analysis(params)
+        if not a.attention:
+            raise BadInput("this model has no self-attention to draw")
+        site = number(params, "site", int, default=0, lo=0, hi=len(a.attention) - 1)
+        name, p_HTT = a.attention[site]
+        head = number(params, "head", int, default=0, lo=0, hi=p_HTT.shape[0] - 1)
+        return {"site": name, "head": head, "weights": p_HTT[head], "tokens": _tokens(tok, ids)}
+
+    def next_token(ctx: Context, params: dict) -> dict:
+        run, model, tok, ids, a = inside.analysis(params)
+        pos = number(params, "pos", int, default=len(ids) - 1, lo=0, hi=len(ids) - 1)
+        temperature = number(params, "temperature", float, default=1.0, lo=0.01, hi=100.0)
+        top_k = number(params, "top_k", int, default=model.cfg.vocab_size, lo=1, hi=model.cfg.vocab_size)
+        rows = probe.next_token(a.logits[pos], temperature, top_k, TOP)
+        for r in rows:
+            r["text"] = tok.decode([r["id"]])
+        actual = ids[pos + 1].item() if pos + 1 < len(ids) else None
+        return {"pos": pos, "context_token": tok.decode([ids[pos].item()]), "temperature": temperature,
+                "top_k": top_k, "tokens": rows, "actual": None if actual is None else tok.decode([actual])}
+
+    def depth(ctx: Context, params: dict) -> dict:
+        run, model, tok, ids, a = inside.analysis(params)
+        if not model.trunk.dynamic_depth:
+            raise BadInput(f"a {model.cfg.arch} model has a fixed depth: no loss against depth to draw")
+        hi = number(params, "max_depth", int, default=8, lo=1, hi=MAX_DEPTH_SWEEP)
+        with ctx.model_lock:
+            return {"rows": probe.loss_vs_depth(model, ids, list(range(1, hi + 1)))}
+
+    return [
+        Route("/inside", page("inside/index.html", "Inside a trained model")),
+        Route("/api/inside/runs", api(runs)),
+        Route("/api/inside/analyze", api(analyze)),
+        Route("/api/inside/attention", api(attention)),
+        Route("/api/inside/next", api(next_token)),
+        Route("/api/inside/depth", api(depth)),
+    ]
