@@ -89,7 +89,8 @@ def page(template: str, title: str, **extra):
     async def endpoint(request: Request) -> Response:
         ctx: Context = request.app.state.ctx
         return templates.TemplateResponse(request, template, {
-            "title": title, "nav": request.app.state.nav, "roots": list(ctx.roots),
+            "title": title, "nav": request.app.state.nav,
+            "nav_groups": request.app.state.nav_groups, "roots": list(ctx.roots),
             "params": dict(request.path_params), **extra})
 
     return endpoint
@@ -115,6 +116,10 @@ def create_app(ctx: Context | None = None) -> "Starlette":
     app = Starlette(routes=routes)
     app.state.ctx = ctx
     app.state.nav = nav
+    groups: dict[str, list[dict]] = {}  # in registration order: Learn, Runs, Inside
+    for item in nav:
+        groups.setdefault(item["group"], []).append(item)
+    app.state.nav_groups = list(groups.items())
     return app
 
 
