@@ -36,10 +36,18 @@ class Trunk(nn.Module):
       architecture allows it (``dynamic_depth``); ``fix_depth()``: make the number of block
       applications independent of the input (FSDP needs every rank to apply them equally).
     * ``cache_slots()``: the KV-cache slots one forward may write (``layers.KVCache``).
+    * ``exit_rules``: the ``early_exit`` rules the trunk applies (its loop calls
+      ``early_exit.monitor``), set by ``early_exit.set_exit`` into ``exits``;
+      ``pass_blocks``: the blocks one pass applies (FLOPs of an exited position);
+      ``passes``: the passes a forward runs now (set_depth's n).
     """
 
     depth: int
     dynamic_depth = False  # set_depth works
+    exit_rules: tuple = ()  # none: a stack has no passes to skip
+    exits = None  # early_exit.Exits while a rule is set
+    pass_blocks = 1
+    passes: int | None = None
 
     def blocks(self) -> list[nn.Module]:
         from .layers import Block
