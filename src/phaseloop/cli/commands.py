@@ -219,6 +219,8 @@ def _eval_exits(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
 def cmd_generate(args) -> int:
     import torch
 
+    from ..early_exit import tally
+
     if args.temperature < 0:  # the parser's types check the rest (finite, counts in range)
         raise PhaseloopError(f"--temperature {args.temperature}: must be a finite number >= 0 "
                              "(0 = greedy, 1 = the model's distribution)")
@@ -231,8 +233,12 @@ def cmd_generate(args) -> int:
         _stderr(f"note: prompt + new tokens ({idx.shape[1] + args.max_new_tokens}) exceed the model's "
                 f"max_seq_len {model.cfg.max_seq_len}: later positions are beyond what it was trained on")
     g = torch.Generator(device=device).manual_seed(args.seed)
-    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         generator=g, use_cache=not args.no_cache)
+    with tally(model) as t:
+        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             generator=g, use_cache=not args.no_cache)
+    if args.exit and t.positions:
+        _stderr(f"note: --exit {args.exit[0].label}: mean depth {t.mean('passes'):.2f} of "
+                f"{model.trunk.passes} passes per position computed")
     sys.stdout.write(tok.decode(out[0].tolist()) + "\n")
     return 0
 
