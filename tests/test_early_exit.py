@@ -36,13 +36,18 @@ def _rule(text):
 
 
 def _mixed(m, idx, kind):
-    """A value of rule ``kind`` under which positions exit early after different passes."""
-    values = range(1, D) if kind == "argmax" else [f"{10 ** (e / 8):.3g}" for e in range(-80, 17)]
-    for v in values:
+    """A value of rule ``kind`` under which positions exit after different passes (found by
+    bisection of log10 EPS on the mean depth; argmax: K = 1 .. D - 1)."""
+    lo, hi = -10.0, 3.0
+    for v in range(1, D) if kind == "argmax" else range(20):
+        if kind != "argmax":
+            v = 10 ** ((lo + hi) / 2)
         set_exit(m, _rule(f"{kind}:{v}"))
         passes = m(idx).stats["exit_passes"]
         if (passes < D).any() and len(passes.unique()) > 1:
             return passes
+        if kind != "argmax":
+            lo, hi = (lo, (lo + hi) / 2) if passes.float().mean() < (D + 1) / 2 else ((lo + hi) / 2, hi)
     pytest.fail(f"no {kind} value gives mixed exit decisions")
 
 
