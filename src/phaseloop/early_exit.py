@@ -108,8 +108,10 @@ def set_exit(model, rule: ExitRule | None) -> None:
     rules = getattr(trunk, "exit_rules", ())
     if not rules:
         tied = ", ".join(s.name for s in registry.all_archs() if getattr(s.trunk, "exit_rules", ()))
-        raise ConfigError(f"a {model.cfg.arch} model is a stack of distinct layers: no position can "
-                          f"exit early (--exit applies to weight-tied trunks: {tied})")
+        what = ("its trunk declares no early-exit rules (Trunk.exit_rules)" if trunk.dynamic_depth
+                else "it is a stack of distinct layers")
+        raise ConfigError(f"a {model.cfg.arch} model cannot exit early per position: {what} "
+                          f"(--exit applies to: {tied})")
     if rule is not None and rule.kind not in rules:
         if rule.kind == "act":
             raise ConfigError(f"exit rule {rule.label} sets an ACT halting threshold, but this "
