@@ -20,10 +20,10 @@ CASES = [("universal-tiny", {}), ("looped-tiny", {}), ("hyperloop-tiny", {}),
 IDS = ["universal", "looped", "hyperloop", "hyperloop-per-layer", "hyperloop-pooled"]
 
 
-def _model(preset, **over):
+def _model(preset, depth=D, **over):
     torch.manual_seed(0)
     m = build_model(ModelConfig.from_preset(preset, **over)).eval().double()
-    m.trunk.set_depth(D, extend="last")
+    m.trunk.set_depth(depth, extend="last")
     return m
 
 
@@ -38,7 +38,7 @@ def _rule(text):
 def _mixed(m, idx, kind):
     """A value of rule ``kind`` under which positions exit after different passes (found by
     bisection of log10 EPS on the mean depth; argmax: K = 1 .. D - 1)."""
-    lo, hi = -10.0, 3.0
+    lo, hi, D = -10.0, 3.0, m.trunk.passes
     for v in range(1, D) if kind == "argmax" else range(20):
         if kind != "argmax":
             v = 10 ** ((lo + hi) / 2)
@@ -73,10 +73,11 @@ def test_zero_eps_is_the_full_depth_exactly(preset, over):
     assert "exit_passes" not in m(idx).stats
 
 
+@pytest.mark.parametrize("depth", [3, D])
 @pytest.mark.parametrize("kind", ["kl", "argmax", "state"])
 @pytest.mark.parametrize("preset,over", CASES, ids=IDS)
-def test_cached_decoding_equals_the_full_pass_with_the_same_decisions(preset, over, kind):
-    m = _model(preset, **over)
+def test_cached_decoding_equals_the_full_pass_with_the_same_decisions(preset, over, kind, depth):
+    m = _model(preset, depth, **over)
     idx = _idx()
     passes = _mixed(m, idx, kind)
     full = m(idx).logits
