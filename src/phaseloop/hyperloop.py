@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MAX_DEPTH, ModelConfig, fail, register_presets
+from .early_exit import PASS_RULES, monitor
 from .hyperconn import HyperConnection, copy_streams, merge_streams
 from .layers import Block, Context, compute_dtype
 from .registry import ArchSpec, register_arch
@@ -162,8 +163,14 @@ class Looped(Trunk):
         self.n_loops = cfg.n_loops  # trained passes of the middle block
         self.loops = cfg.n_loops  # passes run now (set_depth)
         self.depth = b + m * cfg.n_loops + e  # nominal (trained) depth: init scaling, FLOPs
+        self.pass_blocks = m
 
     dynamic_depth = True
+    exit_rules = PASS_RULES  # early exit per position after each pass (early_exit.py)
+
+    @property
+    def passes(self) -> int:
+        return self.loops
 
     def set_depth(self, n: int, extend: str | None = None) -> None:
         """Run ``n`` passes of the shared middle block from now on (depth extrapolation
@@ -178,9 +185,12 @@ class Looped(Trunk):
 
     @staticmethod
     def run(layers: nn.ModuleList, x_BTD: torch.Tensor, ctx: Context, name: str,
-            loop: int | None = None) -> torch.Tensor:
+            loop: int | None = None, mon=None) -> torch.Tensor:
+        """``mon`` (early exit): exited positions keep their input through every layer."""
+        x_in = x_BTD
         for i, layer in enumerate(layers):
             x_BTD = layer(x_BTD, ctx, slot=(name, i) if loop is None else (name, i, loop))
+            x_BTD = x_BTD if mon is None else mon.hold(x_in, x_BTD)
         return x_BTD
 
     def cache_slots(self) -> list:
@@ -190,8 +200,10 @@ class Looped(Trunk):
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         x_BTD = self.run(self.begin, x_BTD, ctx, "begin")
+        mon = monitor(self, x_BTD, ctx, self.loops)  # early exit per position (early_exit.py)
         for loop in range(self.loops):
-            x_BTD = self.run(self.middle, x_BTD, ctx, "middle", loop)
+            y_BTD = self.run(self.middle, x_BTD, ctx, "middle", loop, mon)
+            x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
         return self.run(self.end, x_BTD, ctx, "end")
 
 
@@ -245,17 +257,21 @@ class Hyperloop(Looped):
     def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
         x_BTD = self.run(self.begin, x_BTD, ctx, "begin")
         streams_BTnD = copy_streams(x_BTD, self.n_streams)
+        mon = monitor(self, streams_BTnD, ctx, self.loops, merge_streams)  # early exit (early_exit.py)
         m = len(self.middle)
         for loop in range(self.loops):
             p = self._param_loop(loop)
-            if self.per_layer:
+            before = streams_BTnD
+            if self.per_layer:  # an exited position's streams stay frozen through the pass
                 for i, layer in enumerate(self.middle):
                     streams_BTnD = self.hc[p * m + i](
                         streams_BTnD, lambda h: layer(h, ctx, slot=("middle", i, loop)))
+                    streams_BTnD = streams_BTnD if mon is None else mon.hold(before, streams_BTnD)
             else:
                 streams_BTnD = self.hc[p](
-                    streams_BTnD, lambda h: self.run(self.middle, h, ctx, "middle", loop),
+                    streams_BTnD, lambda h: self.run(self.middle, h, ctx, "middle", loop, mon),
                     ctx, ("pool", loop))
+            streams_BTnD = streams_BTnD if mon is None else mon.step(before, streams_BTnD)
         return self.run(self.end, merge_streams(streams_BTnD), ctx, "end")
 
 

@@ -71,13 +71,24 @@ def plot_accuracy(per_seed: list[dict], path: str | Path, title: str) -> None:
     save_png(fig, path)
 
 
-def plot_depth_sweep(rows: list[dict], path: str | Path, title: str) -> None:
-    """eval --depth: loss and bits per byte against the trunk's depth at inference."""
+def plot_depth_sweep(rows: list[dict], path: str | Path, title: str,
+                     xlabel: str = "depth at inference (UT steps / loop passes)",
+                     group: str | None = None) -> None:
+    """eval --depth: loss and bits per byte against the trunk's depth at inference; with
+    ``group`` (eval --exit: the rule), loss against each row's (mean) depth, one line per
+    value of ``rows[i][group]``, the first row (no rule) a point every line starts from."""
     fig, ax = pyplot().subplots(figsize=(5, 3.2))
-    depths = [r["depth"] for r in rows]
-    ax.plot(depths, [r["val_loss"] for r in rows], "o-", label="loss (nats/token)")
-    ax.plot(depths, [r["val_bpb"] for r in rows], "s--", label="bits per byte")
-    ax.set_xlabel("depth at inference (UT steps / loop passes)")
+    if group is None:
+        depths = [r["depth"] for r in rows]
+        ax.plot(depths, [r["val_loss"] for r in rows], "o-", label="loss (nats/token)")
+        ax.plot(depths, [r["val_bpb"] for r in rows], "s--", label="bits per byte")
+    else:
+        ref, rest = rows[0], rows[1:]
+        for name in dict.fromkeys(r[group] for r in rest):
+            line = sorted([ref] + [r for r in rest if r[group] == name], key=lambda r: r["depth"])
+            ax.plot([r["depth"] for r in line], [r["val_loss"] for r in line], "o-", label=name)
+        ax.set_ylabel("loss (nats/token)")
+    ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -41,10 +41,18 @@ class Trunk(nn.Module):
     * ``stream_sites()``: the modules whose output is the residual stream after one layer
       application (a forward hook on each sees every application, in order): the blocks
       by default; trunks that wrap their blocks (hyper-connections) name the wrappers.
+    * ``exit_rules``: the ``early_exit`` rules the trunk applies (its loop calls
+      ``early_exit.monitor``), set by ``early_exit.set_exit`` into ``exits``;
+      ``pass_blocks``: the blocks one pass applies (FLOPs of an exited position);
+      ``passes``: the passes a forward runs now (set_depth's n).
     """
 
     depth: int
     dynamic_depth = False  # set_depth works
+    exit_rules: tuple = ()  # none: a stack has no passes to skip
+    exits = None  # early_exit.Exits while a rule is set
+    pass_blocks = 1
+    passes: int | None = None
 
     def blocks(self) -> list[nn.Module]:
         from .layers import Block

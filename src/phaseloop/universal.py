@@ -54,6 +54,7 @@ from torch import nn
 
 from .act import ACTState, combine, ponder_cost, ponder_loss
 from .config import ModelConfig, fail
+from .early_exit import PASS_RULES, monitor
 from .errors import ConfigError
 from .layers import Block, Context, compute_dtype, paper_timing_signal, timing_signal
 from .registry import ArchSpec, register_arch
@@ -227,8 +228,14 @@ class UniversalTrunk(Trunk):
         # ACT may stop once every position halted (same output); FSDP2 turns it off, as
         # its block all-gathers need every rank to apply the block equally often
         self.early_exit = cfg.act_early_exit
+        self.exit_rules = ("act",) if cfg.act else PASS_RULES  # early_exit.set_exit
 
     dynamic_depth = True
+    exit_rules = (*PASS_RULES, "act")  # this arch's, with or without ACT
+
+    @property
+    def passes(self) -> int:
+        return self.steps
 
     def set_steps(self, steps: int) -> None:
         """Depth extrapolation: run ``steps`` applications (ACT: max steps) from now on."""
@@ -257,14 +264,17 @@ class UniversalTrunk(Trunk):
         steps = self.steps if steps is None else steps
         pos_TD = self.signal.position(ctx.start_pos, x_BTD.shape[1], x_BTD.device)
         if self.halting is None:
+            mon = monitor(self, x_BTD, ctx, steps)  # early exit per position (early_exit.py)
             for t in range(steps):
-                x_BTD = self.block(self.signal(x_BTD, pos_TD, t), ctx, ("ut", t))
+                y_BTD = self.block(self.signal(x_BTD, pos_TD, t), ctx, ("ut", t))
+                x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
             return x_BTD
         return self._act(x_BTD, ctx, steps, pos_TD)
 
     def _act(self, x_BTD, ctx: Context, steps: int, pos_TD) -> torch.Tensor:
         cfg = self.cfg
-        threshold = 1.0 - cfg.act_epsilon
+        # an inference-time threshold (early_exit rule act:THRESHOLD) replaces the trained one
+        threshold = 1.0 - cfg.act_epsilon if self.exits is None else self.exits.rule.value
         # meta tensors (``phaseloop params``) cannot be read: count all max steps
         early_exit = self.early_exit and x_BTD.device.type != "meta"
         cache, end = ctx.cache, ctx.start_pos + x_BTD.shape[1]
@@ -295,6 +305,7 @@ class UniversalTrunk(Trunk):
             cache.entries.setdefault(("ut_in", t + 1), []).append(y_BND)
         ctx.aux_losses["ponder_loss"] = ponder_loss(state, cfg.act_loss_weight)
         ctx.stats["ponder_time"] = ponder_cost(state).detach()
+        ctx.stats["exit_passes"] = state.n_updates.detach()  # steps each position used
         ctx.stats["halting_probs"] = torch.stack(probs)
         return out_BTD
 

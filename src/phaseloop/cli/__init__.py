@@ -70,6 +70,16 @@ def _depth_options(p, sweep: bool = False) -> None:
                    "reuse the last loop's parameters (refused otherwise)")
 
 
+def _exit_options(p, sweep: bool = False) -> None:
+    """--exit: early exit per position at inference (issue 25, early_exit.py)."""
+    p.add_argument("--exit", type=T.exit_rules, action="append" if sweep else None,
+                   metavar="RULE:V[,V...]" if sweep else "RULE:V",
+                   help="stop a position early: kl:EPS (next-token KL between passes), argmax:K "
+                   "(argmax kept K passes), state:EPS (relative state change), act:THRESHOLD "
+                   "(UT+ACT)" + ("; values separated by commas sweep, repeat for more rules"
+                                 if sweep else ""))
+
+
 def _data_options(p) -> None:
     """train's data flags: default None (not given), so a config file or a resumed run's
     own settings apply (runconfig.DATA_DEFAULTS otherwise)."""
@@ -111,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="val: the held-out tail; all: every token (e.g. a separate test file)")
     e.add_argument("--json", action="store_true")
     _depth_options(e, sweep=True)
-    e.add_argument("--plot", metavar="PNG", help="with --depth: loss and BPB against depth, as a PNG")
+    _exit_options(e, sweep=True)
+    e.add_argument("--plot", metavar="PNG", help="with --depth: loss and BPB against depth; with "
+                   "--exit: loss against mean depth; as a PNG")
 
     g = on_a_run(sub, "generate", "sample text from a run", C.cmd_generate, data=False)
     g.add_argument("--prompt", default="")
@@ -121,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=T.seed_int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute the full prefix every token")
     _depth_options(g)
+    _exit_options(g)
 
     c = sub.add_parser("params", help="parameter and FLOP counts of a preset (no weights allocated)")
     c.add_argument("--preset", help=f"preset name (default {registry.default_preset()})")

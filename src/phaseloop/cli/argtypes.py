@@ -91,3 +91,16 @@ def depth_list(text: str) -> list[int]:
 
 
 depth_list.__name__ = "depth list"
+
+
+def exit_rules(text: str) -> list:
+    """``RULE:V[,V...]`` (``early_exit.parse_exit``): an ExitRule per value."""
+    from ..early_exit import parse_exit
+
+    try:
+        return parse_exit(text)
+    except PhaseloopError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+exit_rules.__name__ = "exit rule"

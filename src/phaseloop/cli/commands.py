@@ -20,6 +20,7 @@ from ..errors import PhaseloopError
 from ..train import check_seq_len, evaluate
 from ..runconfig import resolve_run, train_run
 from . import trainflags
+from .sweeps import eval_depths, eval_exits
 
 
 def parse_overrides(items: list[str] | None) -> dict:
@@ -62,8 +63,12 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    if args.depth is None and (args.extend_loops or args.plot):
-        raise PhaseloopError("--extend-loops and --plot apply with --depth; add --depth K[,K...]")
+    if args.depth is None and (args.extend_loops or (args.plot and not args.exit)):
+        raise PhaseloopError("--extend-loops and --plot apply with --depth (--plot also with --exit); "
+                             "add --depth K[,K...]")
+    if args.exit and args.depth is not None and len(args.depth) > 1:
+        raise PhaseloopError("--exit sweeps its rules at one depth; give one --depth K (or none: "
+                             "the trained depth)")
     device = resolve_device(args.device)
     model, run_cfg = load_run(args.run, device)
     corpus = run_corpus(args.run, run_cfg, args.data)
@@ -74,8 +79,12 @@ def cmd_eval(args) -> int:
     else:
         _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     windows = eval_windows(tokens, seq_len, args.windows)
+    if args.plot:  # refuse a plot without matplotlib before evaluating
+        plots.pyplot()
+    if args.exit:
+        return eval_exits(args, model, run_cfg, corpus, windows, seq_len, device)
     if args.depth is not None:
-        return _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device)
+        return eval_depths(args, model, run_cfg, corpus, windows, seq_len, device)
     res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
     res.update({"data": corpus.name, "fingerprint": corpus.fingerprint, "split": args.split,
                 "windows": len(windows), "seq_len": seq_len})
@@ -88,50 +97,26 @@ def cmd_eval(args) -> int:
 
 
 def _depth_args(args, model) -> None:
-    """Apply --depth / --extend-loops (one depth) to a loaded model."""
+    """Apply --depth / --extend-loops (one depth) and --exit (one rule) to a loaded model."""
     from ..depth import set_model_depth
+    from ..early_exit import set_exit
 
     if args.depth is None:
         if args.extend_loops:
             raise PhaseloopError("--extend-loops applies with --depth; add --depth K")
-        return
-    set_model_depth(model, args.depth, args.extend_loops)
-
-
-def _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
-    """eval --depth K[,K...]: loss, BPB, FLOPs per token and tokens/s at each depth."""
-    from ..depth import flops_per_token, set_model_depth
-
-    for d in args.depth:  # refuse a bad depth (or a plot without matplotlib) before evaluating
-        set_model_depth(model, d, args.extend_loops)
-    if args.plot:
-        plots.pyplot()
-    rows = []
-    for d in args.depth:
-        set_model_depth(model, d, args.extend_loops)
-        t0 = time.perf_counter()
-        res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
-        tok_s = res["val_tokens"] / max(time.perf_counter() - t0, 1e-9)
-        flops = flops_per_token(model.cfg, seq_len, d, args.extend_loops)
-        rows.append({"depth": d, **res, "flops_per_token": flops,
-                     "tok_per_s": tok_s, "data": corpus.name, "fingerprint": corpus.fingerprint,
-                     "split": args.split,
-                     "windows": len(windows), "seq_len": seq_len})
-    if args.plot:
-        plots.plot_depth_sweep(rows, args.plot, f"{run_folder(args.run).name}: {corpus.name} [{args.split}]")
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    print(f"{corpus.name} [{args.split}], {len(windows)} windows of {seq_len}")
-    print(f"{'depth':>6}{'loss':>9}{'bpb':>9}{'MFLOP/tok':>11}{'tok/s':>10}")
-    for r in rows:
-        fl = "-" if r["flops_per_token"] is None else f"{r['flops_per_token'] / 1e6:.2f}"
-        print(f"{r['depth']:>6}{r['val_loss']:>9.4f}{r['val_bpb']:>9.4f}{fl:>11}{r['tok_per_s']:>10.0f}")
-    return 0
+    else:
+        set_model_depth(model, args.depth, args.extend_loops)
+    if args.exit:
+        if len(args.exit) > 1:
+            raise PhaseloopError(f"--exit {args.exit[0].kind}: give one value here (a list sweeps "
+                                 "in `phaseloop eval` only)")
+        set_exit(model, args.exit[0])
 
 
 def cmd_generate(args) -> int:
     import torch
+
+    from ..early_exit import tally
 
     if args.temperature < 0:  # the parser's types check the rest (finite, counts in range)
         raise PhaseloopError(f"--temperature {args.temperature}: must be a finite number >= 0 "
@@ -145,8 +130,12 @@ def cmd_generate(args) -> int:
         _stderr(f"note: prompt + new tokens ({idx.shape[1] + args.max_new_tokens}) exceed the model's "
                 f"max_seq_len {model.cfg.max_seq_len}: later positions are beyond what it was trained on")
     g = torch.Generator(device=device).manual_seed(args.seed)
-    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         generator=g, use_cache=not args.no_cache)
+    with tally(model) as t:
+        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             generator=g, use_cache=not args.no_cache)
+    if args.exit and t.positions:
+        _stderr(f"note: --exit {args.exit[0].label}: mean depth {t.mean('passes'):.2f} of "
+                f"{model.trunk.passes} passes per position computed")
     sys.stdout.write(tok.decode(out[0].tolist()) + "\n")
     return 0
 
