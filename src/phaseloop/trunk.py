@@ -33,8 +33,9 @@ class Trunk(nn.Module):
     * ``depth``: residual layer applications per token (init scaling, FLOPs, depth matching).
     * ``blocks()``: the distinct blocks, each once however often it is applied (FSDP units).
     * ``set_depth(n)``: run ``n`` applications of the shared block(s) from now on, where the
-      architecture allows it (``dynamic_depth``); ``fix_depth()``: make the number of block
-      applications independent of the input (FSDP needs every rank to apply them equally).
+      architecture allows it (``dynamic_depth``); ``reset_depth()``: back to the depth it was
+      built (trained) at; ``fix_depth()``: make the number of block applications independent of
+      the input (FSDP needs every rank to apply them equally).
     * ``cache_slots()``: the KV-cache slots one forward may write (``layers.KVCache``).
     """
 
@@ -50,6 +51,9 @@ class Trunk(nn.Module):
         """``extend='last'``: where passes have their own parameters (Hyperloop's loops),
         reuse the last trained pass's beyond the trained count (refused otherwise)."""
         raise ConfigError(f"{type(self).__name__} has a fixed depth; its weights define every layer")
+
+    def reset_depth(self) -> None:
+        """Run at the depth the trunk was built (trained) at again; a stack always does."""
 
     def fix_depth(self) -> None:
         """Nothing to do for a trunk whose depth never depends on the input."""
