@@ -3,6 +3,7 @@ step at a depth drawn uniformly from LO..HI as a function of (seed, step); evalu
 checkpoints and decoding see the trained depth; bad ranges are one-line errors."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -78,7 +79,9 @@ TC = dict(batch_size=2, lr=1e-3, warmup_steps=1, log_every=1, device="cpu")
 
 def test_sampled_depths_follow_the_seed_and_cover_the_range():
     seq = [sample_depth((2, 6), 0, s) for s in range(300)]
+    random.seed(7), torch.manual_seed(7)  # no global RNG state enters (each rank, a resumed run)
     assert seq == [sample_depth((2, 6), 0, s) for s in range(300)]  # same seed: same sequence
+    assert seq[120:] == [sample_depth((2, 6), 0, s) for s in range(120, 300)]  # from any step on
     assert seq != [sample_depth((2, 6), 1, s) for s in range(300)]
     assert set(seq) == {2, 3, 4, 5, 6}  # every depth of the range, none outside it
     assert all(abs(seq.count(d) / 300 - 0.2) < 0.08 for d in range(2, 7))  # ~uniform
