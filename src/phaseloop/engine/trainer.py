@@ -132,7 +132,8 @@ class Trainer:
         restored = self._restore_model(ckpt) if ckpt is not None else None
         if tc.checkpoint_activations:  # before FSDP2 wraps the blocks, as torchtitan does
             dist.checkpoint_activations(self.model)
-        self.fwd = dist.parallelize(self.model, tc.parallel, self.device)  # from outside the model
+        self.fwd = dist.parallelize(self.model, tc.parallel, self.device,  # from outside the model
+                                    varying_depth=tc.depth_sample is not None)
         self.peak = dist.peak_flops(self.device, tc.peak_tflops)
         self.optimizer = make_optimizer(self.model, tc)  # after FSDP2 made its parameters DTensors
         if restored is not None:
