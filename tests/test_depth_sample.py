@@ -208,3 +208,27 @@ def test_compare_refuses_a_stack_variant_before_training(tmp_path, text_file):
     with pytest.raises(RecipeError, match="variant 'rope'.*no depth to change"):
         run_comparison(recipe, tmp_path / "c", progress=False, log=None)
     assert not (tmp_path / "c" / "runs").exists()
+
+
+def test_a_plugin_trunk_without_reset_depth_is_refused():
+    """A weight-tied plugin trunk must say how to return to its trained depth; without
+    reset_depth the engine would leave it at the last sampled depth."""
+    from phaseloop.depth import check_depth_sample
+    from phaseloop.trunk import Trunk
+
+    class Loop(Trunk):
+        dynamic_depth = True
+
+        def set_depth(self, n, extend=None):
+            self.n = n
+
+    with pytest.raises(ConfigError, match="defines no reset_depth"):
+        check_depth_sample(Loop(), (1, 2))
+
+    class Resettable(Loop):
+        def reset_depth(self):
+            self.n = 3
+
+    t = Resettable()
+    check_depth_sample(t, (1, 2))
+    assert t.n == 3

@@ -65,6 +65,7 @@ def check_depth_sample(model, depth_range: tuple[int, int], extend: str | None =
     for d in depth_range:  # the ends bound every check set_depth makes
         try:
             set_model_depth(model, d, extend)
+            getattr(model, "trunk", model).reset_depth()
         except ConfigError as e:
             raise ConfigError(f"invalid train config: depth_sample={depth_range[0]}:{depth_range[1]}: "
                               f"{e}") from None

@@ -54,6 +54,9 @@ class Trunk(nn.Module):
 
     def reset_depth(self) -> None:
         """Run at the depth the trunk was built (trained) at again; a stack always does."""
+        if self.dynamic_depth:  # a plugin trunk with set_depth but without its inverse
+            raise ConfigError(f"{type(self).__name__} changes its depth (dynamic_depth) but defines no "
+                              "reset_depth(); define it to train with depth_sample")
 
     def fix_depth(self) -> None:
         """Nothing to do for a trunk whose depth never depends on the input."""
