@@ -200,13 +200,21 @@ def test_train_bad_depth_sample_is_one_line_and_writes_nothing(tmp_path, text_fi
     assert not (run / "config.json").exists() and not (run / "checkpoint").exists()
 
 
+def _recipe(text_file, variants):
+    return Recipe.from_dict(dict(name="d", data=str(text_file), scale="tiny", seeds=[0], variants=variants,
+                                 train=dict(steps=2, batch_size=2, seq_len=16, warmup_steps=1, eval_every=2,
+                                            eval_windows=2, ckpt_every=2, log_every=1, depth_sample="2:3")))
+
+
+def test_compare_recipes_train_for_depth(tmp_path, text_file):
+    run_comparison(_recipe(text_file, ["universal", "looped"]), tmp_path / "c", progress=False, log=None)
+    configs = sorted((tmp_path / "c" / "runs").glob("*/config.json"))
+    assert len(configs) == 2 and all(json.loads(c.read_text())["train"]["depth_sample"] == "2:3" for c in configs)
+
+
 def test_compare_refuses_a_stack_variant_before_training(tmp_path, text_file):
-    recipe = Recipe.from_dict(dict(name="d", data=str(text_file), scale="tiny", seeds=[0],
-                                   variants=["universal", "rope"],
-                                   train=dict(steps=2, batch_size=2, seq_len=16, warmup_steps=1, eval_every=2,
-                                              eval_windows=2, ckpt_every=2, log_every=1, depth_sample="2:3")))
     with pytest.raises(RecipeError, match="variant 'rope'.*no depth to change"):
-        run_comparison(recipe, tmp_path / "c", progress=False, log=None)
+        run_comparison(_recipe(text_file, ["universal", "rope"]), tmp_path / "c", progress=False, log=None)
     assert not (tmp_path / "c" / "runs").exists()
 
 
