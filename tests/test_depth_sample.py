@@ -240,3 +240,18 @@ def test_a_plugin_trunk_without_reset_depth_is_refused():
     t = Resettable()
     check_depth_sample(t, (1, 2))
     assert t.n == 3
+
+
+def test_an_encoder_decoder_returns_each_side_to_its_own_trained_steps():
+    """UniversalSeq2Seq with ACT on the decoder only: its sides train at different step
+    limits (n_steps, act_steps); after a sampled step each is back at its own."""
+    from phaseloop.depth import sampled_depth
+    from phaseloop.universal import UniversalSeq2Seq
+
+    cfg = tiny("universal-act-tiny")
+    m = UniversalSeq2Seq(cfg, encoder_act=False, decoder_act=True)
+    enc, dec = m.encoder.steps, m.decoder.steps
+    assert (enc, dec) == (cfg.n_steps, cfg.act_steps) and enc != dec
+    with sampled_depth(m, TrainConfig(depth_sample="1:2"), 0) as d:
+        assert m.encoder.steps == m.decoder.steps == d
+    assert (m.encoder.steps, m.decoder.steps) == (enc, dec)
