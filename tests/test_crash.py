@@ -56,20 +56,21 @@ def _leftovers(out):
     return sorted(p.name for p in out.iterdir() if p.name.startswith("."))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_sigkill_at_random_moments_then_resume_is_exact(tmp_path, text_file, seed):
+# the last: training for depth (each step's depth drawn from 1..6 by seed and step) resumes as exactly
+@pytest.mark.parametrize("seed, extra", [(0, ()), (1, ()), (2, ("--preset", "universal-tiny", "--depth-sample", "1:6"))])
+def test_sigkill_at_random_moments_then_resume_is_exact(tmp_path, text_file, seed, extra):
     ref = tmp_path / "ref"
-    subprocess.run(_cmd(ref, text_file), check=True, capture_output=True)
+    subprocess.run(_cmd(ref, text_file, *extra), check=True, capture_output=True)
     out, rng, kills = tmp_path / "crash", random.Random(seed), 0
     for _ in range(4):
-        proc = subprocess.Popen(_cmd(out, text_file), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(_cmd(out, text_file, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if not _wait_for(proc, out, _lines(out) + rng.randint(1, 7)):
             break  # finished before the kill
         time.sleep(rng.uniform(0, 0.03))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
-    r = subprocess.run(_cmd(out, text_file), capture_output=True, text=True)
+    r = subprocess.run(_cmd(out, text_file, *extra), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert kills >= 2
     assert _records(out) == _records(ref)

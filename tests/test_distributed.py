@@ -71,6 +71,21 @@ def test_two_processes_equal_one_at_the_same_global_batch(tmp_path, text_file, p
     assert abs(val - _records(two)[-1]["val_loss"]) <= 1e-5 * val
 
 
+DEPTH_CASES = [("hyperloop-tiny", "ddp"), ("universal-act-tiny", "fsdp")]
+
+
+@pytest.mark.parametrize("preset, how", DEPTH_CASES, ids=[f"{p}-{h}" for p, h in DEPTH_CASES])
+def test_depth_sample_under_torchrun_equals_one_process(tmp_path, text_file, preset, how):
+    """Training for depth: every rank draws the step's depth alike (a rank at another depth
+    would change the averaged gradient), and a Hyperloop step at fewer passes than its loops
+    leaves their parameters unused, which DDP is told to expect."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    depth = ["--preset", preset, "--depth-sample", "1:2"]
+    _run(one, text_file, 4, *depth)
+    _run(two, text_file, 2, *depth, "--parallel", how, nproc=2)
+    _assert_close(_records(one), _records(two))
+
+
 def _wait_for_checkpoint(proc, out, timeout=300):
     t0 = time.time()
     while time.time() - t0 < timeout and proc.poll() is None:

@@ -5,6 +5,9 @@ limit; Dehghani et al. 2019 §2.2); Looped / Hyperloop: passes of the shared mid
 
 from __future__ import annotations
 
+import random
+from contextlib import contextmanager
+
 from . import registry
 from .config import ModelConfig
 from .errors import ConfigError
@@ -30,3 +33,54 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, depth: int | None = None,
     from .params import measure
 
     return measure(cfg, seq_len, depth, extend)["flops_per_token"]
+
+
+# ----------------------------------------------------------------------------- training for depth
+def parse_depth_range(text: str) -> tuple[int, int]:
+    """``"LO:HI"`` -> (LO, HI): every depth from LO to HI inclusive, 1 <= LO <= HI <=
+    config.MAX_DEPTH (``"K"`` alone is ``"K:K"``); ConfigError naming the fix otherwise."""
+    from .config import MAX_DEPTH
+
+    parts = str(text).split(":") if isinstance(text, str) else []
+    fix = f"write LO:HI with integers 1 <= LO <= HI <= {MAX_DEPTH}, e.g. 2:6 (UT steps / loop passes)"
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"invalid train config: depth_sample={text!r}: {fix}")
+    lo, hi = int(parts[0]), int(parts[-1])
+    if not 1 <= lo <= hi <= MAX_DEPTH:
+        raise ConfigError(f"invalid train config: depth_sample={text!r}: out of range; {fix}")
+    return lo, hi
+
+
+def sample_depth(depth_range: tuple[int, int], seed: int, step: int) -> int:
+    """The depth of training step ``step`` (0-based), uniform over the range: a function of
+    (seed, step) only, so it is the same on every rank and a resumed run continues the
+    sequence exactly (no RNG state to checkpoint; the global torch RNG is untouched)."""
+    lo, hi = depth_range
+    return random.Random(f"phaseloop.depth_sample:{seed}:{step}").randint(lo, hi)
+
+
+def check_depth_sample(model, depth_range: tuple[int, int], extend: str | None = None) -> None:
+    """Refuse a range ``model`` cannot train at (a stack; a Hyperloop beyond its trained
+    loops without ``extend='last'``) in one line; run it on a meta-device twin."""
+    for d in depth_range:  # the ends bound every check set_depth makes
+        try:
+            set_model_depth(model, d, extend)
+            getattr(model, "trunk", model).reset_depth()
+        except ConfigError as e:
+            raise ConfigError(f"invalid train config: depth_sample={depth_range[0]}:{depth_range[1]}: "
+                              f"{e}") from None
+
+
+@contextmanager
+def sampled_depth(model, tc, step: int):
+    """Run one training step at its sampled depth (``tc.depth_sample``), then return
+    ``model`` to its trained depth, at which it is evaluated, saved and decoded."""
+    if tc.depth_sample is None:
+        yield None
+        return
+    d = sample_depth(parse_depth_range(tc.depth_sample), tc.seed, step)
+    set_model_depth(model, d, tc.extend_loops)
+    try:
+        yield d
+    finally:
+        getattr(model, "trunk", model).reset_depth()

@@ -183,6 +183,9 @@ class Looped(Trunk):
             raise ConfigError(f"invalid extend={extend!r}: choose 'last' (or leave it unset)")
         self.loops = n
 
+    def reset_depth(self) -> None:
+        self.loops = self.n_loops
+
     @staticmethod
     def run(layers: nn.ModuleList, x_BTD: torch.Tensor, ctx: Context, name: str,
             loop: int | None = None, mon=None) -> torch.Tensor:

@@ -33,8 +33,9 @@ class Trunk(nn.Module):
     * ``depth``: residual layer applications per token (init scaling, FLOPs, depth matching).
     * ``blocks()``: the distinct blocks, each once however often it is applied (FSDP units).
     * ``set_depth(n)``: run ``n`` applications of the shared block(s) from now on, where the
-      architecture allows it (``dynamic_depth``); ``fix_depth()``: make the number of block
-      applications independent of the input (FSDP needs every rank to apply them equally).
+      architecture allows it (``dynamic_depth``); ``reset_depth()``: back to the depth it was
+      built (trained) at; ``fix_depth()``: make the number of block applications independent of
+      the input (FSDP needs every rank to apply them equally).
     * ``cache_slots()``: the KV-cache slots one forward may write (``layers.KVCache``).
     * ``compile_targets()``: the (module, method) pairs ``--compile block`` compiles
       (engine/compiling.py): every Block's forward, plus a trunk's per-step extras.
@@ -69,6 +70,12 @@ class Trunk(nn.Module):
 
     def compile_targets(self) -> list[tuple[nn.Module, str]]:
         return [(b, "forward") for b in self.blocks()]
+
+    def reset_depth(self) -> None:
+        """Run at the depth the trunk was built (trained) at again; a stack always does."""
+        if self.dynamic_depth:  # a plugin trunk with set_depth but without its inverse
+            raise ConfigError(f"{type(self).__name__} changes its depth (dynamic_depth) but defines no "
+                              "reset_depth(); define it to train with depth_sample")
 
     def fix_depth(self) -> None:
         """Nothing to do for a trunk whose depth never depends on the input."""

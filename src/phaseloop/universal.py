@@ -253,6 +253,9 @@ class UniversalTrunk(Trunk):
     def compile_targets(self) -> list:  # the shared block, and ACT's halting unit
         return super().compile_targets() + ([(self.halting, "forward")] if self.halting is not None else [])
 
+    def reset_depth(self) -> None:
+        self.steps = self.trained_steps
+
     def fix_depth(self) -> None:
         self.early_exit = False  # every step runs; halted positions keep weight 0 (same output)
 
@@ -353,6 +356,10 @@ class UniversalSeq2Seq(EncoderDecoder):
         """The trunk interface's name for ``set_steps`` (both sides; ``extend`` as UniversalTrunk's)."""
         self.encoder.set_depth(n, extend)
         self.decoder.set_depth(n, extend)
+
+    def reset_depth(self) -> None:  # each side's own trained steps (ACT may be on one side only)
+        self.encoder.reset_depth()
+        self.decoder.reset_depth()
 
 
 # Token embeddings at std d^-1/2 times sqrt(d) (tensor2tensor), so they are not drowned

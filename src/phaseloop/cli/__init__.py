@@ -186,16 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
             k.add_argument("--n-test", type=int, default=100, help="test examples per test length")
             k.add_argument("--test-file", help="JSONL test file for --task jsonl:PATH (default: 10%% held out)")
             k.add_argument("--tokenizer", help="jsonl tasks: encode with this tokenizer (default: characters)")
-            k.add_argument("--test-depth", type=T.depth_list, metavar="K[,K...]", help="also test at "
-                           "these depths (UT steps, loop passes): accuracy per test length x depth")
-            k.add_argument("--extend-loops", choices=("last",), help="--test-depth past a Hyperloop's "
-                           "trained loops: reuse the last loop's parameters")
         else:
             k.add_argument("--tasks", default="1,2,3", help="task numbers, e.g. 1,2,3")
             k.add_argument("--data-dir", help="folder of qa*_train/test.txt (default $PHASELOOP_DATA_DIR/babi/en-1k)")
             k.add_argument("--joint", action="store_true", help="one model on all tasks (default: one per task)")
             k.add_argument("--max-sentences", default="20", help="keep the last N story sentences, or all")
             k.add_argument("--n-test", type=int, help="score the first N test questions per task (default all)")
+        k.add_argument("--test-depth", type=T.depth_list, metavar="K[,K...]", help="also test at these "
+                       "depths (UT steps, loop passes): " + ("accuracy per test length" if name == "task"
+                                                             else "error per task") + " x depth")
+        k.add_argument("--depth-sample", metavar="LO:HI", help="train each step at a depth drawn uniformly "
+                       "from LO..HI (seeded by seed and step); tested at the trained depth")
+        k.add_argument("--extend-loops", choices=("last",), help="--test-depth / --depth-sample past a "
+                       "Hyperloop's trained loops: reuse the last loop's parameters")
         k.add_argument("--arch", help="any decoder arch (uses its -tiny preset), or an encoder-decoder: "
                        f"{' | '.join(registry.seq2seq_archs())}")
         k.add_argument("--preset", help="model preset (overrides the -tiny default)")

@@ -319,10 +319,14 @@ def _task_setup(args):
     from ..tasks.models import task_train_config
     from ..tasks.runner import task_model_config
 
+    if args.extend_loops and not (args.test_depth or args.depth_sample):
+        raise PhaseloopError("--extend-loops applies with --test-depth or --depth-sample; add --test-depth "
+                             "K[,K...] or --depth-sample LO:HI")
     cfg, arch = task_model_config(args.arch, args.preset, parse_overrides(args.set))
     device = str(resolve_device(args.device or "cpu"))
-    tc = task_train_config(device=device, **{k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size),
-                                                               ("lr", args.lr)) if v is not None})
+    depth = {"depth_sample": args.depth_sample, "extend_loops": args.extend_loops} if args.depth_sample else {}
+    tc = task_train_config(device=device, **depth, **{k: v for k, v in (
+        ("steps", args.steps), ("batch_size", args.batch_size), ("lr", args.lr)) if v is not None})
     items = [s.strip() for s in args.seeds.split(",")]
     if not all(s.isdigit() for s in items):
         raise PhaseloopError(f"bad --seeds {args.seeds!r}; write integers like 0,1")
@@ -343,8 +347,6 @@ def cmd_task(args) -> int:
     if args.task.startswith("jsonl:") and (args.train_len or args.test_len or args.paper):
         raise PhaseloopError("--train-len/--test-len/--paper set the lengths of algorithmic tasks; "
                              "a JSONL task's lengths are those in its files: drop them")
-    if args.extend_loops and not args.test_depth:
-        raise PhaseloopError("--extend-loops applies with --test-depth; add --test-depth K[,K...]")
     cfg, arch, tc, seeds = _task_setup(args)
     train_len = args.train_len or ("40" if args.paper else "1-20")
     test_len = args.test_len or ("400" if args.paper else "40,80")
@@ -369,7 +371,7 @@ def cmd_task(args) -> int:
 
 def cmd_babi(args) -> int:
     """bAbI QA: error per task, failed tasks, ponder time by supporting facts."""
-    from ..tasks.report import format_babi_table
+    from ..tasks.report import format_babi_depth_table, format_babi_table
     from ..tasks.runner import run_babi_seeds
 
     cfg, arch, tc, seeds = _task_setup(args)
@@ -383,8 +385,11 @@ def cmd_babi(args) -> int:
         raise PhaseloopError(f"bad --max-sentences {window!r}; write an integer or all")
     out = _task_out(args, f"babi-{arch or cfg.arch}")
     res = run_babi_seeds(cfg, data_dir, tasks, tc, seeds, args.joint, window and int(window), out, arch,
-                         log=None if args.quiet else print, max_test=args.n_test, resume=args.resume)
+                         log=None if args.quiet else print, max_test=args.n_test, resume=args.resume,
+                         test_depths=args.test_depth or (), extend_loops=args.extend_loops)
     print(format_babi_table(res))
+    if args.test_depth:
+        print(format_babi_depth_table(res))
     print(f"wrote {out / 'metrics.json'}")
     return 0
 

@@ -17,6 +17,8 @@ from ..checkpoint import read_json, write_json
 from ..files import check_out_dir
 from ..validation import first_difference
 from ..data import load_corpus
+from ..depth import check_depth_sample, parse_depth_range
+from ..model import build_model
 from ..errors import PhaseloopError
 from ..engine import dist, resolve_device
 from ..engine.trainer import DivergedError
@@ -133,6 +135,12 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     with dist.main_first():  # rank 0 builds the token store, then the others read it
         corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column)
     plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
+    for p in plan if recipe.train.get("depth_sample") else ():  # training for depth: refused before any trains
+        try:
+            check_depth_sample(build_model(p.cfg, device="meta"), parse_depth_range(recipe.train["depth_sample"]),
+                               recipe.train.get("extend_loops"))
+        except PhaseloopError as e:
+            raise RecipeError(f"variant {p.variant.name!r}: {e}") from None
     device = devices_for(recipe.train["device"])[0]
     resolve_device(device)
     _launch_hint(recipe.train["device"], log)

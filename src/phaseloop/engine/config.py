@@ -79,6 +79,12 @@ class TrainConfig:
     peak_tflops: float | None = _f(None, "peak TFLOP/s of one device, for MFU (default: known GPUs' bf16 peak)")
     # the 3PT author's CrossEntropyLoss(ignore_index=pad_id); (inputs, targets) batches of LM runs
     loss_ignore_id: int | None = _f(None, "leave targets equal to this id (e.g. the pad id) out of the loss")
+    # training for depth (issue 25): engine.trainer runs each step under depth.sampled_depth
+    depth_sample: str | None = _f(None, "LO:HI: run each training step at a depth drawn uniformly from "
+                                  "LO..HI (UT steps, ACT: the step limit; loop passes), a function of seed "
+                                  "and step; evaluation runs at the trained depth")
+    extend_loops: str | None = _f(None, "with depth_sample past a Hyperloop's trained loops: last "
+                                  "(reuse the last loop's parameters)", ("last",))
 
     def __post_init__(self) -> None:
         what = "train config"
@@ -103,13 +109,20 @@ class TrainConfig:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"invalid train config: peak_tflops={self.peak_tflops!r}: must be > 0")
         for f in dataclasses.fields(self):
-            allowed = choices(f.name)
-            if allowed is not None and getattr(self, f.name) not in allowed:
+            allowed = choices(f.name)  # None: an optional field left unset (check_types refuses the rest)
+            if allowed is not None and getattr(self, f.name) is not None and getattr(self, f.name) not in allowed:
                 raise ConfigError(f"invalid train config: {f.name}={getattr(self, f.name)!r}: choose "
                                   f"{_one_of(allowed)} ({f.metadata['help']})")
         if self.schedule == "cosine" and self.decay_fraction != 0.2:
             raise ConfigError(f"invalid train config: decay_fraction={self.decay_fraction!r}: has no effect "
                               f"with schedule={self.schedule!r}; drop it or set schedule=wsd (--schedule wsd)")
+        if self.depth_sample is not None:
+            from ..depth import parse_depth_range
+
+            parse_depth_range(self.depth_sample)
+        elif self.extend_loops is not None:
+            raise ConfigError(f"invalid train config: extend_loops={self.extend_loops!r}: applies with "
+                              "depth_sample; set depth_sample=LO:HI (--depth-sample) or drop it")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError(f"invalid train config: device={self.device!r}: use auto, cpu or cuda[:N]")
 

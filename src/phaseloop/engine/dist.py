@@ -121,10 +121,12 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, Block)]
 
 
-def parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
+def parallelize(model: nn.Module, how: str, device: torch.device, varying_depth: bool = False) -> nn.Module:
     """The module the training step calls: the model itself in one process, else DDP or
     FSDP2 around it. A weight-shared trunk holds its block once, so it is reduced (DDP)
-    or sharded (FSDP2) once however many times it is applied."""
+    or sharded (FSDP2) once however many times it is applied. ``varying_depth`` (training
+    for depth): a step may leave parameters unused (a Hyperloop's later loops), which DDP
+    must look for (``find_unused_parameters``)."""
     w = world()
     if w.size == 1:
         return model
@@ -132,7 +134,7 @@ def parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [device.index] if device.type == "cuda" else None
-        return DDP(model, device_ids=ids)
+        return DDP(model, device_ids=ids, find_unused_parameters=varying_depth)
     from torch.distributed.fsdp import fully_shard
 
     from ..trunk import Trunk

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..checkpoint import (data_state, load_model_state, load_trainer_state, optimizer_state,
                           remove_orphans, rng_states, save_checkpoint)
+from ..depth import check_depth_sample, parse_depth_range, sampled_depth
 from ..errors import ConfigError, PhaseloopError
 from . import compiling, dist
 from .config import TrainConfig
@@ -117,8 +118,10 @@ class Trainer:
         if self._ready:
             return self
         tc, run = self.tc, self.run
-        with torch.device("meta"):  # refuse what cannot fit before allocating it
-            check_memory(self.build(), self.device, 16, "training")
+        with torch.device("meta"):  # refuse what cannot fit (or train at its depths) before allocating it
+            check_memory(twin := self.build(), self.device, 16, "training")
+            if tc.depth_sample is not None:
+                check_depth_sample(twin, parse_depth_range(tc.depth_sample), tc.extend_loops)
         if run is not None:
             run.check()
         torch.manual_seed(tc.seed)  # the same initial weights on every rank
@@ -133,7 +136,8 @@ class Trainer:
             tc.compile, self.model, self.device, f"{tc.batch_size}x{tc.seq_len}x{tc.grad_accum}",
             restored[0].get("compile") if restored is not None else None,
             sharded=self.world.size > 1 and tc.parallel == "fsdp", main=self.world.main)
-        self.fwd = dist.parallelize(self.model, tc.parallel, self.device)  # from outside the model
+        self.fwd = dist.parallelize(self.model, tc.parallel, self.device,  # from outside the model
+                                    varying_depth=tc.depth_sample is not None)
         self.compiler.attach(self.fwd)
         self.peak = dist.peak_flops(self.device, tc.peak_tflops)
         self.optimizer = make_optimizer(self.model, tc)  # after FSDP2 made its parameters DTensors
@@ -231,11 +235,12 @@ class Trainer:
             g["lr"] = lr
         loss: torch.Tensor | float = 0.0
         aux: dict[str, torch.Tensor] = {}
-        for i in range(tc.grad_accum):
-            with dist.no_sync(fwd, sync=i == tc.grad_accum - 1), autocast(dev):
-                out = self.loss_fn(fwd, ignore_targets(self.batches.next(), tc.loss_ignore_id), dev)
-            with dist.no_sync(fwd, sync=i == tc.grad_accum - 1):
-                (out.loss / tc.grad_accum).backward()
+        for i in range(tc.grad_accum):  # at the step's sampled depth (tc.depth_sample), if any
+            with sampled_depth(self.model, tc, self.step):
+                with dist.no_sync(fwd, sync=i == tc.grad_accum - 1), autocast(dev):
+                    out = self.loss_fn(fwd, ignore_targets(self.batches.next(), tc.loss_ignore_id), dev)
+                with dist.no_sync(fwd, sync=i == tc.grad_accum - 1):
+                    (out.loss / tc.grad_accum).backward()
             loss = loss + out.ce_loss.detach() / tc.grad_accum  # no host sync until a log step
             for k, v in out.aux_losses.items():
                 aux[k] = aux.get(k, 0.0) + v.detach() / tc.grad_accum

@@ -114,3 +114,17 @@ def format_babi_table(out: dict) -> str:
                  f"of {len(out['tasks'])}; window = fraction of test questions whose supporting facts "
                  "are inside the story window")
     return "\n".join(lines)
+
+
+def format_babi_depth_table(out: dict) -> str:
+    """--test-depth on bAbI: error per task (mean ±std over seeds) at each depth."""
+    per_depth = out["summary"]["per_depth"]
+    depths = list(per_depth)
+    lines = ["bAbI error by task x depth (UT steps / loop passes)",
+             f"{'task':>6}" + "".join(f"{'depth ' + str(d):>16}" for d in depths)]
+    for t in out["tasks"]:
+        lines.append(f"{t:>6}" + "".join(f"{per_depth[d]['errors'][t][0]:>9.3f} ±{per_depth[d]['errors'][t][1]:.3f}"
+                                         for d in depths))
+    lines.append(f"{'mean':>6}" + "".join(f"{per_depth[d]['mean_error'][0]:>9.3f} ±{per_depth[d]['mean_error'][1]:.3f}"
+                                          for d in depths))
+    return "\n".join(lines)

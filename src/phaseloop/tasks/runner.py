@@ -85,7 +85,8 @@ def run_examples(model_cfg: ModelConfig, train: Sequence[Example], test: Sequenc
     Returns ``{"per_length": {L: {char_acc, seq_acc, n[, ponder_mean, ponder_std]}},
     "char_acc", "seq_acc", "train_log", "params", "seconds", "preds", "decoded"}``;
     ``test_depths``: also decode at each of these depths (``depth.set_model_depth``; UT steps,
-    loop passes) -> ``"per_depth": {d: {per_length, char_acc, seq_acc}}``."""
+    loop passes) -> ``"per_depth": {d: {per_length, char_acc, seq_acc}}`` (and the
+    predictions, ``"depth_preds": {d: [...]}``)."""
     vocab = vocab or CharVocab.for_examples(list(train) + list(test))
     if not train or not test:
         raise ConfigError(f"no {'training' if not train else 'test'} examples; a task run needs both")
@@ -112,19 +113,20 @@ def run_examples(model_cfg: ModelConfig, train: Sequence[Example], test: Sequenc
            "params": sum(p.numel() for p in trainer.model.parameters()),
            "train_seconds": trainer.elapsed, "seconds": time.perf_counter() - t0,
            "model": cfg.to_dict()}
+    depth_preds = {}
     if test_depths:  # depth extrapolation (UT §4): the trained weights at other depths
         res["per_depth"] = {}
         for d in test_depths:
             set_model_depth(trainer.model, d, extend_loops)
             dec_d = decode_pairs(task_model_class(arch)(trainer.model), te, eval_batch_size, trainer.device)
-            preds_d = [vocab.decode(ids) for ids in dec_d.ids]
+            preds_d = depth_preds[d] = [vocab.decode(ids) for ids in dec_d.ids]
             targets = [e.target for e in test]
             res["per_depth"][d] = {"per_length": length_metrics(test, preds_d, dec_d.ponder),
                                    "char_acc": char_accuracy(preds_d, targets),
                                    "seq_acc": sequence_accuracy(preds_d, targets)}
     if run is not None:
         run.finish({**trainer.summary(), **{k: v for k, v in res.items() if k != "train_log"}})
-    return {**res, "preds": preds, "decoded": dec}
+    return {**res, "preds": preds, "depth_preds": depth_preds, "decoded": dec}
 
 
 def algorithmic_data(spec: TaskSpec, n_train: int, n_test: int, seed: int,
@@ -280,7 +282,7 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
                                                     "test_lengths": str(test_lengths),
                                                     "tokenizer": tokenizer or "characters"},
                            note=log, too_long_hint=hint, test_depths=test_depths, extend_loops=extend_loops)
-        res.pop("decoded")
+        res.pop("decoded"), res.pop("depth_preds")
         res["seed"], res["max_offset"] = seed, int(max_off)
         res["examples"] = [{"input": e.input, "target": e.target, "pred": p}
                            for e, p in list(zip(test, res.pop("preds")))[:5]]
@@ -337,14 +339,17 @@ def check_babi_tasks(tasks: Sequence[int], seeds: Sequence[int] = (0,)) -> None:
 def run_babi(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: TrainConfig,
              joint: bool = False, max_sentences: int | None = 20, arch: str | None = None,
              log: Callable[[dict], None] | None = None, max_test: int | None = None,
-             out_dir=None, resume: bool = False, note: Callable[[str], None] | None = None) -> dict:
+             out_dir=None, resume: bool = False, note: Callable[[str], None] | None = None,
+             test_depths: Sequence[int] = (), extend_loops: str | None = None) -> dict:
     """Train per task (one model each) or jointly (one model on all tasks' training
     questions) and score the test questions: error per task, failed tasks (> 5%),
     and for ACT models ponder time by number of supporting facts per task.
     ``max_sentences``: keep the last k story sentences (None: all); ``max_test``: score
     only the first k test questions per task (None: all); ``out_dir``: one run folder
-    per model (``task-<t>`` or ``joint``); ``note``: see ``check_positions``."""
+    per model (``task-<t>`` or ``joint``); ``note``: see ``check_positions``; ``test_depths``:
+    the error per task at each depth too (``"per_depth": {d: {errors, failed, mean_error}}``)."""
     check_babi_tasks(tasks)
+    check_test_depths(model_cfg, arch, test_depths, extend_loops)
     if max_test is not None and (isinstance(max_test, bool) or not isinstance(max_test, int) or max_test < 1):
         raise ConfigError(f"--n-test {max_test!r}: score at least 1 test question per task (an integer >= 1), "
                           "or leave it out to score them all")
@@ -364,15 +369,18 @@ def run_babi(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: TrainCo
                                                      seq2seq=is_seq2seq(arch)), hint)
         data[grp[0]] = tr, te_raw, te
     errors, ponder, ans_ponder, covered, seconds, params = {}, {}, {}, {}, 0.0, 0
+    depth_errors: dict[int, dict] = {d: {} for d in test_depths}
     for grp in groups:
         tr, te_raw, te = data[grp[0]]
         run_dir = None if out_dir is None else Path(out_dir) / ("joint" if joint else f"task-{grp[0]}")
         res = run_examples(model_cfg, tr, te, tc, vocab, arch, log, run_dir=run_dir, resume=resume,
                            describe={"babi_tasks": grp, "max_sentences": max_sentences, "max_test": max_test},
-                           note=note, too_long_hint=hint)
+                           note=note, too_long_hint=hint, test_depths=test_depths, extend_loops=extend_loops)
         seconds += res["seconds"]
         params = res["params"]
         errors.update(task_error(res["preds"], te_raw))
+        for d in test_depths:
+            depth_errors[d].update(task_error(res["depth_preds"][d], te_raw))
         dec = res["decoded"]
         for t in grp:
             sel = [i for i, e in enumerate(te_raw) if e.task == t]
@@ -381,21 +389,35 @@ def run_babi(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: TrainCo
             if dec.ponder[sel[0]] is not None:
                 ponder[t] = ponder_by_supporting([dec.ponder[i] for i in sel], kept)
                 ans_ponder[t] = ponder_by_supporting([dec.answer_ponder[i] for i in sel], kept)
-    return {"errors": errors, "failed": failed_tasks(errors), "mean_error": sum(errors.values()) / len(errors),
-            "ponder_by_supporting": ponder, "answer_ponder_by_supporting": ans_ponder,
+    per_depth = {d: _babi_errors(e) for d, e in depth_errors.items()}
+    return {**_babi_errors(errors), "ponder_by_supporting": ponder, "answer_ponder_by_supporting": ans_ponder,
             "supporting_in_window": covered, "vocab_size": len(vocab), "params": params,
-            "seconds": seconds}
+            "seconds": seconds, **({"per_depth": per_depth} if test_depths else {})}
+
+
+def _babi_errors(errors: dict[int, float]) -> dict:
+    return {"errors": errors, "failed": failed_tasks(errors), "mean_error": sum(errors.values()) / len(errors)}
+
+
+def _babi_summary(per_seed: Sequence[dict], tasks: Sequence[int]) -> dict:
+    """Error per task, failed tasks and mean error: mean and std over seeds."""
+    return {"errors": {t: mean_std(r["errors"][t] for r in per_seed) for t in tasks},
+            "failed": mean_std(len(r["failed"]) for r in per_seed),
+            "mean_error": mean_std(r["mean_error"] for r in per_seed)}
 
 
 def run_babi_seeds(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: TrainConfig,
                    seeds: Sequence[int], joint: bool = False, max_sentences: int | None = 20,
                    out_dir=None, arch: str | None = None,
                    log: Callable[[str], None] | None = print, max_test: int | None = None,
-                   resume: bool = False) -> dict:
+                   resume: bool = False, test_depths: Sequence[int] = (),
+                   extend_loops: str | None = None) -> dict:
     """``run_babi`` for several seeds; summary (mean +- std over seeds) of error per
     task and of ponder time per task and number of supporting facts; writes
-    ``metrics.json`` into ``out_dir`` when given (run folders ``seed-<s>/...``)."""
+    ``metrics.json`` into ``out_dir`` when given (run folders ``seed-<s>/...``);
+    ``test_depths``: ``summary.per_depth`` too, the same summary at each depth."""
     check_babi_tasks(tasks, seeds)
+    check_test_depths(model_cfg, arch, test_depths, extend_loops)
     out = _prepare_out(out_dir, resume)
     label = model_label(model_cfg, arch)
     per_seed = []
@@ -404,18 +426,18 @@ def run_babi_seeds(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: T
             log(f"[seed {seed}] {label} on bAbI tasks {','.join(map(str, tasks))} "
                 f"({'joint' if joint else 'per task'}), {tc.steps} steps")
         res = run_babi(model_cfg, data_dir, tasks, tc.replace(seed=seed), joint, max_sentences, arch,
-                       _step_log(log), max_test, out / f"seed-{seed}" if out else None, resume, note=log)
+                       _step_log(log), max_test, out / f"seed-{seed}" if out else None, resume, note=log,
+                       test_depths=test_depths, extend_loops=extend_loops)
         res["seed"] = seed
         per_seed.append(res)
-    summary: dict = {"errors": {}, "ponder": {}, "answer_ponder": {}}
+    summary: dict = {**_babi_summary(per_seed, tasks), "ponder": {}, "answer_ponder": {}}
     for t in tasks:
-        summary["errors"][t] = mean_std(r["errors"][t] for r in per_seed)
         for key, src in (("ponder", "ponder_by_supporting"), ("answer_ponder", "answer_ponder_by_supporting")):
             if t in per_seed[0][src]:
                 summary[key][t] = {k: tuple(mean_std(r[src][t][k][i] for r in per_seed) for i in (0, 1))
                                    for k in per_seed[0][src][t]}
-    summary["failed"] = mean_std(len(r["failed"]) for r in per_seed)
-    summary["mean_error"] = mean_std(r["mean_error"] for r in per_seed)
+    if test_depths:
+        summary["per_depth"] = {d: _babi_summary([r["per_depth"][d] for r in per_seed], tasks) for d in test_depths}
     result = {"tasks": list(tasks), "arch": arch or model_cfg.arch, "label": label, "joint": joint, "seeds": list(seeds),
               "max_sentences": max_sentences, "data_dir": str(data_dir), "train_config": tc.to_dict(),
               "summary": summary, "per_seed": per_seed}
