@@ -14,10 +14,10 @@ from .. import compare, plots, registry
 from ..checkpoint import load_run
 from ..config import ModelConfig
 from ..checkpoint import run_folder, run_tokenizer
-from ..data import eval_windows, load_corpus, run_corpus
+from ..data import load_corpus, run_corpus
 from ..engine import dist, resolve_device
 from ..errors import PhaseloopError
-from ..train import check_seq_len, evaluate
+from ..train import check_seq_len, eval_set, evaluate
 from ..runconfig import resolve_run, train_run
 from . import trainflags
 
@@ -73,10 +73,10 @@ def cmd_eval(args) -> int:
         tokens = corpus.tokens
     else:
         _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
-    windows = eval_windows(tokens, seq_len, args.windows)
+    windows, docs = eval_set(corpus, tokens, seq_len, args.windows, run_cfg["train"])
     if args.depth is not None:
-        return _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device)
-    res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
+        return _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device, docs)
+    res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"), docs)
     res.update({"data": corpus.name, "fingerprint": corpus.fingerprint, "split": args.split,
                 "windows": len(windows), "seq_len": seq_len})
     if args.json:
@@ -98,7 +98,7 @@ def _depth_args(args, model) -> None:
     set_model_depth(model, args.depth, args.extend_loops)
 
 
-def _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
+def _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device, docs=None) -> int:
     """eval --depth K[,K...]: loss, BPB, FLOPs per token and tokens/s at each depth."""
     from ..depth import flops_per_token, set_model_depth
 
@@ -110,7 +110,7 @@ def _eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
     for d in args.depth:
         set_model_depth(model, d, args.extend_loops)
         t0 = time.perf_counter()
-        res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
+        res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"), docs)
         tok_s = res["val_tokens"] / max(time.perf_counter() - t0, 1e-9)
         flops = flops_per_token(model.cfg, seq_len, d, args.extend_loops)
         rows.append({"depth": d, **res, "flops_per_token": flops,
