@@ -34,12 +34,13 @@ class Corpus:
     tokens: token_store.TokenView
     doc_starts: np.ndarray  # token offset of every document
     source: dict
-    args: dict  # how to load it again: spec, text_column, split, streaming
+    args: dict  # how to load it again: spec, text_column, split, streaming[, doc_sep]
 
     def describe(self) -> dict:
+        sep = {"doc_sep": self.args["doc_sep"]} if self.args.get("doc_sep") is not None else {}
         return {**self.source, "bytes": self.n_bytes, "tokens": int(len(self.tokens)),
                 "documents": int(len(self.doc_starts)), "tokens_per_byte": len(self.tokens) / self.n_bytes,
-                **describe_tokenizer(self.tokenizer), "load": self.args}
+                **describe_tokenizer(self.tokenizer), **sep, "load": self.args}
 
     def split(self, val_fraction: float = 0.1, min_len: int = 2):
         """(train, validation) tokens: the last ``val_fraction``, cut at the nearest
@@ -59,16 +60,29 @@ class Corpus:
 
 def load_corpus(spec: str | os.PathLike = "stdlib", tokenizer: str | Tokenizer = "bytes", *,
                 text_column: str = "text", split: str = "train", streaming: bool = False,
-                progress: bool = False, strict: bool = True) -> Corpus:
+                progress: bool = False, strict: bool = True, doc_sep: str | None = None) -> Corpus:
     """Resolve a source and tokenise it into the store (once; later calls reuse it).
-    ``strict=False``: options that do not apply to the source pass (a trained run's data)."""
+    ``strict=False``: options that do not apply to the source pass (a trained run's data).
+    ``doc_sep``: text of one token that stands between documents (``separator_id``)."""
     tok = load_tokenizer(tokenizer)
+    sep = None if doc_sep is None else separator_id(tok, doc_sep)
     src: Source = resolve(spec, text_column, split, streaming, strict=strict)
-    st = token_store.build(src, tok, progress=progress)
+    st = token_store.build(src, tok, progress=progress, sep=sep, sep_text=doc_sep)
     m = st.manifest
-    args = {"spec": str(spec), "text_column": text_column, "split": split, "streaming": streaming}
+    args = {"spec": str(spec), "text_column": text_column, "split": split, "streaming": streaming,
+            **({"doc_sep": doc_sep} if doc_sep is not None else {})}
     return Corpus(name=src.name, fingerprint=src.fingerprint, n_files=src.n_files, n_bytes=m["bytes"],
                   tokenizer=tok, tokens=st.tokens, doc_starts=st.docs, source=src.describe(), args=args)
+
+
+def separator_id(tok: Tokenizer, text: str) -> int:
+    """The one token id ``text`` encodes to with ``tok`` (the ``--doc-sep`` between documents)."""
+    ids = tok.encode(text) if isinstance(text, str) and text else []
+    if len(ids) != 1:
+        raise DataError(f"--doc-sep {text!r} encodes to {len(ids)} tokens with tokenizer {tok.name}; pass text "
+                        "that is exactly one token: a special token of the tokenizer (e.g. <|endoftext|> where "
+                        "it has one) or, with --tokenizer bytes, one ASCII character such as a newline")
+    return int(ids[0])
 
 
 def corpus_args(data: dict) -> dict:

@@ -47,7 +47,7 @@ def cmd_train(args) -> int:
     print it (--print-config) or train it."""
     data = {k: v for k, v in (("source", args.data), ("tokenizer", args.tokenizer),
                               ("text_column", args.text_column), ("split", args.data_split),
-                              ("streaming", args.streaming)) if v is not None}
+                              ("streaming", args.streaming), ("doc_sep", args.doc_sep)) if v is not None}
     spec = resolve_run(args.config, preset=args.preset, arch=args.arch, model=parse_overrides(args.set),
                        train=trainflags.given(args), data=data, out=args.out, resume=args.resume)
     if args.print_config:

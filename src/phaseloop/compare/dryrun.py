@@ -38,10 +38,9 @@ def dry_run(recipe: Recipe, log=print, data: str = "stdlib") -> list[dict]:
     from ..train import train
 
     rows = []
-    tc0 = recipe.train_config(0)
-    tc = dataclasses.replace(tc0, **SHRUNK_TRAIN)
     with tempfile.TemporaryDirectory() as tmp:
         for v in recipe.variants:
+            tc = dataclasses.replace(recipe.train_config(0, v), **SHRUNK_TRAIN)
             cfg = resolve_variant(v, recipe.scale)
             full = measure(cfg, min(cfg.max_seq_len, 256))
             small = shrink(cfg)

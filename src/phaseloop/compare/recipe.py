@@ -21,6 +21,7 @@ from ..validation import check_types
 
 MATCH_KINDS = ("none", "params", "flops", "depth")
 MATCH_BY = ("width", "depth")
+BUDGET_KEYS = ("seed", "steps", "batch_size", "grad_accum", "seq_len")  # not per variant
 
 
 class RecipeError(PhaseloopError):
@@ -87,6 +88,9 @@ class Variant:
     set: dict = field(default_factory=dict)  # ModelConfig overrides applied last
     match: str | None = None  # None -> the recipe's budget
     match_to: str | None = None  # None -> the reference variant
+    # TrainConfig overrides for this variant's runs (e.g. doc_mask = true); the budget
+    # (BUDGET_KEYS) and the seed stay the recipe's, so runs still pair
+    train: dict = field(default_factory=dict)
 
     @property
     def slug(self) -> str:
@@ -101,11 +105,12 @@ class Variant:
         _check_keys(cls, item, where, "variant key")
         if "spec" not in item:
             raise RecipeError(f"{where}: variant table needs spec = 'ARCH ...' (e.g. {_example()!r})")
-        if not isinstance(item.get("set", {}), dict):
-            raise RecipeError(f"{where}: set must be a table of ModelConfig fields")
+        for k, what in (("set", "ModelConfig"), ("train", "TrainConfig")):
+            if not isinstance(item.get(k, {}), dict):
+                raise RecipeError(f"{where}: {k} must be a table of {what} fields")
         v = cls(name=str(item.get("name", item["spec"])), spec=str(item["spec"]),
                 set=dict(item.get("set") or {}), match=item.get("match"),
-                match_to=item.get("match_to"))
+                match_to=item.get("match_to"), train=dict(item.get("train") or {}))
         if v.match is not None and v.match not in MATCH_KINDS:
             raise RecipeError(f"{where}: match={v.match!r}; choose one of {', '.join(MATCH_KINDS)}")
         return v
@@ -172,6 +177,7 @@ class Recipe:
     data: str = "stdlib"
     tokenizer: str = "bytes"  # bytes | a tokenizer.json / folder | a trained name
     text_column: str = "text"  # for .jsonl / .parquet / hf: data
+    doc_sep: str | None = None  # one token between documents in the token store (--doc-sep)
     seeds: list[int] = field(default_factory=lambda: [0])
     scale: str = "small"  # which <prefix>-<scale> presets the aliases pick
     reference: str | None = None  # None -> the first variant
@@ -251,9 +257,19 @@ class Recipe:
                           if k != "seed"}
         except ConfigError as e:
             raise RecipeError(f"recipe [train]: {e}") from None
+        for v in self.variants:
+            fixed = [k for k in BUDGET_KEYS if k in v.train]
+            if fixed:
+                raise RecipeError(f"variant {v.name!r}: train.{fixed[0]} is the recipe's for every variant "
+                                  "(runs pair at one budget); set it in the recipe's [train]")
+            try:
+                self.train_config(0, v)
+            except ConfigError as e:
+                raise RecipeError(f"variant {v.name!r} train: {e}") from None
 
-    def train_config(self, seed: int):
-        return TrainConfig.from_dict({**self.train, "seed": seed})
+    def train_config(self, seed: int, variant: Variant | None = None):
+        """The TrainConfig of one run: the recipe's [train], the variant's own train table over it."""
+        return TrainConfig.from_dict({**self.train, **(variant.train if variant else {}), "seed": seed})
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

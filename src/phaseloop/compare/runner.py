@@ -131,7 +131,7 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
         resolve_variant(v, recipe.scale)
     check_eval_tasks(recipe)
     with dist.main_first():  # rank 0 builds the token store, then the others read it
-        corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column)
+        corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column, doc_sep=recipe.doc_sep)
     plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
     device = devices_for(recipe.train["device"])[0]
     resolve_device(device)
@@ -168,7 +168,7 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
             bar.set_description(run_dir.name)
         if not _reset_peak_memory(resolve_device(device)) and log:
             log("note: cannot reset peak memory between runs; it is the process peak")
-        tc = dataclasses.replace(recipe.train_config(seed), device=device)
+        tc = dataclasses.replace(recipe.train_config(seed, p.variant), device=device)
         resume = (run_dir / "config.json").exists()
         dist.barrier()  # every rank has looked before rank 0 writes this run's config.json
         lm.train(p.cfg, tc, corpus, run_dir, resume=resume, progress=False, on_step=_on_step)
