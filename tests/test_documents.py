@@ -128,3 +128,37 @@ def test_task_runs_refuse_document_options():
 
     with pytest.raises(ConfigError, match="doc_mask / doc_positions apply to LM runs"):
         train_pairs(tiny("rope"), [], TrainConfig(doc_mask=True))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("arch", ["rope", "three_phase"])
+def test_flex_attention_path_equals_the_sdpa_mask(arch, monkeypatch):
+    """FlexAttention (used on CUDA, docattn) through eager flex_attention on CPU: the same
+    logits as SDPA with the dense block mask, within 1e-5 in float32 (GQA included); a
+    window of two documents still equals each alone (float64)."""
+    from phaseloop import docattn
+
+    if docattn._flex() is None:
+        pytest.skip("this torch has no torch.nn.attention.flex_attention")
+    torch.manual_seed(0)
+    model = build_model(tiny(arch, n_heads=6, n_kv_heads=3 if arch == "rope" else 6, d_model=36)).eval()
+    x = torch.randint(0, 40, (3, 20))
+    doc_ids = torch.tensor([[0] * 7 + [1] * 13, [0] * 20, [0] * 3 + [1] * 5 + [2] * 12])
+    positions = torch.tensor([list(range(7)) + list(range(13)), list(range(20)),
+                              list(range(3)) + list(range(5)) + list(range(12))])
+    calls = []
+    real_attend = docattn.attend
+    with torch.no_grad():
+        sdpa = model(x, positions_BT=positions, doc_ids_BT=doc_ids).logits
+        monkeypatch.setattr(docattn, "wanted", lambda q, p: p == 0.0)
+        monkeypatch.setattr(docattn, "attend", lambda *a: calls.append(1) or real_attend(*a))
+        flex = model(x, positions_BT=positions, doc_ids_BT=doc_ids).logits
+    assert len(calls) == model.cfg.n_layers  # every layer took the flex path
+    torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
+    model = model.double()
+    a, b = torch.randint(0, 40, (1, 5)), torch.randint(0, 40, (1, 7))
+    with torch.no_grad():
+        got = model(torch.cat([a, b], 1), positions_BT=torch.cat([torch.arange(5), torch.arange(7)])[None],
+                    doc_ids_BT=torch.tensor([[0] * 5 + [1] * 7])).logits
+        torch.testing.assert_close(got[:, :5], model(a).logits, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got[:, 5:], model(b).logits, rtol=1e-10, atol=1e-10)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import docattn
 from .config import ModelConfig
 
 
@@ -202,6 +203,7 @@ class Context:
     # document's index [B, T] (attention stays within a document)
     positions: torch.Tensor | None = None
     doc_ids: torch.Tensor | None = None
+    doc_block_mask: object = None  # FlexAttention's BlockMask of doc_ids (docattn), built once
 
     @classmethod
     def at(cls, cfg: ModelConfig, start: int, T: int, device, positions: torch.Tensor | None = None,
@@ -217,6 +219,9 @@ class Context:
 
 
 # ---------------------------------------------------------------------------- modules
+DOC_FLEX = object()  # _self_keys' mask when FlexAttention keeps attention within documents
+
+
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al. 2023) through SDPA; biases on q, kv, o with
     ``cfg.bias`` (none by default). Self-attention
@@ -249,10 +254,14 @@ class Attention(nn.Module):
             k_BKSE, v_BKSE, mask, causal = self._self_keys(x_BTD, q_BHTE, ctx, slot)
             if self.use_rope:
                 q_BHTE = apply_rope(q_BHTE, ctx.cos, ctx.sin)
-        y_BHTE = F.scaled_dot_product_attention(
-            q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_heads != self.n_kv_heads)
+        gqa, dropout_p = self.n_heads != self.n_kv_heads, self.dropout if self.training else 0.0
+        if mask is DOC_FLEX:  # within each document, through FlexAttention (docattn)
+            if ctx.doc_block_mask is None:
+                ctx.doc_block_mask = docattn.block_mask(ctx.doc_ids)
+            y_BHTE = docattn.attend(q_BHTE, k_BKSE, v_BKSE, ctx.doc_block_mask, gqa)
+        else:
+            y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=causal,
+                                                    dropout_p=dropout_p, enable_gqa=gqa)
         return self.o_proj(y_BHTE.transpose(1, 2).reshape(B, T, -1))
 
     def _self_keys(self, x_BTD, q_BHTE, ctx: Context, slot):
@@ -270,6 +279,8 @@ class Attention(nn.Module):
         mask, causal = None, ctx.causal and past == 0
         if not ctx.causal:
             mask = ctx.key_mask
+        elif ctx.doc_ids is not None and docattn.wanted(q_BHTE, self.dropout if self.training else 0.0):
+            mask, causal = DOC_FLEX, False
         elif ctx.doc_ids is not None:  # causal within each document: [B, 1, T, T]
             same_BTT = ctx.doc_ids[:, :, None] == ctx.doc_ids[:, None, :]
             mask, causal = (same_BTT & torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril())[:, None], False
