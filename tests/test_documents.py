@@ -162,3 +162,20 @@ def test_flex_attention_path_equals_the_sdpa_mask(arch, monkeypatch):
                     doc_ids_BT=torch.tensor([[0] * 5 + [1] * 7])).logits
         torch.testing.assert_close(got[:, :5], model(a).logits, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(got[:, 5:], model(b).logits, rtol=1e-10, atol=1e-10)
+
+
+def test_wikitext_rows_of_a_dataset_are_grouped_into_articles(tmp_path, data_dir):
+    """hf:Salesforce/wikitext holds one row per line of the raw file: read as WikiText
+    (its name), its rows make the same articles and the same bytes as the raw file."""
+    datasets = pytest.importorskip("datasets")
+    from phaseloop.data import load_corpus
+
+    raw = (data_dir / "wikitext-2" / "wiki.valid.raw").read_bytes()
+    rows = [line.decode() for line in raw.splitlines(keepends=True)]
+    datasets.Dataset.from_dict({"text": rows}, info=datasets.DatasetInfo(dataset_name="wikitext")).save_to_disk(
+        str(tmp_path / "saved"))
+    grouped, from_file = load_corpus(tmp_path / "saved"), load_corpus(data_dir / "wikitext-2" / "wiki.valid.raw")
+    assert len(grouped.doc_starts) == len(from_file.doc_starts) == 60
+    assert bytes(grouped.tokens[:]) == raw and grouped.doc_starts.tolist() == from_file.doc_starts.tolist()
+    datasets.Dataset.from_dict({"text": rows[:50]}).save_to_disk(str(tmp_path / "other"))
+    assert len(load_corpus(tmp_path / "other").doc_starts) == 50  # any other dataset: a document per row
