@@ -38,6 +38,15 @@ def test_bench_step_compile_mode_runs(capsys, one_thread):
     assert "break-even" in out and "rope-tiny  rope" in out
 
 
+def test_bench_documents_runs(capsys, one_thread):
+    import bench_documents
+
+    assert bench_documents.main(["--d-model", "24", "--layers", "1", "--heads", "3", "--batch", "2", "--seq", "16",
+                                 "--doc-len", "4", "--rounds", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "both/plain" in out and out.count("\n") == 4  # header, columns, rope, three_phase
+
+
 def test_claim_act_runs(tmp_path, capsys, one_thread):
     import claim_act
 

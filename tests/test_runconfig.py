@@ -196,7 +196,7 @@ def test_flags_override_the_file(tmp_path, text_file, capsys):
     assert (spec.model.n_layers, spec.model.dropout, spec.model.d_model) == (1, 0.1, 96)
     assert (spec.train.steps, spec.train.lr, spec.train.compile, spec.train.warmup_steps) == (7, 0.01, "model", 50)  # compile = true: the whole model, as before issue 30
     assert spec.data == {"source": str(text_file), "tokenizer": "bytes", "text_column": "body", "split": "train",
-                         "streaming": False}
+                         "streaming": False, "doc_sep": None}
     assert spec.preset == "rope-tiny" and spec.out.name.startswith("rope-tiny-")
     text = printed(capsys, ["--config", str(cfg), "--preset", "3pt-tiny", "--set", "n_layers=2", "--steps", "3",
                             "--compile", "off", "--data", str(other), "--text-column", "text"])

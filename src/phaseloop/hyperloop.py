@@ -130,6 +130,10 @@ class PooledMLPTransition(nn.Module):
     def forward(self, streams_BTnD: torch.Tensor, fn, ctx: Context | None = None,
                 slot=None) -> torch.Tensor:
         B, T, n, D = streams_BTnD.shape
+        if ctx is not None and ctx.doc_ids is not None:
+            raise ConfigError("hc_transition='pooled_mlp' pools over every earlier position of the "
+                              "window, across documents; drop --doc-mask or use the paper's "
+                              "hyper-connections (hc_transition='hc')")
         # running sum in fp32 at least (float64 for a float64 model, so that cached = full)
         sum_BTm = streams_BTnD.flatten(-2).to(compute_dtype(streams_BTnD.dtype)).cumsum(dim=1)
         past = 0

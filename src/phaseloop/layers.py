@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import docattn
 from .config import ModelConfig
 
 
@@ -91,10 +92,11 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 # ---------------------------------------------------------------------------- RoPE
 def rope_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, E] for rotate-half RoPE (Su et al. 2021) over the full head dim."""
+    """cos/sin [*positions.shape, E] for rotate-half RoPE (Su et al. 2021) over the full
+    head dim: [T, E] for one sequence's positions, [B, T, E] for per-row positions."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                             device=positions.device) / head_dim))
-    angles_TE2 = positions.float()[:, None] * inv_freq[None, :]
+    angles_TE2 = positions.float()[..., None] * inv_freq
     angles_TE = torch.cat([angles_TE2, angles_TE2], dim=-1)
     return angles_TE.cos(), angles_TE.sin()
 
@@ -208,16 +210,30 @@ class Context:
     memory: Memory | None = None  # cross-attention source (seq2seq decoder)
     aux_losses: dict = field(default_factory=dict)  # scalar losses added to the loss (ACT ponder)
     stats: dict = field(default_factory=dict)  # tensors for analysis (ACT ponder times)
+    # documents in a training window (issue 28; no cache): each token's position in its
+    # document [B, T] (read by RoPE, the 3PT horn, the UT coordinate signal), and its
+    # document's index [B, T] (attention stays within a document)
+    positions: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
+    doc_block_mask: object = None  # FlexAttention's BlockMask of doc_ids (docattn), built once
 
     @classmethod
-    def at(cls, cfg: ModelConfig, start: int, T: int, device, **kw) -> "Context":
-        """Context for the T new tokens at absolute positions start .. start + T - 1."""
-        cos, sin = rope_tables(torch.arange(start, start + T, device=device), cfg.head_dim,
-                               cfg.rope_base)
-        return cls(cos=cos, sin=sin, start_pos=start, **kw)
+    def at(cls, cfg: ModelConfig, start: int, T: int, device, positions: torch.Tensor | None = None,
+           **kw) -> "Context":
+        """Context for the T new tokens at absolute positions start .. start + T - 1, or at
+        ``positions`` [B, T] (per row: documents restarting at 0)."""
+        if positions is None:
+            cos, sin = rope_tables(torch.arange(start, start + T, device=device), cfg.head_dim,
+                                   cfg.rope_base)
+        else:  # [B, 1, T, E]: broadcast over heads
+            cos, sin = (t.unsqueeze(1) for t in rope_tables(positions, cfg.head_dim, cfg.rope_base))
+        return cls(cos=cos, sin=sin, start_pos=start, positions=positions, **kw)
 
 
 # ---------------------------------------------------------------------------- modules
+DOC_FLEX = object()  # _self_keys' mask when FlexAttention keeps attention within documents
+
+
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al. 2023) through SDPA; biases on q, kv, o with
     ``cfg.bias`` (none by default). Self-attention
@@ -250,10 +266,14 @@ class Attention(nn.Module):
             k_BKSE, v_BKSE, mask, causal = self._self_keys(x_BTD, q_BHTE, ctx, slot)
             if self.use_rope:
                 q_BHTE = apply_rope(q_BHTE, ctx.cos, ctx.sin)
-        y_BHTE = F.scaled_dot_product_attention(
-            q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_heads != self.n_kv_heads)
+        gqa, dropout_p = self.n_heads != self.n_kv_heads, self.dropout if self.training else 0.0
+        if mask is DOC_FLEX:  # within each document, through FlexAttention (docattn)
+            if ctx.doc_block_mask is None:
+                ctx.doc_block_mask = docattn.block_mask(ctx.doc_ids)
+            y_BHTE = docattn.attend(q_BHTE, k_BKSE, v_BKSE, ctx.doc_block_mask, gqa)
+        else:
+            y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=causal,
+                                                    dropout_p=dropout_p, enable_gqa=gqa)
         return self.o_proj(y_BHTE.transpose(1, 2).reshape(B, T, -1))
 
     def _self_keys(self, x_BTD, q_BHTE, ctx: Context, slot):
@@ -271,6 +291,11 @@ class Attention(nn.Module):
         mask, causal = None, ctx.causal and past == 0
         if not ctx.causal:
             mask = ctx.key_mask
+        elif ctx.doc_ids is not None and docattn.wanted(q_BHTE, self.dropout if self.training else 0.0):
+            mask, causal = DOC_FLEX, False
+        elif ctx.doc_ids is not None:  # causal within each document: [B, 1, T, T]
+            same_BTT = ctx.doc_ids[:, :, None] == ctx.doc_ids[:, None, :]
+            mask, causal = (same_BTT & torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril())[:, None], False
         elif past and T > 1:  # chunked prefill after a cached prefix: offset causal mask
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=past)
         return k_BKTE, v_BKTE, mask, causal

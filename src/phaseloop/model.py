@@ -8,6 +8,7 @@ and generation, so no architecture re-implements them; it names no architecture.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -52,14 +53,22 @@ class TokenEmbedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, idx_BT: torch.Tensor | None, start_pos: int = 0,
-                tok_BTD: torch.Tensor | None = None) -> torch.Tensor:
+                tok_BTD: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
         """``tok_BTD``: token embeddings given directly (``self.tok`` of some ids, or any
-        vectors in its place; transformers' ``inputs_embeds``), instead of ``idx_BT``."""
+        vectors in its place; transformers' ``inputs_embeds``), instead of ``idx_BT``.
+        ``positions_BT``: each token's position in its document (options that read
+        positions take it as ``positions_BT``)."""
         x_BTD = self.tok(idx_BT) if tok_BTD is None else tok_BTD
         if self.scale != 1.0:
             x_BTD = x_BTD * self.scale
-        for option in self.options.values():
-            x_BTD = option(x_BTD, start_pos)
+        for name, option in self.options.items():
+            if positions_BT is None:
+                x_BTD = option(x_BTD, start_pos)
+            elif "positions_BT" in inspect.signature(option.forward).parameters:
+                x_BTD = option(x_BTD, start_pos, positions_BT=positions_BT)
+            else:
+                raise ConfigError(f"the embedding option {name!r} reads no per-token positions, so "
+                                  "documents cannot restart its positions; drop --doc-positions")
         return self.drop(x_BTD)
 
 
@@ -94,15 +103,24 @@ class DecoderLM(nn.Module):
             self.head.weight = self.embed.tok.weight
 
     def forward(self, idx_BT: torch.Tensor | None, targets_BT: torch.Tensor | None = None,
-                cache: KVCache | None = None, embeds_BTD: torch.Tensor | None = None) -> ModelOutput:
+                cache: KVCache | None = None, embeds_BTD: torch.Tensor | None = None,
+                positions_BT: torch.Tensor | None = None, doc_ids_BT: torch.Tensor | None = None) -> ModelOutput:
         """Targets equal to -100 are ignored (e.g. prompt tokens of a task). ``embeds_BTD``
         replaces the token embedding of ``idx_BT`` (pass None for ``idx_BT`` then); the
-        embedding's scale and options (the 3PT horn) still apply."""
+        embedding's scale and options (the 3PT horn) still apply. Windows holding several
+        documents (issue 28, no cache): ``positions_BT`` each token's position in its
+        document, ``doc_ids_BT`` its document's index (attention stays within it)."""
         src = idx_BT if embeds_BTD is None else embeds_BTD
-        T = src.shape[1]
+        B, T = src.shape[:2]
         start = cache.pos if cache is not None else 0
-        ctx = Context.at(self.cfg, start, T, src.device, cache=cache)
-        x_BTD = self.trunk(self.embed(idx_BT, start, tok_BTD=embeds_BTD), ctx)
+        if cache is not None and (positions_BT is not None or doc_ids_BT is not None):
+            raise ConfigError("document positions and masks apply to training windows, not to "
+                              "cached decoding (one sequence is one document there)")
+        for name, t in (("positions_BT", positions_BT), ("doc_ids_BT", doc_ids_BT)):
+            if t is not None and tuple(t.shape) != (B, T):
+                raise ConfigError(f"{name} has shape {tuple(t.shape)}; it must be [batch, tokens] = {(B, T)}")
+        ctx = Context.at(self.cfg, start, T, src.device, positions_BT, cache=cache, doc_ids=doc_ids_BT)
+        x_BTD = self.trunk(self.embed(idx_BT, start, tok_BTD=embeds_BTD, positions_BT=positions_BT), ctx)
         logits_BTV = self.head(self.norm(x_BTD))
         if cache is not None:
             cache.pos += T

@@ -42,9 +42,10 @@ from .tokenizer import Tokenizer, load_tokenizer
 from .train import fit_vocab, train
 
 SECTIONS = ("model", "train", "data")
-# [data]: the source and how to read it (load_corpus's spec, tokenizer, text_column, split, streaming)
+# [data]: the source and how to read it (load_corpus's spec, tokenizer, text_column, split,
+# streaming, doc_sep: the text of one token between documents, none by default)
 DATA_DEFAULTS = {"source": "stdlib", "tokenizer": "bytes", "text_column": "text", "split": "train",
-                 "streaming": False}
+                 "streaming": False, "doc_sep": None}
 
 
 def _known(section: str) -> set[str]:
@@ -78,7 +79,7 @@ class RunSpec:
         """``load_corpus`` keyword arguments (the tokenizer apart)."""
         d = self.data
         return {"spec": d["source"], "text_column": d["text_column"], "split": d["split"],
-                "streaming": d["streaming"]}
+                "streaming": d["streaming"], "doc_sep": d["doc_sep"]}
 
     def to_toml(self) -> str:
         """The configuration as a TOML file that ``--config`` reads back to this one."""
@@ -166,6 +167,8 @@ def _check_data(data: dict) -> None:
     for k, v in data.items():
         if k == "streaming" and not isinstance(v, bool):
             raise ConfigError(f"invalid data config: streaming={v!r}: must be true or false")
+        if k == "doc_sep" and v is None:
+            continue
         if k != "streaming" and (not isinstance(v, str) or not v):
             raise ConfigError(f"invalid data config: {k}={v!r}: must be a non-empty string")
 
@@ -220,7 +223,8 @@ def resolve_run(config: str | os.PathLike | dict | None = None, *, preset: str |
     if saved is not None:  # the run's data and its copy of the tokenizer, unless given again
         load = corpus_args(saved["data"])
         base = {"source": load["spec"], "text_column": load.get("text_column", "text"),
-                "split": load.get("split", "train"), "streaming": load.get("streaming", False)}
+                "split": load.get("split", "train"), "streaming": load.get("streaming", False),
+                "doc_sep": load.get("doc_sep")}
         if saved["data"].get("tokenizer", "bytes") != "bytes":
             base["tokenizer"] = str(run_folder(out) / TOKENIZER_COPY)
         data = {**DATA_DEFAULTS, **base, **given}

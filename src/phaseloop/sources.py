@@ -13,7 +13,9 @@ are streamed as pieces of bytes, so no source is ever read into memory whole.
 * ``shakespeare``: Tiny Shakespeare, found under ``$PHASELOOP_DATA_DIR`` or the cache
   folder, else downloaded from its canonical URL and checked by sha256.
 * ``hf:NAME[:CONFIG]``: a Hugging Face dataset through ``datasets.load_dataset`` (any
-  ``split``; ``streaming`` for big ones), the ``data`` extra.
+  ``split``; ``streaming`` for big ones), the ``data`` extra. One document per row, except
+  WikiText (a dataset whose name says ``wikitext``), whose rows are the raw file's lines:
+  they are grouped into articles as the raw files are, and joined with nothing.
 """
 
 from __future__ import annotations
@@ -100,12 +102,13 @@ class Source:
     files: list[Path] = field(default_factory=list)
     text_column: str | None = None
     dataset: object = None  # datasets.Dataset / IterableDataset for kind 'hf'
+    articles: bool = False  # kind 'hf': rows are WikiText lines, grouped into articles
 
     @property
     def joiner(self) -> bytes:
         """What stands between two documents: a newline, as files are joined; nothing
         between WikiText articles, which are consecutive pieces of one file."""
-        return b"" if self.kind == "wikitext" else b"\n"
+        return b"" if self.kind == "wikitext" or self.articles else b"\n"
 
     def describe(self) -> dict:
         d = {"source": self.name, "fingerprint": self.fingerprint, "files": self.n_files}
@@ -139,16 +142,21 @@ class Source:
 
     def _documents(self, split_anywhere: bool) -> Iterator[Iterator[bytes]]:
         if self.kind == "hf":
-            for i, row in enumerate(self.dataset, 1):
-                text = _text(row, self.text_column, f"{self.name}: row {i}")
-                yield iter(safe_pieces([text.encode("utf-8", "replace")], split_anywhere))
+            rows = (_text(row, self.text_column, f"{self.name}: row {i}").encode("utf-8", "replace")
+                    for i, row in enumerate(self.dataset, 1))
+            if self.articles:
+                yield from _articles(rows, split_anywhere)
+                return
+            for text in rows:
+                yield iter(safe_pieces([text], split_anywhere))
             return
         for f in self.files:
             if f.suffix in RECORD_SUFFIXES:
                 for text in _records(f, self.text_column):
                     yield safe_pieces([text.encode("utf-8", "replace")], split_anywhere)
             elif _WIKITEXT.match(f.name):
-                yield from _articles(f, split_anywhere)
+                with open(f, "rb") as lines:
+                    yield from _articles(lines, split_anywhere)
             else:
                 yield safe_pieces(_file_blocks(f), split_anywhere)
 
@@ -216,20 +224,19 @@ def _records(path: Path, col: str) -> Iterator[str]:
             yield _as_text(v, col, f"{path}: record {i}")
 
 
-def _articles(path: Path, split_anywhere: bool) -> Iterator[Iterator[bytes]]:
-    """WikiText: one document per article, which starts at a `` = Title = `` line (the
-    blank line before it belongs to the previous article)."""
-    with open(path, "rb") as f:
-        article: list[bytes] = []
-        text = False  # the article so far holds more than blank lines
-        for line in f:
-            if _HEADING.match(line) and text:
-                yield safe_pieces([b"".join(article)], split_anywhere)
-                article, text = [], False
-            article.append(line)
-            text = text or bool(line.strip())
-        if article:
+def _articles(lines, split_anywhere: bool) -> Iterator[Iterator[bytes]]:
+    """WikiText (a raw file's lines, or a dataset's rows): one document per article, which
+    starts at a `` = Title = `` line (the blank line before it belongs to the previous article)."""
+    article: list[bytes] = []
+    text = False  # the article so far holds more than blank lines
+    for line in lines:
+        if _HEADING.match(line) and text:
             yield safe_pieces([b"".join(article)], split_anywhere)
+            article, text = [], False
+        article.append(line)
+        text = text or bool(line.strip())
+    if article:
+        yield safe_pieces([b"".join(article)], split_anywhere)
 
 
 # ---------------------------------------------------------------------------- resolution
@@ -394,6 +401,11 @@ def _hf(spec: str, text_column: str, split: str, streaming: bool, from_disk: boo
     fp = getattr(ds, "_fingerprint", None) or hashlib.sha256(
         f"hf:{spec}:{split}:{getattr(ds.info, 'version', '')}:{getattr(ds.info, 'dataset_size', '')}".encode()
     ).hexdigest()
-    fp = hashlib.sha256(f"{fp}:{text_column}".encode()).hexdigest()
+    # WikiText's rows are its lines: grouped into articles (part of the fingerprint, so a
+    # store of rows as documents, built before, is not reused)
+    info = getattr(ds, "info", None)
+    said = [getattr(info, "dataset_name", None), getattr(info, "builder_name", None)]
+    articles = "wikitext" in " ".join(map(str, said + ([] if from_disk else [Path(name).name]))).lower()
+    fp = hashlib.sha256(f"{fp}:{text_column}{':articles' if articles else ''}".encode()).hexdigest()
     return Source(f"hf:{spec}" + (f"[{split}]" if split != "train" else ""), fp, 0, "hf",
-                  text_column=text_column, dataset=ds)
+                  text_column=text_column, dataset=ds, articles=articles)

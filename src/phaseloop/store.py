@@ -5,7 +5,11 @@ encodes as the whole (``sources.safe_pieces``), and encodes batches of pieces wi
 tokenizer's ``encode_batch`` (the ``tokenizers`` library spreads a batch over every core).
 At most ``batch_bytes`` of text are in memory at once, whatever the corpus size.
 Documents are joined by the encoding of the source's joiner (a newline: exactly today's
-bytes for a folder; nothing between WikiText articles, so the store is the file).
+bytes for a folder; nothing between WikiText articles, so the store is the file), or,
+built with a separator (``--doc-sep``, issue 28), by that one token id instead: the last
+token of the document before it (the document index points past it, at each document's
+first token). The separator is part of the store's identity (its folder name and
+manifest), so a store built with one is never read for a run without, nor the reverse.
 
 Layout of ``<cache>/tokens/<source fingerprint>-<tokenizer id>/``: ``tokens-NNNNN.bin``
 (uint8 / uint16 / uint32 by vocabulary size), ``docs.i64`` (the start of every document),
@@ -41,8 +45,10 @@ def dtype_for(vocab_size: int):
     return np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32
 
 
-def store_dir(source: Source, tok) -> Path:
-    return cache_dir() / "tokens" / f"{source.fingerprint[:24]}-{tok.sha256[:16] if tok.sha256 else tok.name}"
+def store_dir(source: Source, tok, sep: int | None = None) -> Path:
+    """The store's folder: the source's fingerprint, the tokenizer and the separator id if any."""
+    name = f"{source.fingerprint[:24]}-{tok.sha256[:16] if tok.sha256 else tok.name}"
+    return cache_dir() / "tokens" / (name if sep is None else f"{name}-sep{sep}")
 
 
 class TokenView:
@@ -98,7 +104,8 @@ class Store:
     digests existed (no ``sha256`` in the manifest) open after the same checks less the
     digest comparison."""
 
-    def __init__(self, path: Path, vocab_size: int | None = None, written: bool = False):
+    def __init__(self, path: Path, vocab_size: int | None = None, written: bool = False,
+                 sep: int | None = None):
         self.path = path
         try:
             self.manifest = json.loads((path / "manifest.json").read_text())
@@ -113,6 +120,12 @@ class Store:
             self.docs = np.fromfile(path / "docs.i64", dtype=np.int64)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise self._damaged(type(e).__name__) from None
+        have = self.manifest.get("doc_sep_id")
+        if have != sep:  # another separator's store (a renamed folder): never read for this run
+            def say(i):
+                return "no separator" if i is None else f"separator id {i}"
+            raise DataError(f"token store {path} joins documents with {say(have)}, this run with {say(sep)}; "
+                            f"delete the folder {path} and run again to rebuild it")
         if len(self.docs) != self.manifest["documents"]:
             raise self._damaged("document index")
         self.tokens = TokenView(shards)
@@ -186,33 +199,41 @@ def _digest_and_max(a: np.ndarray, digest: bool, step: int = 1 << 24) -> tuple[s
 
 
 def build(source: Source, tok, batch_bytes: int = 2 << 20, shard_tokens: int = 1 << 28,
-          progress: bool = False) -> Store:
-    """Tokenise ``source`` into its store (or open the one already built)."""
-    final = store_dir(source, tok)
+          progress: bool = False, sep: int | None = None, sep_text: str | None = None) -> Store:
+    """Tokenise ``source`` into its store (or open the one already built). ``sep``: the
+    token id that stands between documents instead of the joiner (``sep_text`` its text,
+    recorded in the manifest)."""
+    final = store_dir(source, tok, sep)
     if final.exists() or final.is_symlink():  # only a finished build is renamed here: open or refuse it
-        return Store(final, tok.vocab_size)
+        return Store(final, tok.vocab_size, sep=sep)
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".{final.name}.tmp-*"):  # an interrupted earlier build
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
     try:
-        manifest = _write(source, tok, tmp, batch_bytes, shard_tokens, progress)
+        manifest = _write(source, tok, tmp, batch_bytes, shard_tokens, progress, sep)
+        if sep is not None:
+            manifest.update(doc_sep=sep_text, doc_sep_id=sep)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         os.chmod(tmp, 0o755)
         try:
             os.replace(tmp, final)
         except OSError:  # another process finished the same store first
             shutil.rmtree(tmp, ignore_errors=True)
-            return Store(final, tok.vocab_size)
+            return Store(final, tok.vocab_size, sep=sep)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Store(final, tok.vocab_size, written=True)
+    return Store(final, tok.vocab_size, written=True, sep=sep)
 
 
-def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, progress: bool) -> dict:
+def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, progress: bool,
+           sep_id: int | None = None) -> dict:
     dtype = dtype_for(tok.vocab_size)
-    sep = tok.encode(source.joiner).astype(dtype) if source.joiner else np.zeros(0, dtype)
+    if sep_id is not None:
+        sep = np.asarray([sep_id], dtype=dtype)
+    else:
+        sep = tok.encode(source.joiner).astype(dtype) if source.joiner else np.zeros(0, dtype)
     shards: list[dict] = []
     hashes: list = []  # sha256 of each shard, as written
     docs_hash = hashlib.sha256()
@@ -246,7 +267,7 @@ def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, 
         texts = [p for p in pending if p is not None]
         encoded = iter(tok.encode_batch(texts)) if texts else iter(())
         for p in pending:
-            if p is None:  # a document starts here: separator, then record its start
+            if p is None:  # a document starts here: separator (ending the one before), then its start
                 if state["docs"]:
                     emit(sep)
                 start = np.asarray([state["tokens"]], dtype=np.int64)

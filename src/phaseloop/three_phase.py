@@ -154,15 +154,21 @@ class HornInjection(nn.Module):
         super().__init__()
         self.gain = nn.Parameter(torch.ones(1)) if cfg.learnable_horn else None  # 1-D: FSDP2 shards no scalars
 
-    def forward(self, x_BTD: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, start_pos: int = 0,
+                positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions_BT``: each token's position in its document (issue 28), else
+        start_pos, start_pos + 1, ... for every row."""
         T = x_BTD.shape[1]
         # positions in float64 for a float64 model, else fp32 (cast to the input's dtype)
-        t = torch.arange(start_pos, start_pos + T, device=x_BTD.device,
-                         dtype=compute_dtype(x_BTD.dtype))
-        r_T = 1.0 / (t + 1.0)
+        if positions_BT is None:
+            t = torch.arange(start_pos, start_pos + T, device=x_BTD.device,
+                             dtype=compute_dtype(x_BTD.dtype))[None]
+        else:
+            t = positions_BT.to(compute_dtype(x_BTD.dtype))
+        r_BT = 1.0 / (t + 1.0)
         if self.gain is not None:
-            r_T = r_T * self.gain
-        dc_BT1 = r_T.to(x_BTD.dtype)[None, :, None] - x_BTD.mean(dim=-1, keepdim=True)
+            r_BT = r_BT * self.gain
+        dc_BT1 = r_BT.to(x_BTD.dtype)[..., None] - x_BTD.mean(dim=-1, keepdim=True)
         return x_BTD + dc_BT1
 
 

@@ -13,7 +13,7 @@ import torch
 
 from .checkpoint import TOKENIZER_COPY, read_json
 from .config import ModelConfig
-from .data import Corpus, TrainBatches, eval_windows, load_corpus
+from .data import Corpus, Documents, TrainBatches, eval_starts, eval_windows, load_corpus
 from .engine import RunFolder, TrainConfig, Trainer, autocast, dist, software_versions
 from .engine.trainer import ignore_targets
 from .errors import ConfigError
@@ -48,13 +48,15 @@ def check_seq_len(seq_len: int, cfg: ModelConfig) -> None:
 
 @torch.no_grad()
 def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | None = None,
-             batch_size: int = 16, device: torch.device | str = "cpu", ignore_id: int | None = None) -> dict:
+             batch_size: int = 16, device: torch.device | str = "cpu", ignore_id: int | None = None,
+             docs: dict[str, torch.Tensor] | None = None) -> dict:
     """Validation loss (nats/token), perplexity and bits per byte over fixed windows:
     BPB = total nats / (ln 2 x the UTF-8 bytes the predicted tokens decode to, counted per
     window by the tokenizer; one per token for bytes), with tokens per byte beside it and,
     for a word-level tokenizer, the perplexity per word. ``ignore_id`` (the run's
     ``loss_ignore_id``): targets equal to it count in neither the nats, the tokens nor
-    the bytes, as training leaves them out of the loss."""
+    the bytes, as training leaves them out of the loss. ``docs``: the windows' document
+    inputs ([n, seq_len] each, ``eval_set``)."""
     tokenizer = tokenizer or ByteTokenizer()
     device = torch.device(device)
     was_training = model.training
@@ -67,19 +69,23 @@ def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | Non
         n_bytes = int(tokenizer.window_bytes(targets).sum())
     else:
         n_bytes = sum(int(tokenizer.window_bytes(r[r != ignore_id][None]).sum()) for r in targets)
+    docs = docs or {}
     mine = windows[w_.rank::w_.size]
+    mine_docs = {k: v[w_.rank::w_.size] for k, v in docs.items()}
     per_rank = -(-len(windows) // w_.size)
     nll, n_tok = 0.0, 0
     for i in range(0, per_rank, batch_size):
         w = mine[i: i + batch_size]
+        kw = {k: v[i: i + batch_size] for k, v in mine_docs.items()}
         real = len(w)
         want = min(batch_size, per_rank - i)
         if real < want:
             w = torch.cat([w, windows[:1].expand(want - real, -1)])
+            kw = {k: torch.cat([v, docs[k][:1].expand(want - real, -1)]) for k, v in kw.items()}
         w = w.to(device)
         x, y = w[:, :-1], w[:, 1:]
         with autocast(device):
-            logits = model(x).logits.float()[:real]
+            logits = model(x, **{k: v.to(device) for k, v in kw.items()}).logits.float()[:real]
         _, y = ignore_targets((x, y[:real]), ignore_id)  # the training loss's masking
         nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
         n_tok += int((y != -100).sum())
@@ -96,9 +102,19 @@ def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | Non
 
 
 def lm_loss(model, batch, device):
-    """Next-token loss of one (inputs, targets) window batch."""
-    x, y = batch
-    return model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+    """Next-token loss of one (inputs, targets[, document inputs]) window batch."""
+    x, y, *rest = batch
+    docs = {k: v.to(device, non_blocking=True) for k, v in (rest[0] if rest else {}).items()}
+    return model(x.to(device, non_blocking=True), y.to(device, non_blocking=True), **docs)
+
+
+def eval_set(corpus: Corpus, tokens, seq_len: int, n_windows: int, train_cfg: dict):
+    """(windows, document inputs or None) of a split, as the run's training saw documents."""
+    windows = eval_windows(tokens, seq_len, n_windows)
+    docs = Documents.of(corpus, tokens, train_cfg.get("doc_mask", False), train_cfg.get("doc_positions", False))
+    if docs is None:
+        return windows, None
+    return windows, docs.inputs(eval_starts(len(tokens), seq_len, n_windows), seq_len)
 
 
 def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib",
@@ -121,11 +137,12 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     dist.barrier()  # every rank has checked the folder before rank 0 writes to it
     train_tok, val_tok = corpus.split(tc.val_fraction, seq_len + 1)
     w = dist.world()
-    batches = TrainBatches(train_tok, seq_len, tc.batch_size, tc.seed, w.rank, w.size)
-    windows = eval_windows(val_tok, seq_len, tc.eval_windows)
+    batches = TrainBatches(train_tok, seq_len, tc.batch_size, tc.seed, w.rank, w.size,
+                           Documents.of(corpus, train_tok, tc.doc_mask, tc.doc_positions))
+    windows, docs = eval_set(corpus, val_tok, seq_len, tc.eval_windows, tc.to_dict())
     trainer = Trainer(lambda: build_model(model_cfg), tc, batches, lm_loss,
                       evaluate=lambda m: evaluate(m, windows, corpus.tokenizer, tc.batch_size, trainer.device,
-                                                  tc.loss_ignore_id),
+                                                  tc.loss_ignore_id, docs),
                       run=run, progress=progress, desc=run.path.name, on_step=on_step,
                       flops_per_token=measure(model_cfg, seq_len)["flops_per_token"])  # None: no MFU
     trainer.setup()  # writes config.json: the tokenizer's copy goes in beside it

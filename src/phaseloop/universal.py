@@ -127,7 +127,10 @@ class CoordinateSignal(DerivedBuffers, nn.Module):
         if self.step_table is None:
             self.step_sinusoid.copy_(timing_signal(torch.arange(len(self.step_sinusoid)), self.d_model))
 
-    def position(self, start: int, T: int, device) -> torch.Tensor:
+    def position(self, start: int, T: int, device, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, D] at positions start .. start + T - 1, or [B, T, D] at ``positions_BT``."""
+        if positions_BT is not None:
+            return timing_signal(positions_BT.flatten(), self.d_model).view(*positions_BT.shape, -1)
         return timing_signal(torch.arange(start, start + T, device=device), self.d_model)
 
     def step(self, t: int, device) -> torch.Tensor:
@@ -265,7 +268,7 @@ class UniversalTrunk(Trunk):
 
     def forward(self, x_BTD: torch.Tensor, ctx: Context, steps: int | None = None) -> torch.Tensor:
         steps = self.steps if steps is None else steps
-        pos_TD = self.signal.position(ctx.start_pos, x_BTD.shape[1], x_BTD.device)
+        pos_TD = self.signal.position(ctx.start_pos, x_BTD.shape[1], x_BTD.device, ctx.positions)
         if self.halting is None:
             mon = monitor(self, x_BTD, ctx, steps)  # early exit per position (early_exit.py)
             for t in range(steps):

@@ -92,6 +92,9 @@ def _data_options(p) -> None:
     g.add_argument("--data-split", help="split of an hf: dataset (default: train)")
     g.add_argument("--streaming", action=argparse.BooleanOptionalAction,
                    help="stream an hf: dataset (no full download; default: no)")
+    g.add_argument("--doc-sep", metavar="TEXT", help="put this token between documents in the token store "
+                   "(text of exactly one token, e.g. <|endoftext|> of a BPE, or $'\\n' for bytes; default: "
+                   "the source's own joiner)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,10 +14,10 @@ from .. import compare, plots, registry
 from ..checkpoint import load_run
 from ..config import ModelConfig
 from ..checkpoint import run_folder, run_tokenizer
-from ..data import eval_windows, load_corpus, run_corpus
+from ..data import load_corpus, run_corpus
 from ..engine import dist, resolve_device
 from ..errors import PhaseloopError
-from ..train import check_seq_len, evaluate
+from ..train import check_seq_len, eval_set, evaluate
 from ..runconfig import resolve_run, train_run
 from . import trainflags
 from .sweeps import eval_depths, eval_exits
@@ -48,7 +48,7 @@ def cmd_train(args) -> int:
     print it (--print-config) or train it."""
     data = {k: v for k, v in (("source", args.data), ("tokenizer", args.tokenizer),
                               ("text_column", args.text_column), ("split", args.data_split),
-                              ("streaming", args.streaming)) if v is not None}
+                              ("streaming", args.streaming), ("doc_sep", args.doc_sep)) if v is not None}
     spec = resolve_run(args.config, preset=args.preset, arch=args.arch, model=parse_overrides(args.set),
                        train=trainflags.given(args), data=data, out=args.out, resume=args.resume)
     if args.print_config:
@@ -78,14 +78,14 @@ def cmd_eval(args) -> int:
         tokens = corpus.tokens
     else:
         _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
-    windows = eval_windows(tokens, seq_len, args.windows)
+    windows, docs = eval_set(corpus, tokens, seq_len, args.windows, run_cfg["train"])
     if args.plot:  # refuse a plot without matplotlib before evaluating
         plots.pyplot()
     if args.exit:
-        return eval_exits(args, model, run_cfg, corpus, windows, seq_len, device)
+        return eval_exits(args, model, run_cfg, corpus, windows, seq_len, device, docs)
     if args.depth is not None:
-        return eval_depths(args, model, run_cfg, corpus, windows, seq_len, device)
-    res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
+        return eval_depths(args, model, run_cfg, corpus, windows, seq_len, device, docs)
+    res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"), docs)
     res.update({"data": corpus.name, "fingerprint": corpus.fingerprint, "split": args.split,
                 "windows": len(windows), "seq_len": seq_len})
     if args.json:

@@ -14,7 +14,7 @@ from ..early_exit import exit_flops, set_exit, tally
 from ..train import evaluate
 
 
-def _sweep(args, model, run_cfg, corpus, windows, seq_len, device, points) -> list[dict]:
+def _sweep(args, model, run_cfg, corpus, windows, seq_len, device, points, docs=None) -> list[dict]:
     """Evaluate once per point: ``apply()`` sets the model up, ``fields(tally)`` gives the
     row's own fields (``early_exit.tally``: the exit statistics of its forwards)."""
     rows = []
@@ -22,7 +22,7 @@ def _sweep(args, model, run_cfg, corpus, windows, seq_len, device, points) -> li
         apply()
         t0 = time.perf_counter()
         with tally(model) as t:
-            res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"))
+            res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"), docs)
         tok_s = res["val_tokens"] / max(time.perf_counter() - t0, 1e-9)
         rows.append({**fields(t), **res, "tok_per_s": tok_s, "data": corpus.name,
                      "fingerprint": corpus.fingerprint, "split": args.split,
@@ -54,7 +54,7 @@ def _mflops(flops):
     return None if flops is None else flops / 1e6
 
 
-def eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
+def eval_depths(args, model, run_cfg, corpus, windows, seq_len, device, docs=None) -> int:
     """eval --depth K[,K...]: loss, BPB, FLOPs per token and tokens/s at each depth."""
     for d in args.depth:  # refuse a bad depth before evaluating
         set_model_depth(model, d, args.extend_loops)
@@ -64,13 +64,13 @@ def eval_depths(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
         return (lambda: set_model_depth(model, d, args.extend_loops),
                 lambda t: {"depth": d, "flops_per_token": flops, "mflops_per_token": _mflops(flops)})
 
-    rows = _sweep(args, model, run_cfg, corpus, windows, seq_len, device, [point(d) for d in args.depth])
+    rows = _sweep(args, model, run_cfg, corpus, windows, seq_len, device, [point(d) for d in args.depth], docs)
     _report(args, rows, corpus, windows, seq_len, [("depth", "depth", 6, "{}"), *_LOSS, _FLOPS, _TOKS],
             "depth at inference (UT steps / loop passes)")
     return 0
 
 
-def eval_exits(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
+def eval_exits(args, model, run_cfg, corpus, windows, seq_len, device, docs=None) -> int:
     """eval --exit RULE:V[,V...]: per rule and value, the mean depth a position used, the
     loss and its change from the first row (no rule: the full depth, ACT at its trained
     threshold), FLOPs per token and the share of the full depth's saved
@@ -92,7 +92,7 @@ def eval_exits(args, model, run_cfg, corpus, windows, seq_len, device) -> int:
                     "flops_saved": None if None in (flops, full) else 1 - flops / full}
         return (lambda: set_exit(model, rule)), fields
 
-    rows = _sweep(args, model, run_cfg, corpus, windows, seq_len, device, [point(r) for r in rules])
+    rows = _sweep(args, model, run_cfg, corpus, windows, seq_len, device, [point(r) for r in rules], docs)
     set_exit(model, None)
     for r in rows:
         r["loss_change"] = r["val_loss"] / rows[0]["val_loss"] - 1

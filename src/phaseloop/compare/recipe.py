@@ -108,8 +108,9 @@ class Variant:
         _check_keys(cls, item, where, "variant key")
         if "spec" not in item:
             raise RecipeError(f"{where}: variant table needs spec = 'ARCH ...' (e.g. {_example()!r})")
-        if not isinstance(item.get("set", {}), dict):
-            raise RecipeError(f"{where}: set must be a table of ModelConfig fields")
+        for k, what in (("set", "ModelConfig"), ("train", "TrainConfig")):
+            if not isinstance(item.get(k, {}), dict):
+                raise RecipeError(f"{where}: {k} must be a table of {what} fields")
         v = cls(name=str(item.get("name", item["spec"])), spec=str(item["spec"]),
                 set=dict(item.get("set") or {}), match=item.get("match"),
                 match_to=item.get("match_to"), train=_variant_train(item.get("train") or {}, where),
@@ -194,6 +195,7 @@ class Recipe:
     data: str = "stdlib"
     tokenizer: str = "bytes"  # bytes | a tokenizer.json / folder | a trained name
     text_column: str = "text"  # for .jsonl / .parquet / hf: data
+    doc_sep: str | None = None  # one token between documents in the token store (--doc-sep)
     seeds: list[int] = field(default_factory=lambda: [0])
     scale: str = "small"  # which <prefix>-<scale> presets the aliases pick
     reference: str | None = None  # None -> the first variant

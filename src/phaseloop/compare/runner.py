@@ -133,7 +133,7 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
         resolve_variant(v, recipe.scale)
     check_eval_tasks(recipe)
     with dist.main_first():  # rank 0 builds the token store, then the others read it
-        corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column)
+        corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column, doc_sep=recipe.doc_sep)
     plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
     for p in plan if recipe.train.get("depth_sample") else ():  # training for depth: refused before any trains
         try:

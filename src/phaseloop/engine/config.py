@@ -77,6 +77,10 @@ class TrainConfig:
     checkpoint_activations: bool = _f(False, "recompute each block's activations in backward "
                                       "(less memory, ~1/3 more compute)")
     peak_tflops: float | None = _f(None, "peak TFLOP/s of one device, for MFU (default: known GPUs' bf16 peak)")
+    # windows holding several documents (issue 28; LM runs: data.Documents)
+    doc_mask: bool = _f(False, "attention only within a document (a window may span several)")
+    doc_positions: bool = _f(False, "positions restart at 0 at each document start (RoPE, the 3PT "
+                             "horn and the UT coordinate signal read them)")
     # the 3PT author's CrossEntropyLoss(ignore_index=pad_id); (inputs, targets) batches of LM runs
     loss_ignore_id: int | None = _f(None, "leave targets equal to this id (e.g. the pad id) out of the loss")
     # training for depth (issue 25): engine.trainer runs each step under depth.sampled_depth

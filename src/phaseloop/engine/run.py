@@ -50,7 +50,7 @@ def _normalised(section: str, saved: dict) -> dict:
 
 def _first_difference(saved: dict, want: dict, section: str) -> str | None:
     if section == "data":  # the same bytes and the same tokenizer, however they were named
-        keys = ("fingerprint", "tokenizer_sha256")
+        keys = ("fingerprint", "tokenizer_sha256", "doc_sep")
         return next((k for k in keys if saved.get(k) != want.get(k) and (k in saved or want.get(k))), None)
     saved = {k: v for k, v in _normalised(section, saved).items() if k in want or k in saved}
     keys = sorted(set(saved) | set(want), key=str)
@@ -164,6 +164,10 @@ class RunFolder:
                                           f"({saved['data'].get('tokenizer')!r}, sha256 "
                                           f"{str(saved['data'].get(k))[:12]}...); resume with the same "
                                           "--tokenizer or choose another --out")
+                if section == "data" and k == "doc_sep":
+                    raise CheckpointError(f"{path} was trained with --doc-sep {saved['data'].get(k)!r}, this run "
+                                          f"would use {want.get(k)!r}; resume with the same --doc-sep or choose "
+                                          "another --out")
                 if section == "data":
                     raise CheckpointError(f"{path} was trained on other data ({saved.get('data', {}).get('source')}); "
                                           "resume with the same --data or choose another --out")

@@ -60,13 +60,13 @@ def ignore_targets(batch, ignore_id: int | None):
     the loss leaves out (``TrainConfig.loss_ignore_id``); None: the batch unchanged."""
     if ignore_id is None:
         return batch
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
-            and all(isinstance(t, torch.Tensor) for t in batch)):
+    if not (isinstance(batch, (tuple, list)) and len(batch) in (2, 3)
+            and all(isinstance(t, torch.Tensor) for t in batch[:2])):
         raise ConfigError(f"invalid train config: loss_ignore_id={ignore_id}: applies to the (inputs, "
                           "targets) batches of LM runs, not this run's; drop it (task runs mark "
                           "padding -100 already)")
-    x, y = batch
-    return x, y.masked_fill(y == ignore_id, -100)
+    x, y, *rest = batch  # rest: an LM batch's document inputs (data.Documents)
+    return (x, y.masked_fill(y == ignore_id, -100), *rest)
 
 
 class Trainer:

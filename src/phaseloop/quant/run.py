@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 
 from ..checkpoint import load_run, run_folder, write_json
-from ..data import TrainBatches, eval_windows, run_corpus
+from ..data import TrainBatches, run_corpus
 from ..engine import resolve_device
 from ..engine.optim import check_forward_memory
 from ..errors import PhaseloopError
 from ..files import check_out_dir
-from ..train import evaluate
+from ..train import eval_set, evaluate
 from .apply import quantize_model
 from .io import save_quantized
 
@@ -40,9 +40,9 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
     corpus = run_corpus(run, run_cfg, data)
     seq_len = run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
     train_tok, val_tok = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
-    val = eval_windows(val_tok, seq_len, windows)
+    val, docs = eval_set(corpus, val_tok, seq_len, windows, run_cfg["train"])
     ignore = run_cfg["train"].get("loss_ignore_id")
-    before = evaluate(model, val, corpus.tokenizer, 16, dev, ignore)
+    before = evaluate(model, val, corpus.tokenizer, 16, dev, ignore, docs)
     calib = None
     if method == "gptq":  # calibration windows from the run's training split, if they fit
         check_forward_memory(model.cfg, calib_batch_size, seq_len, dev, "--calib-batch-size",
@@ -50,7 +50,7 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
         batches = TrainBatches(train_tok, seq_len, calib_batch_size, seed)
         calib = [batches.next()[0] for _ in range(calib_batches)]
     report = quantize_model(model, bits, None if group_size == -1 else group_size, method, calib)
-    after = evaluate(model, val, corpus.tokenizer, 16, dev, ignore)
+    after = evaluate(model, val, corpus.tokenizer, 16, dev, ignore, docs)
 
     out_dir = Path(out) if out else run_dir
     made = [] if out_dir.is_dir() else [p for p in (out_dir, *out_dir.parents) if not p.exists()]

@@ -194,6 +194,9 @@ def train_pairs(model_cfg: ModelConfig, pairs: Sequence[Pair], tc: TrainConfig, 
     """Train a fresh task model (seed ``tc.seed``) on ``pairs`` through the engine; with
     ``run`` it checkpoints and resumes in that folder. Returns the finished Trainer
     (``.model``, ``.records``)."""
+    if tc.doc_mask or tc.doc_positions:
+        raise ConfigError("invalid train config: doc_mask / doc_positions apply to LM runs on a corpus "
+                          "(windows spanning documents); a task's examples are one sequence each: drop them")
     cls = task_model_class(arch)
     trainer = Trainer(lambda: build_task_model(model_cfg, arch), tc,
                       PairBatches(pairs, tc.batch_size, tc.seed, max_offset),
