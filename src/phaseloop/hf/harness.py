@@ -101,7 +101,8 @@ def write_local_tasks(dest: Path, data: Path | None, wanted: list[str]) -> None:
                               "--data-dir DIR or set PHASELOOP_DATA_DIR to the folder holding it")
         path = data / rel
         if name == "wikitext2_local":  # one JSON line {"page": article} per article
-            lines = [json.dumps({"page": b"".join(a).decode("utf-8")}) for a in _articles(path, False)]
+            with open(path, "rb") as raw:
+                lines = [json.dumps({"page": b"".join(a).decode("utf-8")}) for a in _articles(raw, False)]
             path = dest / "wikitext2_test_pages.jsonl"
             atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
             atomic_write_bytes(dest / "wikitext_local.py", _WIKITEXT_PY.encode())
