@@ -332,19 +332,18 @@ _LOOPED_LAYERS = ("unique layers n_begin + middle + n_end (the depth is n_begin 
 @torch.no_grad()
 def _diagnostics(model: nn.Module, stats: dict) -> dict[str, float]:
     """Per loop l (and middle layer i with hc_per_layer), the mean of each coefficient of
-    hc[l] at a zero stream, i.e. its token-independent part sigmoid(b) (H_pre, H_post, the
-    diagonal of H_res), and its alphas (pre, post, res) when dynamic (Hyperloop §3)."""
+    hc[l] at a zero stream, i.e. of its token-independent part, logits b (H_pre, H_post,
+    the diagonal of H_res), and its alphas (pre, post, res) when dynamic (Hyperloop §3)."""
     trunk = getattr(model, "trunk", None)
     if not isinstance(trunk, Hyperloop) or trunk.pooled:
         return {}
     out, m = {}, len(trunk.middle)
     for j, hc in enumerate(trunk.hc):
-        p = next(hc.parameters())
-        pre, post, res = hc.coefficients(torch.zeros(1, 1, hc.n, model.cfg.d_model, dtype=p.dtype, device=p.device))
+        pre, post, res = hc.from_logits(hc.b.detach().float())
         name = f"hyperloop/loop{j // m}/layer{j % m}" if trunk.per_layer else f"hyperloop/loop{j}"
         out[f"{name}/pre_mean"], out[f"{name}/post_mean"] = pre.mean().item(), post.mean().item()
         if res is not None:
-            out[f"{name}/res_diag_mean"] = (res if res.dim() == 3 else res.diagonal(dim1=-2, dim2=-1)).mean().item()
+            out[f"{name}/res_diag_mean"] = (res if res.dim() == 1 else res.diagonal()).mean().item()
         if hc.alpha is not None:
             out.update({f"{name}/alpha_{k}": a for k, a in zip(("pre", "post", "res"), hc.alpha.tolist())})
     return out

@@ -55,8 +55,9 @@ class ArchSpec:
     default_preset: str | None = None  # the preset of `phaseloop train` without --preset
     commands: Callable | None = None  # commands(subparsers): its own subcommands (3PT: angles)
     # diagnostics(model, stats) -> {name: float}: its own quantities, logged at evaluation steps
-    # (``stats``: the last training micro-batch's ModelOutput.stats); an option group may
-    # define the same as a staticmethod ``diagnostics`` (3PT's angles, on any trunk)
+    # (``stats``: name -> every process's tensor of the last training micro-batch's
+    # ModelOutput.stats; the model's parameters whole); an option group may define the same
+    # as a staticmethod ``diagnostics`` (3PT's angles, on any trunk)
     diagnostics: Callable | None = None
 
     @property

@@ -314,14 +314,16 @@ def _ut_paper(d: int, **kw) -> dict:
 
 def _diagnostics(model: nn.Module, stats: dict) -> dict[str, float]:
     """ACT (UT §2.2): mean, standard deviation and maximum over the positions of the
-    ponder time N + R (``ponder_cost``) of the last training micro-batch; a task run's
-    encoder-decoder has an encoder_ and a decoder_ one."""
+    ponder time N + R (``ponder_cost``) of the last training micro-batch (``stats``: each
+    process's tensors); a task run's encoder-decoder has an encoder_ and a decoder_ one."""
     out = {}
-    for k, v in stats.items():
-        if k.endswith("ponder_time") and isinstance(v, torch.Tensor) and v.numel():
-            p, side = v.detach().double(), k[:-len("ponder_time")]
-            out.update({f"act/{side}ponder_mean": p.mean().item(), f"act/{side}ponder_std": p.std(correction=0).item(),
-                        f"act/{side}ponder_max": p.max().item()})
+    for k, parts in stats.items():
+        if k.endswith("ponder_time"):
+            p, side = torch.cat([t.detach().double().flatten() for t in parts]), k[:-len("ponder_time")]
+            if p.numel():
+                out.update({f"act/{side}ponder_mean": p.mean().item(),
+                            f"act/{side}ponder_std": p.std(correction=0).item(),
+                            f"act/{side}ponder_max": p.max().item()})
     return out
 
 

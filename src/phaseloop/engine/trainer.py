@@ -214,6 +214,12 @@ class Trainer:
         dist.barrier()
         self.saved = self.step
 
+    def _diagnostics(self) -> dict:
+        """The architecture's own quantities (``registry.diagnostics``): every process's
+        statistics of the last micro-batch, the parameters whole (collectives in a world)."""
+        with dist.unsharded(self.model):
+            return registry.diagnostics(self.model, dist.gather_stats(self.stats))
+
     def _log(self, record: dict) -> None:
         self.records.append(record)
         if self.writes:
@@ -302,8 +308,7 @@ class Trainer:
                 t0 = time.perf_counter()  # evaluation and checkpoints are not training time
                 if self.evaluate is not None and (self.step % tc.eval_every == 0 or last):
                     self.last_eval = self.evaluate(self.model)
-                    self._log({"step": self.step, **self.last_eval, **registry.diagnostics(self.model, self.stats),
-                               "elapsed_s": self.elapsed})
+                    self._log({"step": self.step, **self.last_eval, **self._diagnostics(), "elapsed_s": self.elapsed})
                     best = self.keeper.evaluated(self.step, self.last_eval)  # checkpointed below
                 else:
                     best = False
