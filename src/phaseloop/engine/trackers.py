@@ -90,7 +90,8 @@ class WandB:
         # steps an earlier process of this run sent (the history is append-only)
         self.sent = max((s for f in wandb_files(run_dir, self.id) for s, _ in wandb_history(f)), default=0)
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False,
-                                  x_save_requirements=False, disable_git=True)
+                                  x_save_requirements=False, disable_git=True,
+                                  reinit="create_new")  # runs of one process (compare) each their own
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "phaseloop"), name=run_dir.name,
                               id=self.id, resume="allow", dir=str(run_dir), config=config,
                               mode=os.environ.get("WANDB_MODE", "offline"), settings=settings)
