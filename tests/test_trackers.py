@@ -118,6 +118,7 @@ def test_log_to_in_a_config_file_and_resumed_with_other_trackers(tmp_path, text_
     code, err = run_cli(["train", *TINY, "--config", cfg, "--data", text_file, "--out", out, "--resume",
                          "--log-to", "wandb"], capsys)
     assert code == 0, err  # where metrics are mirrored is not part of the run
+    assert not (out / "wandb").exists()  # the run was finished: nothing to log, nothing written
 
 
 def test_unknown_tracker_and_missing_package_are_one_line_errors(tmp_path, text_file, capsys, monkeypatch):

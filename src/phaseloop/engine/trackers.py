@@ -21,7 +21,7 @@ import secrets
 import struct
 from pathlib import Path
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, PhaseloopError
 from ..files import atomic_write_bytes
 
 EXTRA = "track"  # pyproject.toml's optional extra holding every tracker's package
@@ -120,7 +120,18 @@ class Trackers:
     @classmethod
     def open(cls, log_to: str | None, run_dir: Path, step: int, config: dict) -> "Trackers":
         check(log_to)
-        return cls([TRACKERS[n](Path(run_dir), step, config) for n in names(log_to)])
+        opened = []
+        for n in names(log_to):
+            try:
+                opened.append(TRACKERS[n](Path(run_dir), step, config))
+            except Exception as e:  # noqa: BLE001  e.g. W&B online without a network or a login
+                cls(opened).close()
+                if isinstance(e, PhaseloopError):
+                    raise
+                raise PhaseloopError(f"--log-to {n}: the tracker could not start ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:120] if str(e) else ''}); fix that (W&B: "
+                                     "WANDB_MODE=offline needs no network) or drop it from --log-to") from None
+        return cls(opened)
 
     def log(self, record: dict) -> None:
         for t in self.trackers:

@@ -209,7 +209,6 @@ class Trainer:
             save_checkpoint(self.run.path, model_state, optim_state, self.step, self.batches.state(),
                             {"elapsed": self.elapsed, "tokens": self.tokens, "skipped": self.skipped,
                              "world_size": self.world.size}, rng=rng, config=self.run.config)
-        if self.world.main:
             self.keeper.saved(self.step)
         dist.barrier()
         self.saved = self.step
@@ -283,7 +282,7 @@ class Trainer:
             bar = tqdm(total=tc.steps, initial=self.step, desc=self.desc, unit="step",
                        dynamic_ncols=True)
         self.model.train()
-        if self.writes:
+        if self.writes and self.step < tc.steps:  # a finished run resumed: nothing to log
             self.trackers = Trackers.open(tc.log_to, self.run.path, self.step, self.run.config)
         t_last, tok_last = time.perf_counter(), self.tokens
         try:
@@ -306,12 +305,11 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                 t0 = time.perf_counter()  # evaluation and checkpoints are not training time
+                best = False
                 if self.evaluate is not None and (self.step % tc.eval_every == 0 or last):
                     self.last_eval = self.evaluate(self.model)
                     self._log({"step": self.step, **self.last_eval, **self._diagnostics(), "elapsed_s": self.elapsed})
                     best = self.keeper.evaluated(self.step, self.last_eval)  # checkpointed below
-                else:
-                    best = False
                 if self.run is not None and (self.step % tc.ckpt_every == 0 or last or best):
                     self.save()  # every rank: gathering the state is a collective
                 t_last += time.perf_counter() - t0
