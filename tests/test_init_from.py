@@ -134,7 +134,7 @@ def test_an_init_from_run_with_kept_checkpoints_resumes_exactly_without_its_sour
     assert [{k: v for k, v in r.items() if k not in timing} for r in a] == \
         [{k: v for k, v in r.items() if k not in timing} for r in b]  # bitwise: the same process and data
     for name in ("best", "checkpoint", "checkpoint-00000012"):
-        assert load_file(full / name / "model.safetensors").keys() == load_file(part / name / "model.safetensors").keys()
-        for k, v in load_file(full / name / "model.safetensors").items():
-            assert torch.equal(v, load_file(part / name / "model.safetensors")[k]), (name, k)
-    assert json.loads((part / "config.json").read_text())["init"] == json.loads((full / "config.json").read_text())["init"]
+        want, got = (load_file(r / name / "model.safetensors") for r in (full, part))
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+    init = [json.loads((r / "config.json").read_text())["init"] for r in (full, part)]
+    assert init[0] == init[1] and init[0]["from"] == str(src.resolve())
