@@ -19,6 +19,7 @@ import math
 import os
 import secrets
 import struct
+import time
 from pathlib import Path
 
 from ..errors import CheckpointError, ConfigError, PhaseloopError
@@ -89,6 +90,11 @@ class WandB:
         self.id = ids["wandb"]
         # steps an earlier process of this run sent (the history is append-only)
         self.sent = max((s for f in wandb_files(run_dir, self.id) for s, _ in wandb_history(f)), default=0)
+        # W&B names a process's folder by the second it starts in (local time): a second
+        # process of the run starting within that second would overwrite the first's log
+        while any(p.name.rsplit("-", 2)[-2] == time.strftime("%Y%m%d_%H%M%S")
+                  for p in (run_dir / "wandb").glob(f"*-{self.id}")):
+            time.sleep(0.05)
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False,
                                   x_save_requirements=False, disable_git=True,
                                   reinit="create_new")  # runs of one process (compare) each their own
