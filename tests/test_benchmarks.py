@@ -73,3 +73,13 @@ def test_claim_hyperloop_table_pairs_seeds(tmp_path):
     out = claim_hyperloop.table(tmp_path)
     assert "transformer -> hyperloop: +0.3030 BPB" in out  # 0.3 + 0.003 * seed, mean over seeds 0-2
     assert "over 3 seeds" in out and "worse" in out
+
+
+def test_bench_trackers_runs(capsys, one_thread, monkeypatch):
+    import bench_trackers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert bench_trackers.main(["--preset", "rope-tiny", "--batch", "2", "--seq", "8", "--log-every", "2",
+                                "--rounds", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"\n{k} " in out for k in ("none", "tensorboard", "wandb", "both"))

@@ -140,6 +140,11 @@ class HyperConnection(DerivedBuffers, nn.Module):
             logits_BTk = self.b + self.alpha[self.alpha_idx] * (z_BTm @ self.W.t())
         else:  # static T: the same coefficients at every token
             logits_BTk = self.b.expand(*y_BTnD.shape[:-2], -1)
+        return self.from_logits(logits_BTk)
+
+    def from_logits(self, logits_BTk: torch.Tensor):
+        """The coefficients of logits [..., 2n + n_res] (``coefficients``' last part)."""
+        n = self.n
         pre_BTn = torch.sigmoid(logits_BTk[..., :n])
         post_BTn = 2 * torch.sigmoid(logits_BTk[..., n:2 * n])
         res = None

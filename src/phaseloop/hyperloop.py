@@ -371,6 +371,26 @@ _LOOPED_LAYERS = ("unique layers n_begin + middle + n_end (the depth is n_begin 
                   "+ n_end; n_begin, n_end default to n_unique_layers // 4)")
 
 
+@torch.no_grad()
+def _diagnostics(model: nn.Module, stats: dict) -> dict[str, float]:
+    """Per loop l (and middle layer i with hc_per_layer), the mean of each coefficient of
+    hc[l] at a zero stream, i.e. of its token-independent part, logits b (H_pre, H_post,
+    the diagonal of H_res), and its alphas (pre, post, res) when dynamic (Hyperloop §3)."""
+    trunk = getattr(model, "trunk", None)
+    if not isinstance(trunk, Hyperloop) or trunk.pooled:
+        return {}
+    out, m = {}, len(trunk.middle)
+    for j, hc in enumerate(trunk.hc):
+        pre, post, res = hc.from_logits(hc.b.detach().float())
+        name = f"hyperloop/loop{j // m}/layer{j % m}" if trunk.per_layer else f"hyperloop/loop{j}"
+        out[f"{name}/pre_mean"], out[f"{name}/post_mean"] = pre.mean().item(), post.mean().item()
+        if res is not None:
+            out[f"{name}/res_diag_mean"] = (res if res.dim() == 1 else res.diagonal()).mean().item()
+        if hc.alpha is not None:
+            out.update({f"{name}/alpha_{k}": a for k, a in zip(("pre", "post", "res"), hc.alpha.tolist())})
+    return out
+
+
 def _shrink_looped(cfg: ModelConfig) -> dict:
     return dict(n_layers=3, n_begin=1, n_end=1, n_loops=min(cfg.n_loops, 2))
 
@@ -381,7 +401,7 @@ register_arch(ArchSpec(name="looped", trunk=Looped, options=(LoopOptions,), laye
 register_arch(ArchSpec(name="hyperloop", trunk=Hyperloop,
                        options=(LoopOptions, HCOptions, HyperloopOptions), layers=_LOOPED_LAYERS,
                        layers_name="n_unique_layers",
-                       paper=_PAPER, shrink=_shrink_looped))
+                       paper=_PAPER, shrink=_shrink_looped, diagnostics=_diagnostics))
 register_arch(ArchSpec(name="mhc", trunk=MHC, options=(HCOptions,), defaults={"hc_res": "sinkhorn"},
                        paper="Xie et al., mHC, arXiv 2512.24880; Zhu et al., Hyper-Connections, ICLR 2025"))
 register_presets(_PRESETS)  # one table (each names its arch): the paper's four models per scale

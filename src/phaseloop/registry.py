@@ -54,6 +54,11 @@ class ArchSpec:
     default: bool = False  # the architecture of ModelConfig() (one built-in baseline)
     default_preset: str | None = None  # the preset of `phaseloop train` without --preset
     commands: Callable | None = None  # commands(subparsers): its own subcommands (3PT: angles)
+    # diagnostics(model, stats) -> {name: float}: its own quantities, logged at evaluation steps
+    # (``stats``: name -> every process's tensor of the last training micro-batch's
+    # ModelOutput.stats; the model's parameters whole); an option group may define the same
+    # as a staticmethod ``diagnostics`` (3PT's angles, on any trunk)
+    diagnostics: Callable | None = None
 
     @property
     def prefixes(self) -> tuple[str, ...]:
@@ -213,3 +218,17 @@ def modifiers() -> dict[str, dict]:
 def seq2seq_archs() -> dict[str, ArchSpec]:
     """Task-run names of the encoder-decoders (e.g. "<alias>-seq2seq") -> their arch."""
     return {s.seq2seq_name: s for s in all_archs() if s.seq2seq is not None and s.seq2seq_name}
+
+
+def diagnostics(model, stats: dict) -> dict[str, float]:
+    """The architecture's own quantities of ``model`` (its option groups' and its spec's
+    ``diagnostics``), for the evaluation records; {} for a model without a ModelConfig."""
+    arch = getattr(getattr(model, "cfg", None), "arch", None)
+    if not isinstance(arch, str):
+        return {}
+    spec = get_arch(arch)
+    out: dict[str, float] = {}
+    for fn in (*(getattr(g, "diagnostics", None) for g in groups_of(spec)), spec.diagnostics):
+        if fn is not None:
+            out.update(fn(model, stats))
+    return out

@@ -42,6 +42,11 @@ class PhaseOptions:
     phase_aligned_gqa: bool | None = False  # require N | n_heads and N | n_kv_heads (mod. 4)
     horn: bool | None = False  # Gabriel's horn DC injection on the embedding output (mod. 5)
     learnable_offsets: bool = False  # ablation: learn the 2*pi*i/N offsets
+
+    @staticmethod
+    def diagnostics(model: nn.Module, stats: dict) -> dict[str, float]:
+        """Per rotation layer, the mean |theta - theta_init| (``angle_drift``; 3PT §4)."""
+        return {f"three_phase/angle_drift/layer{r['layer']}": r["mean_abs_drift"] for r in angle_drift(model)}
     residual_rotation: bool = False  # ablation: h + PR(h) instead of PR(h)
     learnable_horn: bool = False  # ablation (ours): learnable gain g in r(t) = g/(t+1)
 

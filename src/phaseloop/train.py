@@ -117,6 +117,23 @@ def eval_set(corpus: Corpus, tokens, seq_len: int, n_windows: int, train_cfg: di
     return windows, docs.inputs(eval_starts(len(tokens), seq_len, n_windows), seq_len)
 
 
+def init_section(tc: TrainConfig, data: dict, out_dir: str | Path, resume: bool) -> dict:
+    """{"init": provenance} of a run started from another run's weights (``initfrom``),
+    its tokenizer checked; a resumed run past its first checkpoint keeps the one recorded."""
+    if tc.init_from is None:
+        return {}
+    from .checkpoint import checkpoint_dir
+    from .initfrom import check_tokenizer, provenance
+
+    out_dir = Path(out_dir)
+    if resume and checkpoint_dir(out_dir) is not None and (out_dir / "config.json").is_file():
+        saved = read_json(out_dir / "config.json")
+        if isinstance(saved, dict) and "init" in saved:
+            return {"init": saved["init"]}
+    check_tokenizer(tc.init_from, data, tc.allow_new_tokenizer)
+    return {"init": provenance(tc.init_from)}
+
+
 def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib",
           out_dir: str | Path = "runs/run", resume: bool = False, progress: bool = True,
           on_step: Callable[[int, dict], None] | None = None, stop_after: int | None = None,
@@ -132,7 +149,8 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     seq_len = tc.seq_len or model_cfg.max_seq_len
     check_seq_len(seq_len, model_cfg)
     run_cfg = {"model": model_cfg.to_dict(), "train": tc.to_dict(), "data": corpus.describe(),
-               "parallel": {"world_size": dist.world().size}, "software": software_versions()}
+               "parallel": {"world_size": dist.world().size}, "software": software_versions(),
+               **init_section(tc, corpus.describe(), out_dir, resume)}
     run = RunFolder.open(out_dir, run_cfg, resume, log if dist.world().main else None)
     dist.barrier()  # every rank has checked the folder before rank 0 writes to it
     train_tok, val_tok = corpus.split(tc.val_fraction, seq_len + 1)

@@ -379,6 +379,21 @@ def _ut_paper(d: int, **kw) -> dict:
                tie_embeddings=True, **kw)
 
 
+def _diagnostics(model: nn.Module, stats: dict) -> dict[str, float]:
+    """ACT (UT §2.2): mean, standard deviation and maximum over the positions of the
+    ponder time N + R (``ponder_cost``) of the last training micro-batch (``stats``: each
+    process's tensors); a task run's encoder-decoder has an encoder_ and a decoder_ one."""
+    out = {}
+    for k, parts in stats.items():
+        if k.endswith("ponder_time"):
+            p, side = torch.cat([t.detach().double().flatten() for t in parts]), k[:-len("ponder_time")]
+            if p.numel():
+                out.update({f"act/{side}ponder_mean": p.mean().item(),
+                            f"act/{side}ponder_std": p.std(correction=0).item(),
+                            f"act/{side}ponder_max": p.max().item()})
+    return out
+
+
 SPEC = register_arch(ArchSpec(
     name="universal",
     trunk=UniversalTrunk,
@@ -393,6 +408,7 @@ SPEC = register_arch(ArchSpec(
     seq2seq=UniversalSeq2Seq,
     seq2seq_name="universal-seq2seq",
     task_offsets=True,  # --paper: random position offsets for length generalisation (UT §4)
+    diagnostics=_diagnostics,
     presets={
         "universal-paper-tiny": _ut_paper(96, n_heads=6, n_steps=4, vocab_size=256, max_seq_len=64),
         "universal-paper-small": _ut_paper(192, n_heads=6, n_steps=6, vocab_size=256, max_seq_len=128),

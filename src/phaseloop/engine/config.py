@@ -89,6 +89,13 @@ class TrainConfig:
                                   "and step; evaluation runs at the trained depth")
     extend_loops: str | None = _f(None, "with depth_sample past a Hyperloop's trained loops: last "
                                   "(reuse the last loop's parameters)", ("last",))
+    log_to: str | None = _f(None, "experiment trackers to mirror metrics.jsonl to, comma-separated: "
+                            "tensorboard, wandb (offline unless WANDB_MODE says otherwise)")
+    init_from: str | None = _f(None, "start from the weights of another run (its folder or a checkpoint "
+                               "folder): a new run, its own optimiser; the shapes must match")
+    allow_new_tokenizer: bool = _f(False, "with init_from: accept another tokenizer of the same vocabulary size")
+    keep_checkpoints: int = _f(1, "keep the last K checkpoints (RUN/checkpoint-<step>; 1: only the one resumed from)")
+    keep_best: bool = _f(False, "keep the checkpoint of the lowest val_loss as RUN/best")
 
     def __post_init__(self) -> None:
         what = "train config"
@@ -101,6 +108,15 @@ class TrainConfig:
         check_ints(self, ("seq_len",), what, optional=True)
         check_ints(self, ("loss_ignore_id",), what, minimum=0, optional=True)
         check_ints(self, ("warmup_steps", "seed", "skip_nonfinite"), what, minimum=0)
+        check_ints(self, ("keep_checkpoints",), what)
+        from .trackers import names as tracker_names
+
+        tracker_names(self.log_to)
+        if self.init_from is not None and not self.init_from:
+            raise ConfigError("invalid train config: init_from='': name a run folder or checkpoint folder")
+        if self.allow_new_tokenizer and self.init_from is None:
+            raise ConfigError("invalid train config: allow_new_tokenizer applies with init_from; add "
+                              "--init-from RUN or drop it")
         if not self.lr > 0:
             raise ConfigError(f"invalid train config: lr={self.lr!r}: must be > 0")
         for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2", "decay_fraction"):

@@ -114,6 +114,29 @@ def gather_objects(obj) -> list:
     return out
 
 
+def gather_stats(stats: dict) -> dict[str, list[torch.Tensor]]:
+    """Every process's tensors of a ``ModelOutput.stats`` (on every process), by name."""
+    mine = {k: v.detach().cpu() for k, v in stats.items() if isinstance(v, torch.Tensor)}
+    every = gather_objects(mine)
+    return {k: [s[k] for s in every if k in s] for k in mine}
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module):
+    """FSDP2-sharded parameters whole inside the block (every process enters it); DDP or
+    one process: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.reshard()
+
+
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The model's transformer blocks, each once however often a trunk applies it."""
     from ..layers import Block

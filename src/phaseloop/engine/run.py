@@ -17,7 +17,8 @@ from ..files import atomic_write_bytes, check_out_dir
 # keys that may change between a run and its resumption (where it runs, not what; and
 # the budget of skipped non-finite steps, so a diverged run can be resumed with one)
 RESUMABLE_CHANGES = ("device", "compile", "skip_nonfinite", "parallel", "checkpoint_activations", "peak_tflops",
-                     "batch_size", "grad_accum")  # these two as long as the global batch holds
+                     "batch_size", "grad_accum",  # these two as long as the global batch holds
+                     "log_to", "keep_checkpoints", "keep_best")  # what is mirrored and kept
 
 
 def _global_batch(cfg: dict) -> int | None:

@@ -21,9 +21,12 @@ from torch import nn
 from ..checkpoint import (data_state, load_model_state, load_trainer_state, optimizer_state,
                           remove_orphans, rng_states, save_checkpoint)
 from ..depth import check_depth_sample, parse_depth_range, sampled_depth
+from .. import registry
 from ..errors import ConfigError, PhaseloopError
 from . import compiling, dist
 from .config import TrainConfig
+from .keep import Keeper
+from .trackers import Trackers, check as check_trackers
 from .optim import autocast, check_memory, lr_at, make_optimizer, peak_memory_mb, resolve_device
 from .run import RunFolder
 
@@ -104,6 +107,8 @@ class Trainer:
         self.ran = 0  # steps run by this process (0 when resuming a finished run)
         self.records: list[dict] = []
         self.last_eval: dict = {}
+        self.stats: dict = {}  # the last micro-batch's ModelOutput.stats (ACT ponder times)
+        self.trackers = Trackers()  # --log-to: opened by fit, in the process that writes the run
         self._ready = False
 
     def __getattr__(self, name: str):  # only called for attributes not set yet
@@ -124,12 +129,17 @@ class Trainer:
                 check_depth_sample(twin, parse_depth_range(tc.depth_sample), tc.extend_loops)
         if run is not None:
             run.check()
+            check_trackers(tc.log_to)  # a missing package is refused before anything is written
         torch.manual_seed(tc.seed)  # the same initial weights on every rank
         self.model = self.build().to(self.device)
         if self.world.rank > 0:  # dropout masks differ between ranks
             self._seed_rank(0)
         ckpt = run.checkpoint if run is not None else None
         restored = self._restore_model(ckpt) if ckpt is not None else None
+        if restored is None and tc.init_from is not None:  # a new run from another run's weights
+            from ..initfrom import load_init
+
+            load_init(self.model, tc.init_from)
         if tc.checkpoint_activations:  # before FSDP2 wraps the blocks, as torchtitan does
             dist.checkpoint_activations(self.model)
         self.compiler = compiling.RunCompiler(  # block mode compiles before DDP / FSDP2 wrap
@@ -146,6 +156,8 @@ class Trainer:
         if run is not None and self.world.main:
             run.start(self.step)
         dist.barrier()
+        self.keeper = Keeper(run.path if run is not None else None, tc.keep_checkpoints, tc.keep_best, self.writes)
+        self.keeper.sync(self.step)
         self._ready = True
         return self
 
@@ -202,17 +214,26 @@ class Trainer:
         model_state, optim_state = dist.full_state(self.model, self.optimizer, self.tc.parallel)
         rng = self._rng()
         if self.world.main:
+            self.trackers.flush()  # what the checkpoint covers is in the trackers' files first
             save_checkpoint(self.run.path, model_state, optim_state, self.step, self.batches.state(),
                             {"elapsed": self.elapsed, "tokens": self.tokens, "skipped": self.skipped,
                              "world_size": self.world.size,
                              **({"compile": self.compiler.chosen} if self.compiler.chosen else {})}, rng=rng, config=self.run.config)
+            self.keeper.saved(self.step)
         dist.barrier()
         self.saved = self.step
+
+    def _diagnostics(self) -> dict:
+        """The architecture's own quantities (``registry.diagnostics``): every process's
+        statistics of the last micro-batch, the parameters whole (collectives in a world)."""
+        with dist.unsharded(self.model):
+            return registry.diagnostics(self.model, dist.gather_stats(self.stats))
 
     def _log(self, record: dict) -> None:
         self.records.append(record)
         if self.writes:
             self.run.log(record)
+            self.trackers.log(record)
         if self.on_step is not None:
             self.on_step(record["step"], record)
 
@@ -245,6 +266,7 @@ class Trainer:
             for k, v in out.aux_losses.items():
                 aux[k] = aux.get(k, 0.0) + v.detach() / tc.grad_accum
             self.tokens += out.logits.shape[0] * out.logits.shape[1] * self.world.size
+        self.stats = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.stats.items()}
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor of the global norm
             gnorm = gnorm.full_tensor()
@@ -281,6 +303,8 @@ class Trainer:
             bar = tqdm(total=tc.steps, initial=self.step, desc=self.desc, unit="step",
                        dynamic_ncols=True)
         self.model.train()
+        if self.writes and self.step < tc.steps:  # a finished run resumed: nothing to log
+            self.trackers = Trackers.open(tc.log_to, self.run.path, self.step, self.run.config)
         t_last, tok_last = time.perf_counter(), self.tokens
         try:
             while self.step < tc.steps and (stop_after is None or self.ran < stop_after):
@@ -302,10 +326,12 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                 t0 = time.perf_counter()  # evaluation and checkpoints are not training time
+                best = False
                 if self.evaluate is not None and (self.step % tc.eval_every == 0 or last):
                     self.last_eval = self.evaluate(self.model)
-                    self._log({"step": self.step, **self.last_eval, "elapsed_s": self.elapsed})
-                if self.run is not None and (self.step % tc.ckpt_every == 0 or last):
+                    self._log({"step": self.step, **self.last_eval, **self._diagnostics(), "elapsed_s": self.elapsed})
+                    best = self.keeper.evaluated(self.step, self.last_eval)  # checkpointed below
+                if self.run is not None and (self.step % tc.ckpt_every == 0 or last or best):
                     self.save()  # every rank: gathering the state is a collective
                 t_last += time.perf_counter() - t0
         except KeyboardInterrupt:
@@ -325,6 +351,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            self.trackers.close()
         return self.summary()
 
     def summary(self) -> dict:

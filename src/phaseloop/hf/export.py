@@ -82,6 +82,9 @@ def from_run(run: str | Path, device: str | torch.device = "cpu", dtype: str = "
 def _card(hf, run: Path, run_cfg: dict, summary: dict) -> str:
     cfg = hf.model.cfg
     metrics = {k: summary[k] for k in ("val_loss", "val_bpb", "step") if k in summary}
+    init = run_cfg.get("init")
+    started = (f" Its weights started from step {init.get('step')} of the run `{Path(str(init.get('from'))).name}` "
+               f"(model.safetensors sha256 {str(init.get('model_sha256'))[:12]}...)." if isinstance(init, dict) else "")
     return f"""---
 library_name: transformers
 tags: [phaseloop, {cfg.arch}]
@@ -89,7 +92,7 @@ tags: [phaseloop, {cfg.arch}]
 # {run.name}
 
 A phaseloop model (arch `{cfg.arch}`, {sum(p.numel() for p in hf.model.parameters()):,} parameters), exported from
-the run folder `{run.name}` with `phaseloop export`. Final metrics of the run: {json.dumps(metrics)}.
+the run folder `{run.name}` with `phaseloop export`. Final metrics of the run: {json.dumps(metrics)}.{started}
 
 ```python
 import phaseloop  # registers model_type "phaseloop" (or pass trust_remote_code=True)
@@ -174,7 +177,8 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
         (tmp / "phaseloop.json").write_text(dumps({
             "run": str(run_dir.resolve()), "checkpoint_sha256": file_sha256(ckpt / "model.safetensors"),
             "quantization": getattr(hf.config, "phaseloop_quantization", None), "dtype": dtype,
-            "train": run_cfg.get("train"), "data": run_cfg.get("data"), "summary": summary}, indent=2))
+            "train": run_cfg.get("train"), "data": run_cfg.get("data"), "summary": summary,
+            **({"init": run_cfg["init"]} if "init" in run_cfg else {})}, indent=2))  # --init-from's source
         (tmp / "README.md").write_text(_card(hf, run_dir, run_cfg, summary))
         for p in tmp.rglob("*"):  # the documented modes, not mkdtemp's 0700 or a writer's 0600
             os.chmod(p, 0o755 if p.is_dir() else 0o644)
