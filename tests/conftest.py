@@ -99,3 +99,41 @@ def tiny_run(root: Path, steps: int = 4, every: int = 2, *extra: str) -> dict:
     assert main(["train", *TINY, "--steps", str(steps), "--eval-every", str(every), "--ckpt-every",
                  str(every), "--data", str(text), "--out", str(run), *extra]) == 0
     return {"root": root, "run": run, "text": text}
+
+
+def tiny_runs(root: Path, presets) -> dict:
+    """Finished 2-step runs of each preset (rope-tiny's flags) on one small corpus under
+    ``root``: preset -> run folder, and "text" -> the corpus."""
+    from phaseloop.cli import main
+
+    out = {"text": write_corpus(root / "corpus.txt")}
+    for preset in presets:
+        flags = [a if a != "rope-tiny" else preset for a in TINY]
+        assert main(["train", *flags, "--steps", "2", "--eval-every", "2", "--ckpt-every", "2",
+                     "--data", str(out["text"]), "--out", str(root / preset), "--device", "cpu"]) == 0
+        out[preset] = root / preset
+    return out
+
+
+def cli_json(argv, capsys):
+    """The JSON ``phaseloop ARGV`` prints (it must exit 0)."""
+    import json
+
+    from phaseloop.cli import main
+
+    assert main([str(a) for a in argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def tiny_model_config(arch: str, **over):
+    """A ModelConfig of ``arch`` small enough for exact float64 checks of every trunk."""
+    from phaseloop import ModelConfig
+
+    base = dict(arch=arch, vocab_size=48, d_model=24, n_heads=2, n_layers=3, max_seq_len=32)
+    if arch in ("looped", "hyperloop"):
+        base.update(n_begin=1, n_end=1, n_loops=2)
+    if arch == "three_phase":
+        base.update(d_model=36, n_heads=3)
+    if arch == "universal":
+        base.update(n_layers=1)
+    return ModelConfig.from_dict({**base, **over})

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from phaseloop import ModelConfig
+from conftest import tiny_model_config
 from phaseloop.engine import TrainConfig, Trainer, compiling
 from phaseloop.models import build_model
 
@@ -25,15 +25,7 @@ TRUNKS = [("rope", {}), ("three_phase", {}), ("universal", {}), ("universal", {"
           ("looped", {}), ("hyperloop", {}), ("mhc", {})]
 
 
-def tiny(arch: str, **over) -> ModelConfig:
-    base = dict(arch=arch, vocab_size=48, d_model=24, n_heads=2, n_layers=3, max_seq_len=16)
-    if arch in ("looped", "hyperloop"):
-        base.update(n_begin=1, n_end=1, n_loops=2)
-    if arch == "three_phase":
-        base.update(d_model=36, n_heads=3)
-    if arch == "universal":
-        base.update(n_layers=1)
-    return ModelConfig.from_dict({**base, **over})
+tiny = tiny_model_config
 
 
 def loss_and_grads(model, x):

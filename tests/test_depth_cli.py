@@ -5,28 +5,17 @@ import json
 
 import pytest
 
-from conftest import TINY, assert_one_line, run_cli, write_corpus
+from conftest import assert_one_line, cli_json, run_cli, tiny_runs
 from phaseloop import plots
 from phaseloop.cli import main
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("depth_cli")
-    text = write_corpus(root / "corpus.txt")
-    out = {"text": text}
-    for preset in ("hyperloop-tiny", "rope-tiny", "universal-act-tiny"):
-        run = root / preset
-        flags = [a if a != "rope-tiny" else preset for a in TINY]
-        assert main(["train", *flags, "--steps", "2", "--eval-every", "2", "--ckpt-every", "2",
-                     "--data", str(text), "--out", str(run), "--device", "cpu"]) == 0
-        out[preset] = run
-    return out
+    return tiny_runs(tmp_path_factory.mktemp("depth_cli"), ("hyperloop-tiny", "rope-tiny", "universal-act-tiny"))
 
 
-def _json(argv, capsys):
-    assert main([str(a) for a in argv]) == 0
-    return json.loads(capsys.readouterr().out)
+_json = cli_json
 
 
 def test_eval_sweep_trained_depth_equals_plain_eval(runs, capsys):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from phaseloop import ConfigError, ModelConfig
+from conftest import tiny_model_config
+from phaseloop import ConfigError
 from phaseloop.models import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -17,15 +18,7 @@ TRUNKS = [("rope", {}), ("three_phase", {}), ("universal", {}), ("universal", {"
           ("looped", {}), ("hyperloop", {}), ("hyperloop", {"hc_per_layer": True}), ("mhc", {})]
 
 
-def tiny(arch: str, **over) -> ModelConfig:
-    base = dict(arch=arch, vocab_size=40, d_model=24, n_heads=2, n_layers=3, max_seq_len=32)
-    if arch in ("looped", "hyperloop"):
-        base.update(n_begin=1, n_end=1, n_loops=2)
-    if arch == "three_phase":
-        base.update(d_model=36, n_heads=3)
-    if arch == "universal":
-        base.update(n_layers=1)
-    return ModelConfig.from_dict({**base, **over})
+tiny = tiny_model_config
 
 
 @pytest.mark.parametrize("arch,over", TRUNKS, ids=lambda v: v if isinstance(v, str) else "-".join(v) or "base")
