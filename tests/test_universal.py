@@ -571,7 +571,7 @@ def test_coordinate_signal_norms_both_conventions():
     """One sinusoid has norm sqrt(d/2) (16 at d 512); position + step peaks at sqrt(2d)
     (32) where i = t and depends on i - t only; at i - t = 997 the paper's interleaved
     formula (eq. 6-7) gives 24.715, tensor2tensor's concatenated sinusoid 24.834."""
-    from phaseloop.universal import coordinate_signal
+    from phaseloop.universal_explain import coordinate_signal
 
     d = 512
     for conv in ("t2t", "paper"):
@@ -593,7 +593,7 @@ def test_coordinate_signal_norms_both_conventions():
 
 
 def test_schedule_grids():
-    from phaseloop.universal import schedule_grids
+    from phaseloop.universal_explain import schedule_grids
 
     p = torch.tensor([[0.995, 0.5, 0.2], [0.5, 0.6, 0.2], [0.5, 0.5, 0.2]], dtype=torch.float64)
     g = schedule_grids(3, 2, p)

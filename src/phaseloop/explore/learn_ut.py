@@ -15,7 +15,7 @@ import torch
 
 from .. import accounting, act
 from ..tasks import parity_demo as pd
-from ..universal import SIGNALS, coordinate_signal, schedule_grids
+from ..universal_explain import SIGNALS, coordinate_signal, schedule_grids
 from .context import BadInput, number
 from .learn import choice, flag
 
