@@ -14,8 +14,10 @@ lazily, at plan time, so a recipe naming an unregistered architecture fails with
 clear error before anything is trained or written.
 
 The package along its seams: ``recipe`` (recipes, variant specs), ``budget`` (budget
-matching on the meta device), ``stats`` (speedups, the paired t-test), ``runner`` (the
-runs) and ``report`` (tables, plots, report.md).
+matching on the meta device), ``stats`` (speedups, the paired t-test), ``grid`` (the
+runs as independent descriptions, their state), ``launch`` / ``worker`` / ``slurm``
+(who runs them: this process, local workers, Slurm), ``runner`` (plan, launch, report)
+and ``report`` (tables, plots, report.md).
 
 Every (variant, seed) run goes through ``phaseloop.train.train`` into
 ``OUT/runs/<variant>-s<seed>/``; a finished run (``summary.json``) is skipped and a
@@ -26,12 +28,15 @@ data order for every variant, so the noise test pairs runs by seed.
 from .budget import Planned, match_budget, measure, plan_variants
 from .recipe import (BUILTIN_RECIPES, KEY_ALIASES, QUICK_TOML, Recipe, RecipeError,
                      Variant, apply_overrides, load_recipe, parse_spec, resolve_variant, slugify)
+from .grid import RunSpec, format_status, run_state
+from .launch import LaunchOptions
 from .report import format_table, summarize, write_report
-from .runner import devices_for, run_comparison
+from .runner import comparison_status, devices_for, grid_specs, report_finished, run_comparison
 from .stats import first_reach, paired_t_test, speedup, t_two_sided_p
 
-__all__ = ["BUILTIN_RECIPES", "KEY_ALIASES", "QUICK_TOML", "Planned", "Recipe",
-           "RecipeError", "Variant", "apply_overrides", "devices_for", "first_reach", "format_table",
+__all__ = ["BUILTIN_RECIPES", "KEY_ALIASES", "LaunchOptions", "QUICK_TOML", "Planned", "Recipe",
+           "RecipeError", "RunSpec", "Variant", "apply_overrides", "comparison_status", "devices_for",
+           "first_reach", "format_status", "format_table", "grid_specs", "report_finished", "run_state",
            "load_recipe", "match_budget", "measure", "paired_t_test", "parse_spec", "plan_variants",
            "resolve_variant", "run_comparison", "slugify", "speedup", "summarize", "t_two_sided_p",
            "write_report"]
