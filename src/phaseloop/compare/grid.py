@@ -206,6 +206,8 @@ def execute(spec: RunSpec, corpus=None, *, on_step: Callable[[int, dict], None] 
         if main:
             write_state(spec, "stopped")
         raise
+    except SystemExit:  # submitit's requeue exits from its signal handler: its state says requeued
+        raise
     except BaseException as e:
         if main:
             write_state(spec, "failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

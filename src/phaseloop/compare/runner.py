@@ -187,6 +187,8 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     if launch.launcher != "sequential" and w.size > 1:
         raise RecipeError(f"--launcher {launch.launcher} starts its own processes; run it without torchrun "
                           "(--nproc-per-run K runs each run under torchrun)")
+    if launch.launcher == "slurm":
+        from . import slurm  # noqa: F401 (a missing submitit is refused before anything is written)
     corpus, plan = _prepare(recipe, out, log)
     device = devices_for(recipe.train["device"])[0]
     resolve_device(device)
@@ -212,7 +214,8 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
 
         jobs = slurm.submit(todo, launch, out, slugify(recipe.name), log)
         if log:
-            log(f"submitted {len(jobs)} runs as Slurm job {jobs[0].job_id.split('_')[0]} "
+            kind = "Slurm" if launch.executor == "slurm" else f"submitit {launch.executor}"
+            log(f"submitted {len(jobs)} runs as {kind} job {jobs[0].job_id.split('_')[0]} "
                 f"(logs in {out / 'slurm'}); follow it with `phaseloop compare RECIPE --out {out} --status`, "
                 "report what finished with --report")
         if not launch.wait:

@@ -1,0 +1,280 @@
+"""Comparison grids through launchers (issue 29): local worker processes give the
+sequential comparison's runs exactly, a killed worker's run resumes, the Slurm path
+through submitit's debug / local executors and the sbatch script it would submit,
+--status and --report."""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from phaseloop import compare
+from phaseloop.cli import main
+from phaseloop.compare import LaunchOptions, RecipeError, comparison_status, run_comparison
+from phaseloop.compare import launch as launch_mod
+from phaseloop.engine.trainer import PeerFailed
+from test_compare import TINY_TRAIN, _one_thread, tiny_recipe  # noqa: F401 (the fixture applies here too)
+
+from conftest import assert_one_line
+
+TIMING = ("tok_per_s", "mfu", "elapsed_s")  # wall-clock fields: everything else must be equal
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without its timings."""
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory):
+    """The reference: the tiny grid (2 variants x 2 seeds) in this process, one thread."""
+    import torch
+
+    d = tmp_path_factory.mktemp("seq")
+    text = d / "corpus.txt"
+    from conftest import write_corpus
+
+    write_corpus(text)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_comparison(tiny_recipe(text), d / "cmp", progress=False, log=None)
+    finally:
+        torch.set_num_threads(n)
+    return text, d / "cmp"
+
+
+def assert_same_runs(a: Path, b: Path, names=None) -> None:
+    names = names or sorted(p.name for p in (a / "runs").iterdir())
+    assert names
+    for name in names:
+        got, want = records(b / "runs" / name), records(a / "runs" / name)
+        assert got == want, name  # exactly: same seeds, same batches, same arithmetic
+        sa, sb = (json.loads((x / "runs" / name / "summary.json").read_text()) for x in (a, b))
+        assert sa["val_loss"] == sb["val_loss"] and sa["step"] == sb["step"]
+
+
+def test_local_two_workers_equal_sequential(sequential, tmp_path, monkeypatch):
+    text, seq = sequential
+    cores = launch_mod._cores()
+    monkeypatch.setattr(launch_mod, "_cores", lambda: (cores * 2)[:2])  # one core, one thread per worker
+    msgs = []
+    s = run_comparison(tiny_recipe(text), tmp_path / "loc", progress=False, log=msgs.append,
+                       launch=LaunchOptions(launcher="local", jobs=2))
+    assert_same_runs(seq, tmp_path / "loc")
+    started = [m for m in msgs if ": started (" in m]
+    assert len(started) == 4 and {m.split("(")[1].split(",")[0] for m in started} == \
+        {f"cores {c}" for c in (cores * 2)[:2]}  # two workers, each on its own core
+    assert all("1 thread(s)" in m for m in started)
+    assert [v["name"] for v in s["variants"]] == ["rope", "three_phase N=3"]
+    rows = comparison_status(tmp_path / "loc")
+    assert [r["state"] for r in rows] == ["done"] * 4
+
+
+def test_slurm_debug_executor_equals_sequential(sequential, tmp_path):
+    text, seq = sequential
+    run_comparison(tiny_recipe(text), tmp_path / "dbg", progress=False, log=None,
+                   launch=LaunchOptions(launcher="slurm", executor="debug", wait=True))
+    assert_same_runs(seq, tmp_path / "dbg")
+    assert (tmp_path / "dbg" / "report.md").exists()
+
+
+def _wait_for(cond, timeout=300.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return
+        time.sleep(0.005)
+    raise AssertionError("timed out")
+
+
+def _step(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return max(json.loads(x)["step"] for x in lines[:-1]) if len(lines) > 1 else 0
+    except (OSError, ValueError):
+        return 0
+
+
+LONG = dict(TINY_TRAIN, steps=40, eval_every=10, ckpt_every=2, log_every=1)
+
+
+def test_killed_worker_resumes_and_status_and_report(tmp_path, text_file, capsys):
+    recipe = tiny_recipe(text_file, variants=["rope"], train=LONG)
+    out = tmp_path / "cmp"
+    opts = LaunchOptions(launcher="local", jobs=2)
+    err = []
+
+    def launch():
+        try:
+            run_comparison(recipe, out, progress=False, log=None, launch=opts)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            err.append(e)
+
+    t = threading.Thread(target=launch)
+    t.start()
+    victim = out / "runs" / "rope-s0"
+    _wait_for(lambda: _step(victim) >= 3)
+    pid = json.loads((out / "launch" / "rope-s0.state.json").read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)  # the worker dies mid-run, between or inside any write
+    t.join()
+    assert not (victim / "summary.json").exists()
+    assert len(err) == 1 and isinstance(err[0], PeerFailed) and "rope-s0" in str(err[0])
+    assert (out / "runs" / "rope-s1" / "summary.json").exists()  # the other worker went on
+
+    assert main(["compare", str(out / "recipe.json"), "--out", str(out), "--status"]) == 0
+    status = capsys.readouterr().out
+    assert "SIGKILL" in status and "1 done, 0 running, 0 pending, 1 failed" in status
+    rows = {r["name"]: r for r in comparison_status(out)}
+    assert rows["rope-s0"]["state"] == "failed" and 2 <= rows["rope-s0"]["step"] < 40
+
+    # --report: what finished (seed 1 only), nothing trained
+    assert main(["compare", str(out / "recipe.json"), "--out", str(out), "--report", "--quiet"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["variants"][0]["finished_seeds"] == [1]
+    assert not (victim / "summary.json").exists()
+
+    # the same command again resumes the killed run from its checkpoint, to the clean result
+    run_comparison(recipe, out, progress=False, log=None, launch=opts)
+    assert [r["state"] for r in comparison_status(out)] == ["done", "done"]
+    clean = tmp_path / "clean"
+    run_comparison(tiny_recipe(text_file, variants=["rope"], seeds=[0], train=LONG), clean, progress=False, log=None)
+    assert records(victim) == records(clean / "runs" / "rope-s0")
+
+
+def test_state_rules(tmp_path, monkeypatch):
+    """running needs a fresh heartbeat; a stale one is a dead worker; requeued is pending."""
+    from phaseloop.compare.grid import RunSpec, run_state, write_state
+
+    spec = RunSpec("r-s0", str(tmp_path / "runs" / "r-s0"), {}, {"steps": 10}, {})
+    assert run_state(spec)["state"] == "pending"
+    write_state(spec, "running")
+    assert run_state(spec)["state"] == "running"
+    monkeypatch.setenv("PHASELOOP_HEARTBEAT_S", "1")
+    stale = run_state(spec, now=time.time() + 5)
+    assert stale["state"] == "failed" and "no heartbeat" in stale["detail"]
+    write_state(spec, "requeued")
+    assert run_state(spec, now=time.time() + 60) == {"state": "pending", "step": 0, "steps": 10, "detail": "requeued"}
+    write_state(spec, "failed", error="DataError: gone")
+    assert run_state(spec)["detail"] == "DataError: gone"
+    Path(spec.run_dir).mkdir(parents=True)
+    (Path(spec.run_dir) / "summary.json").write_text("{}")
+    assert run_state(spec)["state"] == "done"
+
+
+def test_preempted_task_is_requeued_and_resumes(tmp_path, text_file):
+    """submitit's local executor runs the task in its own process and requeues it as
+    Slurm would; USR2 (what Slurm sends before preemption or the time limit) makes
+    submitit call RunTask.checkpoint: the run shows pending (requeued), then the
+    requeued task resumes it from its checkpoint to the uninterrupted result."""
+    recipe = tiny_recipe(text_file, variants=["rope"], seeds=[0], train=LONG)
+    out = tmp_path / "cmp"
+    run_comparison(recipe, out, progress=False, log=None,
+                   launch=LaunchOptions(launcher="slurm", executor="local", time=5))
+    run = out / "runs" / "rope-s0"
+    _wait_for(lambda: _step(run) >= 3)
+    pid = json.loads((out / "launch" / "rope-s0.state.json").read_text())["pid"]
+    os.kill(pid, signal.SIGUSR2)
+    seen = []
+    _wait_for(lambda: seen.append(comparison_status(out)[0]) or seen[-1]["detail"] == "requeued")
+    assert seen[-1]["state"] == "pending" and 2 <= seen[-1]["step"] < 40
+    _wait_for(lambda: (run / "summary.json").exists())
+    logs = "".join(p.read_text() for p in (out / "slurm").glob("*_log.out"))
+    assert "Calling checkpoint method" in logs and "Requeued job" in logs
+    assert logs.count("Loading pickle") == 2  # the task ran twice: before and after its requeue
+    clean = tmp_path / "clean"
+    run_comparison(recipe, clean, progress=False, log=None)
+    assert records(run) == records(clean / "runs" / "rope-s0")
+    assert comparison_status(out)[0]["state"] == "done"
+
+
+def _fake_slurm(tmp_path, monkeypatch) -> Path:
+    """sbatch and srun on PATH: sbatch keeps the script it is given and answers as Slurm does."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    kept = tmp_path / "submitted.sh"
+    (bin_ / "sbatch").write_text(f'#!/bin/sh\ncp "$1" {kept}\necho "Submitted batch job 4242"\n')
+    (bin_ / "srun").write_text("#!/bin/sh\nexit 1\n")
+    for f in ("sbatch", "srun"):
+        (bin_ / f).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    return kept
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_sbatch_script_and_status(tmp_path, text_file, monkeypatch, capsys):
+    kept = _fake_slurm(tmp_path, monkeypatch)
+    out = tmp_path / "cmp"
+    base = ["compare", str(REPO / "recipes" / "ci.toml"), "--data", str(text_file), "--out", str(out),
+            "--steps", "4", "--seeds", "0", "--quiet"]
+    assert main([*base, "--launcher", "slurm", "--partition", "gpu", "--time", "90", "--gpus-per-task", "2",
+                 "--nproc-per-run", "2", "--cpus-per-task", "4", "--account", "proj",
+                 "--sbatch=--qos=high", "--sbatch=--exclusive"]) == 0
+    assert "submitted 2 runs as Slurm job 4242" in capsys.readouterr().err
+    script = kept.read_text().splitlines()
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --time=90", "#SBATCH --gpus-per-node=2",
+                 "#SBATCH --ntasks-per-node=2", "#SBATCH --cpus-per-task=4", "#SBATCH --account=proj",
+                 "#SBATCH --qos=high", "#SBATCH --exclusive", "#SBATCH --array=0-1%2", "#SBATCH --nodes=1",
+                 "#SBATCH --signal=USR2@90"):
+        assert line in script, line
+    assert any(x.startswith("srun ") and "submitit.core._submit" in x for x in script)
+    assert sorted(p.name for p in (out / "launch").glob("*.json")) == ["rope-s0.json", "three_phase-N3-s0.json"]
+
+    assert main([*base, "--status"]) == 0
+    assert "2 runs: 0 done, 0 running, 2 pending, 0 failed" in capsys.readouterr().out
+
+    # the [launcher] table: the same options from the recipe; flags on top
+    r = compare.Recipe.from_dict({"variants": ["rope"], "launcher": {"launcher": "slurm", "partition": "a",
+                                                                      "sbatch": ["--qos=low"]}})
+    o = LaunchOptions.resolve(r.launcher, {"partition": "b"})
+    assert (o.launcher, o.partition, o.sbatch_parameters()) == ("slurm", "b", {"qos": "low"})
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--launcher", "slurm", "--sbatch", "qos=high"], "write it as sbatch's long option"),
+    (["--launcher", "slurm", "--jobs", "2"], "--jobs applies to --launcher local"),
+    (["--launcher", "local", "--partition", "gpu"], "--partition applies to --launcher slurm"),
+    (["--launcher", "slurm", "--gpus-per-task", "1", "--nproc-per-run", "2"], "its own GPU"),
+    (["--status"], "holds no comparison"),
+])
+def test_bad_launcher_options(tmp_path, capsys, flags, msg):
+    code = main(["compare", str(REPO / "recipes" / "ci.toml"), "--out", str(tmp_path / "x"), *flags])
+    assert_one_line(code, capsys.readouterr().err, msg)
+    assert not (tmp_path / "x").exists()
+
+
+def test_bad_launcher_table():
+    with pytest.raises(RecipeError, match="unknown launcher key 'partiton'.*did you mean 'partition'"):
+        compare.Recipe.from_dict({"variants": ["rope"], "launcher": {"partiton": "gpu"}})
+    with pytest.raises(RecipeError, match="time=0: must be an integer >= 1"):
+        compare.Recipe.from_dict({"variants": ["rope"], "launcher": {"launcher": "slurm", "time": 0}})
+
+
+def test_missing_submitit_is_one_line(tmp_path, text_file, monkeypatch, capsys):
+    import phaseloop.compare as pkg
+
+    monkeypatch.setitem(sys.modules, "submitit", None)
+    monkeypatch.delitem(sys.modules, "phaseloop.compare.slurm", raising=False)
+    monkeypatch.delattr(pkg, "slurm", raising=False)
+    code = main(["compare", str(REPO / "recipes" / "ci.toml"), "--data", str(text_file), "--out",
+                 str(tmp_path / "x"), "--steps", "2", "--seeds", "0", "--launcher", "slurm", "--quiet"])
+    assert_one_line(code, capsys.readouterr().err, "pip install 'phaseloop[slurm]'")
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+
+
+def test_local_nproc_per_run_uses_torchrun(tmp_path, text_file):
+    """--nproc-per-run 2: each run is a torchrun world of two processes (gloo on CPU)."""
+    recipe = tiny_recipe(text_file, variants=["rope"], seeds=[0], train=dict(TINY_TRAIN, steps=2))
+    run_comparison(recipe, tmp_path / "c", progress=False, log=None,
+                   launch=LaunchOptions(launcher="local", jobs=1, nproc_per_run=2))
+    run = tmp_path / "c" / "runs" / "rope-s0"
+    assert json.loads((run / "config.json").read_text())["parallel"]["world_size"] == 2
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
