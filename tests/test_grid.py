@@ -278,3 +278,25 @@ def test_local_nproc_per_run_uses_torchrun(tmp_path, text_file):
     run = tmp_path / "c" / "runs" / "rope-s0"
     assert json.loads((run / "config.json").read_text())["parallel"]["world_size"] == 2
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+
+
+def test_local_slots_pin_gpus_and_cores(monkeypatch):
+    """An 8-GPU, 16-core node: --jobs 4 --nproc-per-run 2 gives each worker two GPUs of its
+    own and four cores (two threads per process); too many workers is refused."""
+    import torch
+
+    from phaseloop.errors import PhaseloopError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(launch_mod, "_cores", lambda: list(range(16)))
+    slots = launch_mod.local_slots(4, 2, "auto")
+    assert [s["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0,1", "2,3", "4,5", "6,7"]
+    assert [s["PHASELOOP_CPUS"] for s in slots][1] == "4,5,6,7" and slots[0]["OMP_NUM_THREADS"] == "2"
+    assert len(launch_mod.local_slots(None, 1, "cuda")) == 8  # default: a worker per GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert [s["CUDA_VISIBLE_DEVICES"] for s in launch_mod.local_slots(2, 1, "auto")] == ["3", "5"]
+    with pytest.raises(PhaseloopError, match="needs 4 GPUs and 2 are visible; lower --jobs to 1"):
+        launch_mod.local_slots(2, 2, "auto")
+    assert launch_mod.local_slots(2, 1, "cpu")[0]["CUDA_VISIBLE_DEVICES"] == ""

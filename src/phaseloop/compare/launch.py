@@ -121,11 +121,13 @@ def _cores() -> list[int]:
 
 
 def local_slots(jobs: int | None, nproc: int, device: str) -> list[dict]:
-    """The environment of each of the workers: its GPUs, or its cores and threads."""
+    """The environment of each worker: its own share of the cores (affinity and threads
+    per process) and, on GPUs, its own ``nproc`` of them."""
     import torch
 
     from ..errors import PhaseloopError
 
+    gpus: list[str] = []
     if device != "cpu" and torch.cuda.is_available():
         seen = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = [g for g in seen.split(",") if g.strip()] if seen else [str(i) for i in range(torch.cuda.device_count())]
@@ -133,7 +135,6 @@ def local_slots(jobs: int | None, nproc: int, device: str) -> list[dict]:
         if jobs * nproc > len(gpus):
             raise PhaseloopError(f"--jobs {jobs} x --nproc-per-run {nproc} needs {jobs * nproc} GPUs and "
                                  f"{len(gpus)} are visible; lower --jobs to {max(1, len(gpus) // nproc)}")
-        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * nproc:(i + 1) * nproc])} for i in range(jobs)]
     cores = _cores()
     jobs = jobs or 1
     share = max(1, len(cores) // jobs)
@@ -142,7 +143,8 @@ def local_slots(jobs: int | None, nproc: int, device: str) -> list[dict]:
     for i in range(jobs):  # more workers than cores: they share, round robin
         mine = [cores[(i * share + j) % len(cores)] for j in range(share)]
         slots.append({"PHASELOOP_CPUS": ",".join(map(str, mine)), "OMP_NUM_THREADS": threads,
-                      "MKL_NUM_THREADS": threads, "PHASELOOP_THREADS": threads, "CUDA_VISIBLE_DEVICES": ""})
+                      "MKL_NUM_THREADS": threads, "PHASELOOP_THREADS": threads,
+                      "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * nproc:(i + 1) * nproc])})
     return slots
 
 
@@ -184,8 +186,8 @@ def run_local(specs: list[RunSpec], jobs: int | None, nproc: int, device: str,
     say = log or (lambda m: None)
     if len(slots) > len(specs):
         slots = slots[:len(specs)]
-    where = lambda env: (f"GPU {env['CUDA_VISIBLE_DEVICES']}" if "PHASELOOP_CPUS" not in env  # noqa: E731
-                         else f"cores {env['PHASELOOP_CPUS']}, {env['PHASELOOP_THREADS']} thread(s)")
+    where = lambda env: ((f"GPU {env['CUDA_VISIBLE_DEVICES']}, " if env["CUDA_VISIBLE_DEVICES"] else "")  # noqa: E731
+                         + f"cores {env['PHASELOOP_CPUS']}, {env['PHASELOOP_THREADS']} thread(s)")
     try:
         while queue or busy:
             for i, env in enumerate(slots):
