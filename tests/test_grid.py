@@ -195,41 +195,56 @@ def test_preempted_task_is_requeued_and_resumes(tmp_path, text_file):
 
 
 def _fake_slurm(tmp_path, monkeypatch) -> Path:
-    """sbatch and srun on PATH: sbatch keeps the script it is given and answers as Slurm does."""
+    """sbatch, sacct and srun on PATH: sbatch keeps each script it is given (as
+    submitted.JOBID) and answers as Slurm does, job ids from 4242 up; sacct prints
+    tmp/sacct.txt."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    kept = tmp_path / "submitted.sh"
-    (bin_ / "sbatch").write_text(f'#!/bin/sh\ncp "$1" {kept}\necho "Submitted batch job 4242"\n')
+    (bin_ / "sbatch").write_text(f'#!/bin/sh\nn=$(cat {tmp_path}/next 2>/dev/null || echo 4242)\n'
+                                 f'echo $((n + 1)) > {tmp_path}/next\ncp "$1" {tmp_path}/submitted.$n\n'
+                                 'echo "Submitted batch job $n"\n')
+    (bin_ / "sacct").write_text(f"#!/bin/sh\ncat {tmp_path}/sacct.txt\n")
     (bin_ / "srun").write_text("#!/bin/sh\nexit 1\n")
-    for f in ("sbatch", "srun"):
+    for f in ("sbatch", "sacct", "srun"):
         (bin_ / f).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
-    return kept
+    return tmp_path
 
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_sbatch_script_and_status(tmp_path, text_file, monkeypatch, capsys):
-    kept = _fake_slurm(tmp_path, monkeypatch)
+def test_sbatch_script_status_and_resubmission(tmp_path, text_file, monkeypatch, capsys):
+    fake = _fake_slurm(tmp_path, monkeypatch)
     out = tmp_path / "cmp"
     base = ["compare", str(REPO / "recipes" / "ci.toml"), "--data", str(text_file), "--out", str(out),
             "--steps", "4", "--seeds", "0", "--quiet"]
-    assert main([*base, "--launcher", "slurm", "--partition", "gpu", "--time", "90", "--gpus-per-task", "2",
-                 "--nproc-per-run", "2", "--cpus-per-task", "4", "--account", "proj",
-                 "--sbatch=--qos=high", "--sbatch=--exclusive"]) == 0
+    slurm = [*base, "--launcher", "slurm", "--partition", "gpu", "--time", "90", "--gpus-per-task", "2",
+             "--nproc-per-run", "2", "--cpus-per-task", "4", "--account", "proj",
+             "--sbatch=--qos=high", "--sbatch=--exclusive"]
+    assert main(slurm) == 0
     assert "submitted 2 runs as Slurm job 4242" in capsys.readouterr().err
-    script = kept.read_text().splitlines()
+    script = (fake / "submitted.4242").read_text().splitlines()
     for line in ("#SBATCH --partition=gpu", "#SBATCH --time=90", "#SBATCH --gpus-per-node=2",
                  "#SBATCH --ntasks-per-node=2", "#SBATCH --cpus-per-task=4", "#SBATCH --account=proj",
                  "#SBATCH --qos=high", "#SBATCH --exclusive", "#SBATCH --array=0-1%2", "#SBATCH --nodes=1",
                  "#SBATCH --signal=USR2@90"):
         assert line in script, line
     assert any(x.startswith("srun ") and "submitit.core._submit" in x for x in script)
-    assert sorted(p.name for p in (out / "launch").glob("*.json")) == ["rope-s0.json", "three_phase-N3-s0.json"]
+    assert sorted(p.name for p in (out / "launch").glob("*-s0.json")) == ["rope-s0.json", "three_phase-N3-s0.json"]
 
     assert main([*base, "--status"]) == 0
-    assert "2 runs: 0 done, 0 running, 2 pending, 0 failed" in capsys.readouterr().out
+    status = capsys.readouterr().out
+    assert "2 runs: 0 done, 0 running, 2 pending, 0 failed" in status
+    assert "queued as Slurm job 4242_0" in status and "queued as Slurm job 4242_1" in status
+
+    # launched again: the task Slurm still holds is left alone, the cancelled one resubmitted
+    (fake / "sacct.txt").write_text("JobID|State|NodeList\n4242_0|PENDING|\n4242_1|CANCELLED by 7|n1\n")
+    assert main(slurm) == 0
+    err = capsys.readouterr().err
+    assert "rope-s0: left to Slurm job 4242_0 (PENDING)" in err and "submitted 1 runs as Slurm job 4243" in err
+    assert json.loads((out / "launch" / "three_phase-N3-s0.job.json").read_text())["job"] == "4243"
+    assert json.loads((out / "launch" / "rope-s0.job.json").read_text())["job"] == "4242_0"
 
     # the [launcher] table: the same options from the recipe; flags on top
     r = compare.Recipe.from_dict({"variants": ["rope"], "launcher": {"launcher": "slurm", "partition": "a",

@@ -15,8 +15,9 @@ Run state, for ``phaseloop compare --status`` (``run_state``), read from the fil
 * **failed**: the state says failed (the worker caught an error and wrote it, or the
   local launcher saw its worker exit with an error), or says running with a stale
   heartbeat (a worker killed outright, a lost node);
-* **pending**: anything else — never started, stopped by Ctrl-C / SIGTERM, or
-  requeued by Slurm after preemption or a time limit.
+* **pending**: anything else — never started, queued in Slurm (``RUN.job.json`` names
+  the task), stopped by Ctrl-C / SIGTERM, or requeued by Slurm after preemption or a
+  time limit.
 
 Every state but done is resumable: the run restarts from its last checkpoint.
 """
@@ -69,6 +70,11 @@ class RunSpec:
     @property
     def state_path(self) -> Path:
         return self.out / LAUNCH / f"{self.name}.state.json"
+
+    @property
+    def job_path(self) -> Path:
+        """The Slurm task this run was last submitted as (``slurm.submit``)."""
+        return self.out / LAUNCH / f"{self.name}.job.json"
 
     @property
     def log_path(self) -> Path:
@@ -145,8 +151,13 @@ def run_state(spec: RunSpec, now: float | None = None) -> dict:
                 "detail": f"no heartbeat for {age:.0f} s from {where}: the worker died"}
     if said == "failed":
         return {"state": "failed", "step": step, "steps": steps, "detail": str(info.get("error", ""))}
-    return {"state": "pending", "step": step, "steps": steps,
-            "detail": {"requeued": "requeued", "stopped": "stopped"}.get(said, "")}
+    detail = {"requeued": "requeued", "stopped": "stopped"}.get(said, "")
+    if said != "stopped" and spec.job_path.exists():
+        try:
+            detail = f"{detail or 'queued'} as Slurm job {read_json(spec.job_path)['job']}"
+        except (PhaseloopError, KeyError, TypeError):
+            pass
+    return {"state": "pending", "step": step, "steps": steps, "detail": detail}
 
 
 class Heartbeat:

@@ -204,21 +204,26 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
         busy = sum(v == "running" for v in states.values())
         log(f"{out}: {sum(v == 'done' for v in states.values())} of {len(specs)} runs already finished"
             + (f", {busy} running elsewhere (left to it)" if busy else "") + "; continuing")
+    if w.size > 1:  # rank 0's view of what is left, so every rank trains the same runs
+        names = dist.gather_objects([s.name for s in todo])[0]
+        todo = [s for s in specs if s.name in names]
     failed: list[str] = []
     if launch.launcher == "sequential":
         _run_sequential(todo, corpus, device, recipe.train["steps"], recipe.name, progress, on_step, log)
     elif launch.launcher == "local":
         failed = run_local(todo, launch.jobs, launch.nproc_per_run, recipe.train["device"], log)
-    elif todo:
+    else:
         from . import slurm
 
-        jobs = slurm.submit(todo, launch, out, slugify(recipe.name), log)
-        if log:
+        held = slurm.still_queued(todo, launch, log)
+        todo = [s for s in todo if s.name not in held]
+        jobs = slurm.submit(todo, launch, out, slugify(recipe.name)) if todo else []
+        if jobs and log:
             kind = "Slurm" if launch.executor == "slurm" else f"submitit {launch.executor}"
             log(f"submitted {len(jobs)} runs as {kind} job {jobs[0].job_id.split('_')[0]} "
                 f"(logs in {out / 'slurm'}); follow it with `phaseloop compare RECIPE --out {out} --status`, "
                 "report what finished with --report")
-        if not launch.wait:
+        if not launch.wait and jobs:
             return {}
         failed = slurm.wait(jobs, todo, log)
     if not w.main:
@@ -227,6 +232,13 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
         raise PeerFailed(f"{len(failed)} of {len(specs)} runs failed ({', '.join(failed)}; logs in "
                          f"{out / 'launch'}); the others finished: run the same command again to resume the "
                          "failed ones from their checkpoints, or --report to report what finished")
+    left = [s.name for s in specs if not (Path(s.run_dir) / "summary.json").exists()]
+    if left:  # runs another process or Slurm task still holds
+        if log:
+            log(f"{len(left)} of {len(specs)} runs are still with other processes or Slurm tasks "
+                f"({', '.join(left[:4])}{', ...' if len(left) > 4 else ''}); follow them with --status, "
+                "then --report (or this command again) writes the report")
+        return {}
     return _report(recipe, out, plan, corpus, device, command, log)
 
 
@@ -256,7 +268,7 @@ def comparison_status(out_dir: str | Path) -> list[dict]:
             name = f"{v.slug}-s{seed}"
             specs[name] = RunSpec(name, str(out / "runs" / name), {}, {**recipe.train, "seed": seed}, {})
     for path in sorted((out / LAUNCH).glob("*.json")) if (out / LAUNCH).is_dir() else []:
-        if not path.name.endswith(".state.json") and path.stem not in specs:
+        if not path.name.endswith((".state.json", ".job.json")) and path.stem not in specs:
             specs[path.stem] = RunSpec.load(path)
     return [{"name": n, **run_state(s)} for n, s in specs.items()]
 

@@ -12,9 +12,11 @@ run's JSON description (``grid.RunSpec``), which every task reads again.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable
 
+from ..checkpoint import read_json, write_json
 from ..errors import PhaseloopError
 from .grid import RunSpec, write_state
 from .launch import LaunchOptions
@@ -80,11 +82,44 @@ def executor(opts: LaunchOptions, folder: Path, name: str):
     return ex
 
 
-def submit(specs: list[RunSpec], opts: LaunchOptions, out: Path, name: str,
-           log: Callable[[str], None] | None = None) -> list:
-    """Submit ``specs`` as one job array; returns submitit's jobs (one per run)."""
+def submit(specs: list[RunSpec], opts: LaunchOptions, out: Path, name: str) -> list:
+    """Submit ``specs`` as one job array; returns submitit's jobs (one per run). On a
+    cluster each run's ``RUN.job.json`` records its task, so a relaunch leaves it alone
+    while Slurm holds it (``still_queued``)."""
     ex = executor(opts, out / "slurm", f"phaseloop-{name}")
-    return ex.submit_array([RunTask(str(spec.save())) for spec in specs])
+    jobs = ex.submit_array([RunTask(str(spec.save())) for spec in specs])
+    if opts.executor == "slurm":
+        for spec, job in zip(specs, jobs):
+            write_json(spec.job_path, {"job": job.job_id, "time": time.time()})
+    return jobs
+
+
+# sacct's states of a job Slurm still holds (it will run, or runs, the task)
+ALIVE = ("PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
+         "RESIZING", "SUSPENDED", "PREEMPTED", "SIGNALING", "STAGE_OUT", "UNKNOWN")
+
+
+def still_queued(specs: list[RunSpec], opts: LaunchOptions, log: Callable[[str], None] | None = None) -> set[str]:
+    """The runs among ``specs`` whose recorded Slurm task the scheduler still holds (sacct,
+    through submitit): submitting them again would put two writers in one run folder.
+    A task sacct cannot tell about (UNKNOWN) counts as held; cancelling it (scancel)
+    lets the next launch resubmit the run."""
+    if opts.executor != "slurm":
+        return set()
+    held = set()
+    for spec in specs:
+        if not spec.job_path.exists():
+            continue
+        try:
+            job_id = str(read_json(spec.job_path)["job"])
+        except (PhaseloopError, KeyError, TypeError):
+            continue
+        state = submitit.SlurmJob(spec.out / "slurm", job_id).watcher.get_state(job_id, mode="force")
+        if state.split()[0] in ALIVE:
+            held.add(spec.name)
+            if log:
+                log(f"{spec.name}: left to Slurm job {job_id} ({state}); scancel {job_id} to resubmit it")
+    return held
 
 
 def wait(jobs: list, specs: list[RunSpec], log: Callable[[str], None] | None = None) -> list[str]:
