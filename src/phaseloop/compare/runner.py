@@ -79,8 +79,9 @@ def devices_for(name: str) -> list[str]:
 def _launch_hint(name: str, log) -> None:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if log and n > 1 and name in ("auto", "cuda") and dist.world().size == 1:
-        log(f"note: {n} GPUs here and this comparison uses one; to train each run on all of them, "
-            f"launch it with `torchrun --nproc-per-node {n} -m phaseloop compare ...`")
+        log(f"note: {n} GPUs here and this comparison uses one; to train {n} runs at once, one per GPU, "
+            f"add --launcher local --jobs {n}; to train each run on all of them, launch it with "
+            f"`torchrun --nproc-per-node {n} -m phaseloop compare ...`")
 
 
 def check_eval_tasks(recipe: Recipe) -> None:
@@ -178,8 +179,9 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     run uses all the processes (rank 0 writes) — local worker processes, or Slurm. A run
     another process is running (``grid.run_state``) is left to it. ``on_step(run_name,
     step, record)`` receives every logged record of in-process runs (tests interrupt
-    through it). Returns the summary; {} on ranks > 0 and after a Slurm submission
-    without ``wait`` (``--status`` / ``--report`` follow it)."""
+    through it). Returns the summary; {} on ranks > 0, after a Slurm submission without
+    ``wait`` and while other processes still hold runs (``--status`` / ``--report``
+    follow them)."""
     out = Path(out_dir)
     w = dist.world()
     log = log if w.main else None
@@ -188,7 +190,7 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
         raise RecipeError(f"--launcher {launch.launcher} starts its own processes; run it without torchrun "
                           "(--nproc-per-run K runs each run under torchrun)")
     if launch.launcher == "slurm":
-        from . import slurm  # noqa: F401 (a missing submitit is refused before anything is written)
+        from . import slurm  # a missing submitit is refused before anything is written
     corpus, plan = _prepare(recipe, out, log)
     device = devices_for(recipe.train["device"])[0]
     resolve_device(device)
@@ -213,8 +215,6 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     elif launch.launcher == "local":
         failed = run_local(todo, launch.jobs, launch.nproc_per_run, recipe.train["device"], log)
     else:
-        from . import slurm
-
         held = slurm.still_queued(todo, launch, log)
         todo = [s for s in todo if s.name not in held]
         jobs = slurm.submit(todo, launch, out, slugify(recipe.name)) if todo else []
