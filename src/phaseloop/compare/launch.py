@@ -199,6 +199,7 @@ def run_local(specs: list[RunSpec], jobs: int | None, nproc: int, device: str,
                 p = subprocess.Popen(worker_command(spec.save(), nproc), stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env={**os.environ, **env, "PYTHONPATH": path})
                 out.close()
+                write_state(spec, "running", pid=p.pid)  # the worker's heartbeat follows once it has started
                 busy[i] = (spec, p)
                 say(f"{spec.name}: started ({where(env)}, pid {p.pid})")
             time.sleep(poll_s)
