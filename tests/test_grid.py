@@ -259,6 +259,7 @@ def test_sbatch_script_status_and_resubmission(tmp_path, text_file, monkeypatch,
     (["--launcher", "local", "--partition", "gpu"], "--partition applies to --launcher slurm"),
     (["--launcher", "slurm", "--gpus-per-task", "1", "--nproc-per-run", "2"], "its own GPU"),
     (["--status"], "holds no comparison"),
+    (["--nproc-per-run", "2"], "--nproc-per-run applies to --launcher local or slurm"),
 ])
 def test_bad_launcher_options(tmp_path, capsys, flags, msg):
     code = main(["compare", str(REPO / "recipes" / "ci.toml"), "--out", str(tmp_path / "x"), *flags])

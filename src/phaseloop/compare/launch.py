@@ -64,6 +64,9 @@ class LaunchOptions:
             if given:
                 raise RecipeError(f"--{given[0].replace('_', '-')} applies to --launcher slurm (this is "
                                   f"--launcher {o.launcher}); add --launcher slurm or drop it")
+        if o.launcher == "sequential" and "nproc_per_run" in flags:
+            raise RecipeError("--nproc-per-run applies to --launcher local or slurm (a sequential comparison "
+                              "under torchrun spreads every run over all its processes); add --launcher local")
         if o.launcher != "local" and "jobs" in flags:
             raise RecipeError(f"--jobs applies to --launcher local (this is --launcher {o.launcher}); "
                               "add --launcher local" + ("; Slurm runs one array task per run, "
