@@ -245,7 +245,7 @@ def cmd_compare(args) -> int:
             k: getattr(args, k) for k in ("launcher", "jobs", "nproc_per_run", "partition", "time",
                                           "gpus_per_task", "cpus_per_task", "account", "sbatch", "wait")})
         s = compare.run_comparison(recipe, out, progress=not args.quiet, command=command, launch=launch)
-    if not s:  # a rank other than 0 of a torchrun world: rank 0 reports
+    if not s:  # a rank > 0 of a torchrun world (rank 0 reports), or runs left to Slurm / other processes
         return 0
     print(compare.format_table(s))
     print(f"wrote {Path(out) / 'report.md'}, summary.json and {len(s['plots'])} plots")
