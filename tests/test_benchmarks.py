@@ -64,3 +64,11 @@ def test_claim_hyperloop_table_pairs_seeds(tmp_path):
     out = claim_hyperloop.table(tmp_path)
     assert "transformer -> hyperloop: +0.3030 BPB" in out  # 0.3 + 0.003 * seed, mean over seeds 0-2
     assert "over 3 seeds" in out and "worse" in out
+
+
+def test_bench_grid_runs(capsys):
+    import bench_grid
+
+    assert bench_grid.main(["--steps", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 workers x 1 thread" in out and "wall-clock ratio sequential / local" in out
