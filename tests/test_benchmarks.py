@@ -83,3 +83,11 @@ def test_bench_trackers_runs(capsys, one_thread, monkeypatch):
                                 "--rounds", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert all(f"\n{k} " in out for k in ("none", "tensorboard", "wandb", "both"))
+
+
+def test_bench_grid_runs(capsys):
+    import bench_grid
+
+    assert bench_grid.main(["--steps", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 workers x 1 thread" in out and "wall-clock ratio sequential / local" in out

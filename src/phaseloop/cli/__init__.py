@@ -97,6 +97,30 @@ def _data_options(p) -> None:
                    "the source's own joiner)")
 
 
+def _launcher_options(p) -> None:
+    """compare's launchers (docs/compare.md); defaults None: the recipe's [launcher] table."""
+    g = p.add_argument_group("launchers (a recipe's [launcher] table)")
+    g.add_argument("--launcher", choices=("sequential", "local", "slurm"),
+                   help="sequential (default: one run after another here), local (--jobs worker "
+                   "processes, each on its own GPU or cores) or slurm (one array task per run)")
+    g.add_argument("--jobs", type=T.positive_int, help="local: runs at once (default: GPUs / --nproc-per-run, 1 on CPU)")
+    g.add_argument("--nproc-per-run", type=T.positive_int, help="processes (GPUs) per run, under torchrun")
+    g.add_argument("--partition", help="slurm: partition")
+    g.add_argument("--time", type=T.positive_int, metavar="MINUTES",
+                   help="slurm: time limit per task; then it is requeued and resumes")
+    g.add_argument("--gpus-per-task", type=T.nonneg_int, help="slurm: GPUs per array task (= per run)")
+    g.add_argument("--cpus-per-task", type=T.positive_int, help="slurm: CPUs per Slurm task")
+    g.add_argument("--account", help="slurm: account to charge")
+    g.add_argument("--sbatch", action="append", metavar="--KEY=VALUE",
+                   help="slurm: an extra sbatch option (repeat), e.g. --sbatch=--qos=high")
+    g.add_argument("--wait", action="store_true", default=None,
+                   help="slurm: wait for every task, then write the report")
+    g.add_argument("--status", action="store_true", help="which runs of --out are done, running, "
+                   "pending or failed; trains nothing")
+    g.add_argument("--report", action="store_true", help="write the report from the runs finished "
+                   "so far; trains nothing")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="phaseloop", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -173,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--quiet", action="store_true", help="no progress bar")
     m.add_argument("--dry-run", action="store_true", help="build every variant at full size on the "
                    "meta device, count it, train 2 steps at a shrunk shape; write nothing")
+    _launcher_options(m)
     m.set_defaults(func=C.cmd_compare)
 
     for name, hlp in (("task", "train/evaluate on an algorithmic task or a JSONL file (UT paper)"),

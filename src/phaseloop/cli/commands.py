@@ -224,8 +224,17 @@ def cmd_compare(args) -> int:
         return 0
     out = args.out or f"runs/compare-{compare.slugify(recipe.name)}"
     command = " ".join(shlex.quote(a) for a in ["phaseloop", *sys.argv[1:]])
-    s = compare.run_comparison(recipe, out, progress=not args.quiet, command=command)
-    if not s:  # a rank other than 0 of a torchrun world: rank 0 reports
+    if args.status:
+        print(compare.format_status(compare.comparison_status(out)))
+        return 0
+    if args.report:
+        s = compare.report_finished(recipe, out, command=command)
+    else:
+        launch = compare.LaunchOptions.resolve(recipe.launcher, {
+            k: getattr(args, k) for k in ("launcher", "jobs", "nproc_per_run", "partition", "time",
+                                          "gpus_per_task", "cpus_per_task", "account", "sbatch", "wait")})
+        s = compare.run_comparison(recipe, out, progress=not args.quiet, command=command, launch=launch)
+    if not s:  # a rank > 0 of a torchrun world (rank 0 reports), or runs left to Slurm / other processes
         return 0
     print(compare.format_table(s))
     print(f"wrote {Path(out) / 'report.md'}, summary.json and {len(s['plots'])} plots")

@@ -16,8 +16,11 @@ clear error before anything is trained or written.
 The package along its seams: ``recipe`` (recipes, variant specs, a variant's own
 training settings), ``budget`` (budget matching on the meta device), ``tune`` (the
 ``[tune]`` learning-rate grid per variant, on tuning seeds and the tuning slice),
-``stats`` (speedups, the paired t-test), ``runs`` (run descriptions), ``runner`` (the
-runs) and ``report`` (tables, plots, report.md).
+``stats`` (speedups, the paired t-test), ``runs`` (the run descriptions, tuning and
+reported, as JSON), ``grid`` (one run executed and watched: its state), ``launch`` /
+``worker`` / ``slurm`` (who runs them: this process, local workers, Slurm), ``runner``
+(plan, tune, launch, report; --status, --report) and ``report`` (tables, plots,
+report.md).
 
 Every (variant, seed) run goes through ``phaseloop.train.train`` into
 ``OUT/runs/<variant>-s<seed>/``; a finished run (``summary.json``) is skipped and a
@@ -28,14 +31,16 @@ data order for every variant, so the noise test pairs runs by seed.
 from .budget import Planned, match_budget, measure, plan_variants
 from .recipe import (BUILTIN_RECIPES, KEY_ALIASES, QUICK_TOML, Recipe, RecipeError,
                      Variant, apply_overrides, load_recipe, parse_spec, resolve_variant, slugify)
+from .grid import format_status, run_state
+from .launch import LaunchOptions
 from .report import format_table, summarize, write_report
-from .runner import devices_for, main_runs, run_comparison
+from .runner import comparison_status, devices_for, main_runs, report_finished, run_comparison
 from .runs import RunSpec, tuning_corpus
 from .tune import Tune
 from .stats import first_reach, paired_t_test, speedup, t_two_sided_p
 
-__all__ = ["BUILTIN_RECIPES", "KEY_ALIASES", "QUICK_TOML", "Planned", "Recipe",
-           "RecipeError", "RunSpec", "Tune", "Variant", "apply_overrides", "devices_for", "first_reach", "format_table",
-           "load_recipe", "main_runs", "match_budget", "measure", "paired_t_test", "parse_spec", "plan_variants",
-           "resolve_variant", "run_comparison", "slugify", "speedup", "summarize", "t_two_sided_p",
-           "tuning_corpus", "write_report"]
+__all__ = ["BUILTIN_RECIPES", "KEY_ALIASES", "LaunchOptions", "QUICK_TOML", "Planned", "Recipe",
+           "RecipeError", "RunSpec", "Tune", "Variant", "apply_overrides", "comparison_status", "devices_for",
+           "first_reach", "format_status", "format_table", "load_recipe", "main_runs", "match_budget", "measure",
+           "paired_t_test", "parse_spec", "plan_variants", "report_finished", "resolve_variant", "run_comparison",
+           "run_state", "slugify", "speedup", "summarize", "t_two_sided_p", "tuning_corpus", "write_report"]

@@ -213,6 +213,9 @@ class Recipe:
     paper: dict = field(default_factory=dict)
     # learning-rate tuning before the reported runs (``tune.Tune``); empty: none
     tune: dict = field(default_factory=dict)
+    # who runs the grid (compare.launch.LaunchOptions): launcher = "local", jobs = 8, or
+    # launcher = "slurm", partition = ..., time = 120, gpus_per_task = 1, sbatch = [...]
+    launcher: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -272,6 +275,11 @@ class Recipe:
                               "paper = { source = \"arXiv ...\", ppl = { VARIANT = 17.31 } }")
         if self.eval_limit is not None and (not isinstance(self.eval_limit, int) or self.eval_limit < 1):
             raise RecipeError(f"eval_limit={self.eval_limit!r}: must be a positive integer (examples per task)")
+        if not isinstance(self.launcher, dict):
+            raise RecipeError("launcher must be a table, e.g. [launcher] launcher = \"local\", jobs = 8")
+        from .launch import LaunchOptions
+
+        LaunchOptions.resolve(self.launcher)
         if "seed" in self.train:
             raise RecipeError("train.seed is set per run from seeds; use seeds = [...] instead")
         try:

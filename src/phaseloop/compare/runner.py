@@ -1,10 +1,11 @@
-"""Running a comparison: the tuning runs (``tune``, when the recipe has [tune]), then
-every (variant, seed) run, each a ``runs.RunSpec`` trained through ``phaseloop.train.train``,
-seed-major, resumable; one run per GPU when there are several."""
+"""Running a comparison: its runs as descriptions (``runs.RunSpec``) — the tuning rounds
+(``tune``, when the recipe has [tune]), then every (variant, seed) run — each list handed
+to one executor (``execute``) that gives what is not finished to the launcher
+(``launch``: this process one after another, local worker processes, or Slurm); then the
+report. ``--status`` and ``--report`` walk the same runs from what is on disk."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from .. import train as lm
 from ..checkpoint import read_json, write_json
 from ..files import check_out_dir
 from ..validation import first_difference
@@ -21,11 +21,13 @@ from ..depth import check_depth_sample, parse_depth_range
 from ..model import build_model
 from ..errors import PhaseloopError
 from ..engine import dist, resolve_device
-from ..engine.trainer import DivergedError
+from ..engine.trainer import PeerFailed
 from .budget import Planned, plan_variants
-from .recipe import Recipe, RecipeError, resolve_variant
+from .grid import execute as execute_one, run_state
+from .launch import LaunchOptions, run_local
+from .recipe import Recipe, RecipeError, resolve_variant, slugify
 from .report import write_report
-from .runs import DIVERGED, RunSpec, tuning_corpus
+from .runs import RunSpec, RunsPending, recipe_data
 from .tune import run_tuning
 
 
@@ -34,11 +36,12 @@ def _stderr(msg: str) -> None:
 
 
 def _compared(recipe: dict) -> dict:
-    """A stored recipe without the train settings a run may change on resume (device, compile...)."""
+    """A stored recipe without what a rerun may change: the train settings a run may change
+    on resume (device, compile...) and the ``[launcher]`` (where runs go, not what they are)."""
     from ..engine.run import RESUMABLE_CHANGES
 
     train = {k: v for k, v in recipe.get("train", {}).items() if k not in RESUMABLE_CHANGES}
-    return {**recipe, "train": train}
+    return {**{k: v for k, v in recipe.items() if k != "launcher"}, "train": train}
 
 
 def _claim_folder(out: Path, recipe: Recipe) -> None:
@@ -89,8 +92,9 @@ def devices_for(name: str) -> list[str]:
 def _launch_hint(name: str, log) -> None:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if log and n > 1 and name in ("auto", "cuda") and dist.world().size == 1:
-        log(f"note: {n} GPUs here and this comparison uses one; to train each run on all of them, "
-            f"launch it with `torchrun --nproc-per-node {n} -m phaseloop compare ...`")
+        log(f"note: {n} GPUs here and this comparison uses one; to train {n} runs at once, one per GPU, "
+            f"add --launcher local --jobs {n}; to train each run on all of them, launch it with "
+            f"`torchrun --nproc-per-node {n} -m phaseloop compare ...`")
 
 
 def check_eval_tasks(recipe: Recipe) -> None:
@@ -118,81 +122,78 @@ def _lm_eval(recipe: Recipe, run_dir: Path, device: str, log) -> None:
     lm_eval_run(run_dir, recipe.eval_tasks, limit=recipe.eval_limit, device=device)
 
 
-def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True,
-                   on_step: Callable[[str, int, dict], None] | None = None,
-                   log: Callable[[str], None] | None = _stderr,
-                   command: str | None = None) -> dict:
-    """Tune (when the recipe has [tune]), train every (variant, seed) run not yet
-    finished (``main_runs``), then write the report. Under torchrun every run uses all
-    the processes (rank 0 writes). ``on_step(run_name, step, record)`` receives every
-    logged record (tests interrupt through it)."""
-    out = Path(out_dir)
-    w = dist.world()
-    log = log if w.main else None
-    for v in recipe.variants:  # cheap spec check before the data is read
-        resolve_variant(v, recipe.scale)
-    check_eval_tasks(recipe)
-    with dist.main_first():  # rank 0 builds the token store, then the others read it
-        corpus = load_corpus(recipe.data, recipe.tokenizer, text_column=recipe.text_column, doc_sep=recipe.doc_sep)
-    plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
-    for p in plan if recipe.train.get("depth_sample") else ():  # training for depth: refused before any trains
-        try:
-            check_depth_sample(build_model(p.cfg, device="meta"), parse_depth_range(recipe.train["depth_sample"]),
-                               recipe.train.get("extend_loops"))
-        except PhaseloopError as e:
-            raise RecipeError(f"variant {p.variant.name!r}: {e}") from None
-    device = devices_for(recipe.train["device"])[0]
-    resolve_device(device)
-    _launch_hint(recipe.train["device"], log)
-    with dist.main_first():  # rank 0 stores the recipe; the others then find it there
-        _claim_folder(out, recipe)
-
-    def execute(runs: list[RunSpec]) -> None:
-        _execute(runs, corpus, device, progress, on_step, log, recipe.name)
-
-    tuning = run_tuning(recipe, plan, out, execute, log) if recipe.tune else {}
-    runs = main_runs(recipe, plan, out, {k: r["chosen"] for k, r in tuning.items()})
-    execute(runs)
-    if not w.main:
-        return {}
-    for r in runs:  # also runs finished before an interruption
-        _lm_eval(recipe, r.run_dir, device, log)
-    return write_report(out, recipe, plan, corpus.describe(), command, log, tuning=tuning)
-
-
 def main_runs(recipe: Recipe, plan: list[Planned], out: Path, tuned: dict) -> list[RunSpec]:
     """The reported runs, seed-major (every variant of seed 0, then seed 1, ...), so an
     interrupted comparison already holds complete pairs; each at [train], then its own
     settings, then its tuned point (``tuned``: {variant: {lr: ...}})."""
     return [RunSpec(f"{p.variant.slug}-s{seed}", p.name, seed, p.cfg,
-                    recipe.train_config(seed, p.variant, **tuned.get(p.name, {})),
-                    out / "runs" / f"{p.variant.slug}-s{seed}")
+                    recipe.train_config(seed, p.variant, **tuned.get(p.name, {})), out, recipe_data(recipe))
             for seed in recipe.seeds for p in plan]
 
 
-def data_for(run: RunSpec, corpus):
-    """The corpus a run reads: the reported one, or for a tuning run its tuning slice."""
-    return tuning_corpus(corpus, run.train, run.train.seq_len or run.cfg.max_seq_len) if run.tuning else corpus
+def _chosen(tuning: dict) -> dict:
+    return {k: r["chosen"] for k, r in tuning.items()}
 
 
-def _execute(runs: list[RunSpec], corpus, device: str, progress: bool,
-             on_step, log, desc: str) -> None:
-    """Train the runs not finished yet, one after another (a half-done one resumes from
-    its last checkpoint); under torchrun every run uses all the processes. A tuning run
-    that diverges is recorded (diverged.json) and scored as infinite."""
+def execute(runs: list[RunSpec], launch: LaunchOptions, corpus, device: str, *, progress: bool = False,
+            on_step=None, log=None, title: str = "") -> None:
+    """Run the runs not finished yet through the launcher (a half-done one resumes from
+    its last checkpoint; one another process is running is left to it). Returns when all
+    are finished; raises PeerFailed when some failed, RunsPending when some are left to
+    Slurm tasks or other processes. Tuning rounds and the reported runs alike."""
+    if not runs:
+        return
     w = dist.world()
-    pending = [r for r in runs if not r.finished]
-    if log and len(pending) < len(runs):
-        log(f"{len(runs) - len(pending)} of {len(runs)} {'tuning ' if runs[0].tuning else ''}runs "
-            f"already finished{'; continuing' if pending else ''}")
+    kind = "tuning runs" if runs[0].tuning else "runs"
+    states = {r.name: run_state(r)["state"] for r in runs}
+    todo = [r for r in runs if states[r.name] not in ("done", "running")]
+    if log and len(todo) < len(runs):
+        busy = sum(v == "running" for v in states.values())
+        log(f"{sum(v == 'done' for v in states.values())} of {len(runs)} {kind} already finished"
+            + (f", {busy} running elsewhere (left to it)" if busy else "") + ("; continuing" if todo else ""))
+    if w.size > 1:  # rank 0's view of what is left, so every rank trains the same runs
+        names = dist.gather_objects([r.name for r in todo])[0]
+        todo = [r for r in runs if r.name in names]
+    failed: list[str] = []
+    out = runs[0].out
+    if launch.launcher == "sequential":
+        _run_sequential(todo, runs, corpus, device, progress, on_step, log, title)
+    elif launch.launcher == "local":
+        failed = run_local(todo, launch.jobs, launch.nproc_per_run, device, log)
+    else:
+        from . import slurm
+
+        held = slurm.still_queued(todo, launch, log)
+        todo = [r for r in todo if r.name not in held]
+        jobs = slurm.submit(todo, launch, out, slugify(title)) if todo else []
+        if jobs and log:
+            how = "Slurm" if launch.executor == "slurm" else f"submitit {launch.executor}"
+            log(f"submitted {len(jobs)} {kind} as {how} job {jobs[0].job_id.split('_')[0]} "
+                f"(logs in {out / 'slurm'}); follow it with `phaseloop compare RECIPE --out {out} --status`, "
+                "report what finished with --report")
+        failed = slurm.wait(jobs, todo, log) if launch.wait else []
+    if failed:
+        raise PeerFailed(f"{len(failed)} of {len(runs)} {kind} failed ({', '.join(failed)}; logs in "
+                         f"{out / 'launch'}); the others finished: run the same command again to resume the "
+                         "failed ones from their checkpoints, or --report to report what finished")
+    dist.barrier()  # rank 0 wrote the last summary before anyone counts what is left
+    left = [r.name for r in runs if not r.finished]
+    if left:
+        raise RunsPending(left, runs[0].tuning)
+
+
+def _run_sequential(todo: list[RunSpec], runs: list[RunSpec], corpus, device: str, progress: bool,
+                    on_step, log, title: str) -> None:
+    """``todo`` in this process, one after another (under torchrun: across all ranks),
+    with one progress bar over ``runs``."""
     bar = None
-    if progress and w.main and pending:
+    if progress and dist.world().main and todo:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=sum(r.train.steps for r in runs), initial=sum(r.steps_done() for r in runs),
-                   unit="step", dynamic_ncols=True, desc=f"compare {desc}")
+                   unit="step", dynamic_ncols=True, desc=f"compare {title}")
     try:
-        for r in pending:
+        for r in todo:
             last = [r.steps_done()]
 
             def _on_step(step: int, rec: dict, r=r, last=last) -> None:
@@ -208,20 +209,140 @@ def _execute(runs: list[RunSpec], corpus, device: str, progress: bool,
                 bar.set_description(r.name)
             if not _reset_peak_memory(resolve_device(device)) and log:
                 log("note: cannot reset peak memory between runs; it is the process peak")
-            tc = dataclasses.replace(r.train, device=device)
-            resume = (r.run_dir / "config.json").exists()
-            dist.barrier()  # every rank has looked before rank 0 writes this run's config.json
-            try:
-                lm.train(r.cfg, tc, data_for(r, corpus), r.run_dir, resume=resume,
-                         progress=False, on_step=_on_step)
-            except DivergedError as e:
-                if not r.tuning:
-                    raise
-                if w.main:
-                    write_json(r.run_dir / DIVERGED, {"error": str(e)})
-                dist.barrier()  # every rank sees it before deciding what is finished
-                if log:
-                    log(f"tuning run {r.name} diverged; scored as infinite")
+            execute_one(r, corpus, on_step=_on_step, log=log, device=device)
     finally:
         if bar is not None:
             bar.close()
+
+
+def _prepare(recipe: Recipe, log, eval_tasks: bool = True):
+    """(corpus, plan): the specs checked, the data tokenised (or read from the token
+    store), the budget planned."""
+    for v in recipe.variants:  # cheap spec check before the data is read
+        resolve_variant(v, recipe.scale)
+    if eval_tasks:
+        check_eval_tasks(recipe)
+    with dist.main_first():  # rank 0 builds the token store, then the others read it
+        corpus = load_corpus(**recipe_data(recipe))
+    plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
+    for p in plan if recipe.train.get("depth_sample") else ():  # training for depth: refused before any trains
+        try:
+            check_depth_sample(build_model(p.cfg, device="meta"), parse_depth_range(recipe.train["depth_sample"]),
+                               recipe.train.get("extend_loops"))
+        except PhaseloopError as e:
+            raise RecipeError(f"variant {p.variant.name!r}: {e}") from None
+    return corpus, plan
+
+
+def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True,
+                   on_step: Callable[[str, int, dict], None] | None = None,
+                   log: Callable[[str], None] | None = _stderr,
+                   command: str | None = None, launch: LaunchOptions | None = None) -> dict:
+    """Tune (when the recipe has [tune]), train every (variant, seed) run not yet
+    finished (``main_runs``), then write the report.
+
+    ``launch`` (default: the recipe's ``[launcher]`` table, else sequential) says who runs
+    each list of runs (``execute``): this process one after another — under torchrun every
+    run uses all the processes (rank 0 writes) — local worker processes, or Slurm.
+    ``on_step(run_name, step, record)`` receives every logged record of in-process runs
+    (tests interrupt through it). Returns the summary; {} on ranks > 0, and while runs
+    are left to Slurm or other processes (``--status`` follows them; the same command
+    goes on from the finished ones, round by round through tuning)."""
+    out = Path(out_dir)
+    w = dist.world()
+    log = log if w.main else None
+    launch = launch or LaunchOptions.resolve(recipe.launcher)
+    if launch.launcher != "sequential" and w.size > 1:
+        raise RecipeError(f"--launcher {launch.launcher} starts its own processes; run it without torchrun "
+                          "(--nproc-per-run K runs each run under torchrun)")
+    if launch.launcher == "slurm":
+        from . import slurm  # noqa: F401 (a missing submitit is refused before anything is written)
+    corpus, plan = _prepare(recipe, log)
+    device = devices_for(recipe.train["device"])[0]
+    resolve_device(device)
+    if launch.launcher == "sequential":
+        _launch_hint(recipe.train["device"], log)
+    with dist.main_first():  # rank 0 stores the recipe; the others then find it there
+        _claim_folder(out, recipe)
+
+    def run(runs: list[RunSpec]) -> None:
+        execute(runs, launch, corpus, device, progress=progress, on_step=on_step, log=log, title=recipe.name)
+
+    try:
+        tuning = run_tuning(recipe, plan, out, run, log) if recipe.tune else {}
+        runs = main_runs(recipe, plan, out, _chosen(tuning))
+        run(runs)
+    except RunsPending as e:
+        if log:
+            log(f"{len(e.names)} {'tuning ' if e.tuning else ''}runs are still with other processes or Slurm "
+                f"tasks ({', '.join(e.names[:4])}{', ...' if len(e.names) > 4 else ''}); follow them with "
+                "--status; then this command again goes on" + (" to the next tuning round or the reported runs"
+                                                              if e.tuning else " to the report (or --report)"))
+        return {}
+    if not w.main:
+        return {}
+    return _report(recipe, out, plan, runs, corpus, device, command, log, tuning)
+
+
+def _report(recipe, out, plan, runs, corpus, device, command, log, tuning: dict) -> dict:
+    for r in runs:  # also runs finished before an interruption
+        _lm_eval(recipe, r.run_dir, device, log)
+    return write_report(out, recipe, plan, corpus.describe(), command, log, tuning=tuning)
+
+
+def stored_recipe(out: Path) -> Recipe:
+    """The recipe a comparison folder holds (recipe.json)."""
+    if not (out / "recipe.json").is_file():
+        raise RecipeError(f"{out} holds no comparison (no recipe.json); start one with "
+                          f"`phaseloop compare RECIPE --out {out}`, or pass the --out it was started with")
+    return Recipe.from_dict(read_json(out / "recipe.json").get("recipe"), str(out / "recipe.json"))
+
+
+def runs_on_disk(recipe: Recipe, plan: list[Planned], out: Path) -> tuple[list[RunSpec], dict | None, list[RunSpec]]:
+    """(the tuning runs of every round reached so far, the tuning results or None while
+    tuning is unfinished, the reported runs): ``run_tuning`` walked over what is on disk,
+    training nothing. While tuning is unfinished the reported runs' tuned point is not
+    known yet: they are described at [train]'s (their folder and steps are what --status
+    reads)."""
+    seen: dict[str, RunSpec] = {}
+
+    def look(runs: list[RunSpec]) -> None:
+        seen.update((r.name, r) for r in runs)
+        left = [r.name for r in runs if not r.finished]
+        if left:
+            raise RunsPending(left, True)
+
+    tuning = {}
+    if recipe.tune:
+        try:
+            tuning = run_tuning(recipe, plan, out, look)
+        except RunsPending:
+            tuning = None
+    return list(seen.values()), tuning, main_runs(recipe, plan, out, _chosen(tuning or {}))
+
+
+def comparison_status(out_dir: str | Path) -> list[dict]:
+    """{name, state, step, steps, detail} of every run of the comparison in ``out_dir``
+    (``grid.run_state``): the tuning runs of the rounds reached so far, then the
+    reported (variant, seed) runs."""
+    out = Path(out_dir)
+    recipe = stored_recipe(out)
+    _, plan = _prepare(recipe, None, eval_tasks=False)
+    tuning_runs, _, runs = runs_on_disk(recipe, plan, out)
+    return [{"name": r.name, **run_state(r)} for r in tuning_runs + runs]
+
+
+def report_finished(recipe: Recipe, out_dir: str | Path, command: str | None = None,
+                    log: Callable[[str], None] | None = _stderr) -> dict:
+    """The report from the runs finished so far (``--report``), whatever is still running;
+    with [tune], once tuning has finished (its choice decides what the reported runs are)."""
+    out = Path(out_dir)
+    stored_recipe(out)
+    _claim_folder(out, recipe)  # the same comparison, or a one-line refusal
+    corpus, plan = _prepare(recipe, log)
+    tuning_runs, tuning, runs = runs_on_disk(recipe, plan, out)
+    if tuning is None:
+        done = sum(r.finished for r in tuning_runs)
+        raise RecipeError(f"{out}: tuning has not finished ({done} of the {len(tuning_runs)} tuning runs so far); "
+                          "the reported runs start after it: follow it with --status, report once it is done")
+    return _report(recipe, out, plan, runs, corpus, devices_for(recipe.train["device"])[0], command, log, tuning)

@@ -1,30 +1,63 @@
 """A comparison's runs as a list of descriptions: what each run trains, on which data,
-into which folder. The runner (one process, or a launcher of several) iterates them; a
-run is finished when its folder holds summary.json (or, for a tuning run, diverged.json)."""
+into which folder. Every launcher (this process, local worker processes, Slurm array
+tasks; ``launch``) runs the same descriptions, the tuning runs (``tune``) and the
+reported ones alike; a description travels to a worker or a Slurm task as JSON
+(``OUT/launch/NAME.json``). A run is finished when its folder holds summary.json (or, for
+a tuning run, diverged.json). Runs share nothing but the token store: the seed and the
+data order come from the run's own ``TrainConfig``, never from who runs it."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import checkpoint_dir, read_json, verify_checkpoint
+from ..checkpoint import checkpoint_dir, read_json, verify_checkpoint, write_json
 from ..config import ModelConfig
 from ..data import Corpus
 from ..engine import TrainConfig
+from ..errors import CheckpointError
 
 DIVERGED = "diverged.json"  # a tuning run stopped by a non-finite loss: scored as infinite
+LAUNCH = "launch"  # OUT/launch/: run descriptions, run state, worker logs
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    name: str  # e.g. "rope-s0" (its folder's name) or "tune/rope/lr0.002-s100" (its path)
+    name: str  # e.g. "rope-s0" (in OUT/runs/) or "tune/rope/lr0.002-s100" (its path in OUT)
     variant: str
     seed: int
     cfg: ModelConfig
     train: TrainConfig  # everything: [train], the variant's own settings, tuned ones, the seed
-    run_dir: Path
+    out: Path  # the comparison folder
+    data: dict  # load_corpus arguments: spec, tokenizer, text_column
     tuning: bool = False  # trains and scores on the tuning slice (``tuning_corpus``)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out / self.name if self.tuning else self.out / "runs" / self.name
+
+    def _launch(self, suffix: str) -> Path:
+        return self.out / LAUNCH / f"{self.name}{suffix}"
+
+    @property
+    def spec_path(self) -> Path:
+        return self._launch(".json")
+
+    @property
+    def state_path(self) -> Path:
+        """What the process running it last said (``grid.write_state``)."""
+        return self._launch(".state.json")
+
+    @property
+    def job_path(self) -> Path:
+        """The Slurm task it was last submitted as (``slurm.submit``)."""
+        return self._launch(".job.json")
+
+    @property
+    def log_path(self) -> Path:
+        return self._launch(".log")
 
     @property
     def finished(self) -> bool:
@@ -38,6 +71,55 @@ class RunSpec:
             return 0
         verify_checkpoint(ckpt, ("trainer.json",))
         return int(read_json(ckpt / "trainer.json")["step"])
+
+    def corpus(self, loaded: Corpus | None = None) -> Corpus:
+        """The data this run reads (``loaded``: the recipe's corpus, else loaded here):
+        the reported corpus, or for a tuning run its tuning slice."""
+        if loaded is None:
+            from ..data import load_corpus
+            from ..engine import dist
+
+            with dist.main_first():  # rank 0 builds the token store, then the others read it
+                loaded = load_corpus(self.data["spec"], self.data["tokenizer"], text_column=self.data["text_column"],
+                                     doc_sep=self.data.get("doc_sep"))
+        if not self.tuning:
+            return loaded
+        return tuning_corpus(loaded, self.train, self.train.seq_len or self.cfg.max_seq_len)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "variant": self.variant, "seed": self.seed, "model": self.cfg.to_dict(),
+                "train": self.train.to_dict(), "out": os.path.abspath(self.out), "data": self.data,
+                "tuning": self.tuning}
+
+    def save(self) -> Path:
+        write_json(self.spec_path, self.to_dict())
+        return self.spec_path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunSpec":
+        d = read_json(Path(path))
+        keys = ("name", "variant", "seed", "model", "train", "out", "data", "tuning")
+        if not isinstance(d, dict) or set(d) != set(keys):
+            raise CheckpointError(f"{path} is not a run description (keys {', '.join(keys)}); "
+                                  "rerun `phaseloop compare` to write it again")
+        return cls(d["name"], d["variant"], d["seed"], ModelConfig.from_dict(d["model"]),
+                   TrainConfig.from_dict(d["train"]), Path(d["out"]), d["data"], bool(d["tuning"]))
+
+
+class RunsPending(Exception):
+    """Runs a launcher left to others (Slurm tasks, other processes) are not finished:
+    nothing after them (the next tuning round, the reported runs, the report) can start
+    yet; the same command goes on from there once they have."""
+
+    def __init__(self, names: list[str], tuning: bool):
+        super().__init__(f"{len(names)} {'tuning ' if tuning else ''}runs unfinished")
+        self.names, self.tuning = names, tuning
+
+
+def recipe_data(recipe) -> dict:
+    """A recipe's ``load_corpus`` arguments, as a run description carries them."""
+    return {"spec": recipe.data, "tokenizer": recipe.tokenizer, "text_column": recipe.text_column,
+            "doc_sep": recipe.doc_sep}
 
 
 def tuning_corpus(corpus: Corpus, tc: TrainConfig, seq_len: int) -> Corpus:

@@ -27,7 +27,7 @@ from ..checkpoint import read_json
 from ..config import MAX_SEED
 from ..engine import TrainConfig
 from ..errors import ConfigError
-from .runs import DIVERGED, RunSpec
+from .runs import DIVERGED, RunSpec, recipe_data
 from .recipe import Recipe, RecipeError, _check_keys
 
 AXES = ("lr", "warmup_steps", "weight_decay")  # the grid's axes; the rate alone grows at the edges
@@ -154,15 +154,17 @@ def grow(lrs: list[float], way: str) -> list[float]:
 def tuning_runs(recipe: Recipe, tune: Tune, planned, lrs: list[float], out: Path) -> list[RunSpec]:
     v = planned.variant
     return [RunSpec(f"tune/{v.slug}/{point_name(pt)}-s{seed}", v.name, seed, planned.cfg,
-                    tune.train_config(recipe, v, pt, seed),
-                    out / "tune" / v.slug / f"{point_name(pt)}-s{seed}", tuning=True)
+                    tune.train_config(recipe, v, pt, seed), out, recipe_data(recipe), tuning=True)
             for pt in tune.grid(lrs) for seed in tune.seeds]
 
 
 def run_tuning(recipe: Recipe, plan: list, out: Path, execute: Callable[[list[RunSpec]], None],
                log: Callable[[str], None] | None = None) -> dict:
     """Train every variant's grid (growing at the edges), round by round; returns
-    {variant: {grid, points, chosen, extensions, max_extensions, on_edge}}."""
+    {variant: {grid, points, chosen, extensions, max_extensions, on_edge}}. ``execute``
+    (``runner.execute``: the comparison's launcher) returns when every run it is given
+    has finished, or raises (``runs.RunsPending``: runs left to Slurm or other processes;
+    the same command goes on from the finished rounds later)."""
     tune = Tune(**recipe.tune)
     state = {p.name: {"lrs": list(tune.lr), "used": 0} for p in plan}
     while True:

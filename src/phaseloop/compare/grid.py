@@ -1,0 +1,184 @@
+"""How one run of a comparison (``runs.RunSpec``: a tuning run or a reported one) is
+run and watched, whichever launcher runs it: in this process, in a worker process
+(``phaseloop.compare.worker``), under torchrun or as a Slurm array task.
+
+Run state, for ``phaseloop compare --status`` (``run_state``), read from the files:
+
+* **done**: the run is finished (``RunSpec.finished``: its folder holds ``summary.json``,
+  written last by rename, or a tuning run's ``diverged.json``);
+* **running**: ``OUT/launch/RUN.state.json`` says running and its heartbeat (the file's
+  mtime, touched every ``HEARTBEAT_S`` seconds by the process training the run) is
+  younger than ``STALE_AFTER`` heartbeats;
+* **failed**: the state says failed (the worker caught an error and wrote it, or the
+  local launcher saw its worker exit with an error), or says running with a stale
+  heartbeat (a worker killed outright, a lost node);
+* **pending**: anything else — never started, queued in Slurm (``RUN.job.json`` names
+  the task), stopped by Ctrl-C / SIGTERM, or requeued by Slurm after preemption or a
+  time limit.
+
+Every state but done is resumable: the run restarts from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Callable
+
+from ..checkpoint import read_json, write_json
+from ..errors import PhaseloopError
+from .runs import DIVERGED, RunSpec
+
+STALE_AFTER = 4  # heartbeats missed before a "running" run counts as failed
+STATES = ("done", "running", "pending", "failed")
+
+
+def heartbeat_s() -> float:
+    """Seconds between heartbeats (PHASELOOP_HEARTBEAT_S, default 30)."""
+    try:
+        return max(0.05, float(os.environ.get("PHASELOOP_HEARTBEAT_S", "30")))
+    except ValueError:
+        return 30.0
+
+
+# ---------------------------------------------------------------------------- state
+def write_state(spec: RunSpec, state: str, **info) -> None:
+    """OUT/launch/RUN.state.json: what the process running ``spec`` last said."""
+    job = {k: os.environ[k] for k in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID")
+           if k in os.environ}
+    write_json(spec.state_path, {"state": state, "pid": os.getpid(), "host": socket.gethostname(),
+                                 "time": time.time(), **job, **info})
+
+
+def run_state(spec: RunSpec, now: float | None = None) -> dict:
+    """{state, step, steps, detail} of a run (the module docstring's rules)."""
+    steps = spec.train.steps
+    try:
+        step = spec.steps_done()
+    except PhaseloopError:
+        step = None
+    if spec.finished:
+        return {"state": "done", "step": steps, "steps": steps,
+                "detail": "diverged (scored as infinite)" if (spec.run_dir / DIVERGED).exists() else ""}
+    info: dict = {}
+    if spec.state_path.exists():
+        try:
+            info = read_json(spec.state_path)
+            age = (now or time.time()) - spec.state_path.stat().st_mtime
+        except (PhaseloopError, OSError):
+            info, age = {"state": "failed", "error": f"{spec.state_path} is damaged"}, 0.0
+    where = " ".join(str(info[k]) for k in ("host", "pid") if k in info)
+    job = info.get("SLURM_JOB_ID")
+    where += f" job {job}" if job else ""
+    said = info.get("state")
+    if said == "running" and age <= STALE_AFTER * heartbeat_s():
+        return {"state": "running", "step": step, "steps": steps, "detail": where}
+    if said == "running":
+        return {"state": "failed", "step": step, "steps": steps,
+                "detail": f"no heartbeat for {age:.0f} s from {where}: the worker died"}
+    if said == "failed":
+        return {"state": "failed", "step": step, "steps": steps, "detail": str(info.get("error", ""))}
+    detail = {"requeued": "requeued", "stopped": "stopped"}.get(said, "")
+    if said != "stopped" and spec.job_path.exists():
+        try:
+            detail = f"{detail or 'queued'} as Slurm job {read_json(spec.job_path)['job']}"
+        except (PhaseloopError, KeyError, TypeError):
+            pass
+    return {"state": "pending", "step": step, "steps": steps, "detail": detail}
+
+
+class Heartbeat:
+    """Marks a run running and touches its state file every ``heartbeat_s()`` seconds
+    from a daemon thread, until the body ends (then: nothing; the caller says how)."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec, self._stop = spec, threading.Event()
+
+    def __enter__(self):
+        write_state(self.spec, "running")
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(heartbeat_s()):
+            try:
+                os.utime(self.spec.state_path)
+            except OSError:
+                pass
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+
+# ---------------------------------------------------------------------------- one run
+def execute(spec: RunSpec, corpus=None, *, on_step: Callable[[int, dict], None] | None = None,
+            log: Callable[[str], None] | None = None, device: str | None = None) -> dict | None:
+    """Train (or resume, or skip when finished) the run ``spec`` describes; its state
+    file follows (rank 0 writes it). ``corpus``: the recipe's corpus, already loaded (else
+    it is loaded). A tuning run that diverges is recorded (diverged.json: finished,
+    scored as infinite; returns None); a reported run that diverges fails."""
+    from .. import train as lm
+    from ..engine import dist
+    from ..engine.trainer import DivergedError
+
+    tc = spec.train if device is None else dataclasses.replace(spec.train, device=device)
+    run_dir = spec.run_dir
+    if spec.finished:
+        return read_json(run_dir / "summary.json") if (run_dir / "summary.json").exists() else None
+    data = spec.corpus(corpus)
+    main = dist.world().main
+    resume = (run_dir / "config.json").exists()
+    dist.barrier()  # every rank has looked before rank 0 writes this run's config.json
+    beat = Heartbeat(spec) if main else None
+    try:
+        if beat is not None:
+            beat.__enter__()
+        summary = lm.train(spec.cfg, tc, data, run_dir, resume=resume, progress=False, on_step=on_step, log=log)
+    except KeyboardInterrupt:
+        if main:
+            write_state(spec, "stopped")
+        raise
+    except SystemExit:  # submitit's requeue exits from its signal handler: its state says requeued
+        raise
+    except DivergedError as e:
+        if not spec.tuning:
+            if main:
+                write_state(spec, "failed", error=f"DivergedError: {e}")
+            raise
+        if main:
+            write_json(run_dir / DIVERGED, {"error": str(e)})
+        dist.barrier()  # every rank sees it before deciding what is finished
+        (log or _stderr)(f"tuning run {spec.name} diverged; scored as infinite")
+        summary = None
+    except BaseException as e:
+        if main:
+            write_state(spec, "failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise
+    finally:
+        if beat is not None:
+            beat.__exit__(None, None, None)
+    if main:
+        spec.state_path.unlink(missing_ok=True)  # summary.json (diverged.json) says done
+    return summary
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def format_status(rows: list[dict]) -> str:
+    """``--status``: one line per run, then the count of each state."""
+    width = max([len(r["name"]) for r in rows] + [3])
+    lines = [f"{'run':<{width}}  {'state':<8} {'steps':>11}  detail"]
+    for r in rows:
+        done = f"{'?' if r['step'] is None else r['step']}/{r['steps']}"
+        lines.append(f"{r['name']:<{width}}  {r['state']:<8} {done:>11}  {r['detail']}".rstrip())
+    counts = ", ".join(f"{sum(r['state'] == s for r in rows)} {s}" for s in STATES)
+    return "\n".join(lines + [f"{len(rows)} runs: {counts}"])
