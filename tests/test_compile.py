@@ -172,8 +172,9 @@ def test_auto_probes_then_decides_and_a_resumed_run_keeps_the_choice(tmp_path, m
     monkeypatch.setattr(compiling, "COLD_S", {"cpu": 0.0, "cuda": 0.0})  # any saving pays
     cfg = {"train": tconf("auto", 8).to_dict()}
     t = train("auto", steps=8, run=RunFolder.open(tmp_path / "full", cfg))
-    err = capsys.readouterr().err
-    assert "compile auto: block" in err and t.compiler.mode == "block"
+    assert capsys.readouterr().err == ""  # a quiet run (progress off) keeps the line in its summary
+    assert t.compiler.mode == "block" and t.summary()["compile"] == "block"
+    assert t.summary()["compile_note"].startswith("compile auto: block (expected saving")
     assert counters["stats"]["unique_graphs"] >= 1
     eager = train("off", steps=8)
     for a, b in zip(t.records, eager.records):  # aot_eager: the same numbers as eager
@@ -208,3 +209,16 @@ def test_block_mode_under_torchrun_equals_one_eager_process(tmp_path, text_file,
     _run(two, text_file, 2, "--preset", preset, "--parallel", how, "--compile", "block", nproc=2)
     _assert_close(_records(one), _records(two))
     assert json.loads((two / "config.json").read_text())["train"]["compile"] == "block"
+
+
+def test_train_says_what_auto_chose(tmp_path, text_file, capsys):
+    """Without --quiet, one line on stderr says auto's choice and why; summary.json keeps it."""
+    from conftest import TINY, run_cli
+
+    flags = [a for a in TINY if a != "--quiet"]
+    code, err = run_cli(["train", *flags, "--steps", "6", "--data", str(text_file), "--out", str(tmp_path / "r")],
+                        capsys)
+    assert code == 0, err
+    line = next(x for x in err.splitlines() if x.startswith("compile auto:"))
+    assert line.startswith("compile auto: off (expected saving") and "over 2 steps" in line, line
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["compile_note"] == line

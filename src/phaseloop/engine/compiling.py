@@ -157,7 +157,10 @@ def decide(step_s: float, steps_left: int, device: torch.device, compile_s: floa
 
 
 def note(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """One line on stderr, on a line of its own under a progress bar (tqdm.write)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
 
 
 class RunCompiler:
@@ -167,13 +170,18 @@ class RunCompiler:
     ``chosen``: the mode a resumed run recorded (auto's earlier choice), else None."""
 
     def __init__(self, mode: str, model: nn.Module, device: torch.device, key_extra: str,
-                 chosen: str | None = None, sharded: bool = False, main: bool = True):
+                 chosen: str | None = None, sharded: bool = False, main: bool = True,
+                 verbose: bool = True):
         self.model, self.device, self.key_extra, self.main = model, device, key_extra, main
+        self.verbose = verbose  # auto's line on stderr (a quiet run keeps it in its summary)
+        self.line: str | None = None  # what auto chose and why (summary.json: compile_note)
         self.mode = chosen if mode == "auto" and chosen in ("off", "block") else mode
         if self.mode == "auto" and sharded:  # blocks must be compiled before FSDP2 wraps them
             self.mode = "off"
-            self._say("compile auto: off (under FSDP2 blocks are compiled before sharding: "
-                      "ask for --compile block to compile them)")
+            self.line = ("compile auto: off (under FSDP2 blocks are compiled before sharding: "
+                         "ask for --compile block to compile them)")
+            if verbose:
+                self._say(self.line)
         self.eager_fwd = self.fwd = None
         self.undo: Callable[[], None] | None = None
         self.pending = False  # the next step is the first compiled one
@@ -247,7 +255,9 @@ class RunCompiler:
         if dist.world().size > 1:  # every rank must compile alike: the majority's choice
             votes = float(dist.all_sum(1.0 if mode == "block" else 0.0)[0])
             mode = "block" if votes * 2 > dist.world().size else "off"
-        self._say(line)
+        self.line = line
+        if self.verbose:
+            self._say(line)
         self.mode = mode
         if mode == "block":
             self._apply_block()

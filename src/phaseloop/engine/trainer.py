@@ -145,7 +145,8 @@ class Trainer:
         self.compiler = compiling.RunCompiler(  # block mode compiles before DDP / FSDP2 wrap
             tc.compile, self.model, self.device, f"{tc.batch_size}x{tc.seq_len}x{tc.grad_accum}",
             restored[0].get("compile") if restored is not None else None,
-            sharded=self.world.size > 1 and tc.parallel == "fsdp", main=self.world.main)
+            sharded=self.world.size > 1 and tc.parallel == "fsdp", main=self.world.main,
+            verbose=self.progress)
         self.fwd = dist.parallelize(self.model, tc.parallel, self.device,  # from outside the model
                                     varying_depth=tc.depth_sample is not None)
         self.compiler.attach(self.fwd)
@@ -362,4 +363,7 @@ class Trainer:
                 **({"mfu": u} if (u := dist.mfu(self.tokens / max(self.elapsed, 1e-9), self.flops_per_token,
                                                self.peak, self.world.size)) is not None else {}),
                 "peak_memory_mb": peak_memory_mb(self.device),
-                **({"skipped_steps": self.skipped} if self.skipped else {}), **self.last_eval}
+                **({"skipped_steps": self.skipped} if self.skipped else {}),
+                **({"compile": self.compiler.chosen, "compile_note": self.compiler.line}
+                   if getattr(self, "compiler", None) is not None and self.compiler.line else {}),
+                **self.last_eval}
