@@ -232,3 +232,19 @@ def test_bench_explore_smoke(capsys):
     assert bench_explore.main(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert "open a run of 1,000 metric records" in out and "ponder map of 16 tokens" in out
+
+
+def test_comparison_control_column_is_report_py_s(comparison, tmp_path):
+    """A variant t-tested against a control (issue 27) shows report.py's "vs control" cell."""
+    import shutil
+
+    copy = tmp_path / "c"
+    shutil.copytree(comparison, copy, symlinks=True)
+    summary = read_json(copy / "summary.json")
+    summary["variants"][1]["vs_control"] = {"control": "rope", "p": 0.25, "verdict": "indistinguishable",
+                                            "t": 1.0, "df": 1, "n": 2, "mean_diff": 0.01, "note": ""}
+    (copy / "summary.json").write_text(json.dumps(summary))
+    row = rundata.comparison(copy)["rows"][1]
+    line = next(ln for ln in format_table(summary).splitlines() if ln.startswith(f"| {summary['variants'][1]['name']} |"))
+    assert row["vs_control"] == "indistinguishable (p=0.250) vs rope" and f" {row['vs_control']} |" in line
+    assert rundata.comparison(copy)["rows"][0]["vs_control"] == ""

@@ -202,6 +202,8 @@ def comparison(path: Path) -> dict:
                 tok_per_s=_fmt(v["tok_per_s"]["mean"], None, 0),
                 step_speedup=_speed(v["step_speedup"]), wallclock_speedup=_speed(v["wallclock_speedup"]),
                 vs_reference=_verdict(test), p=None if test is None else test.get("p"),
+                vs_control="" if not v.get("vs_control") else
+                f"{_verdict(v['vs_control'])} vs {v['vs_control']['control']}",
                 final={str(k): f.get("val_loss") for k, f in v.get("final", {}).items()},
                 raw={"val_loss": v["val_loss"]["mean"], "step_speedup": v["step_speedup"]})
         out["rows"].append(row)
