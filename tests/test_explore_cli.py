@@ -80,10 +80,12 @@ def test_a_taken_port_gives_a_free_one():
         proc = start("--port", str(taken))
         try:
             url = read_url(proc)
+            assert not url.endswith(f":{taken}/")
+            assert b"phaseloop explore" in fetch(url)  # it serves on the port it printed
         finally:
             proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=60)
-    assert not url.endswith(f":{taken}/") and proc.returncode == 0
+            _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
 
 
 def test_bad_arguments_are_one_line(tmp_path, capsys):

@@ -135,16 +135,25 @@ def _plotly_js() -> Path:
     return path
 
 
-def free_port(host: str, port: int) -> int:
-    """``port`` if it can be bound on ``host``, else (or for 0) a free one the OS picks."""
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``port`` on ``host`` if it is free, else (or for 0) to a free one the
+    OS picks; the server listens on this very socket, so no other process can take the port
+    between choosing it and serving."""
     for want in ([port, 0] if port else [0]):
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            try:
-                s.bind((host, want))
-            except OSError:
-                continue
-            return s.getsockname()[1]
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            s.bind((host, want))
+        except OSError:
+            s.close()
+            continue
+        return s
     raise PhaseloopError(f"explore: cannot listen on {host}; pass --host 127.0.0.1")
+
+
+def free_port(host: str, port: int) -> int:
+    """``port`` if it can be bound on ``host``, else (or for 0) a free one (bound, then released)."""
+    with bound_socket(host, port) as s:
+        return s.getsockname()[1]
 
 
 def is_loopback(host: str) -> bool:
@@ -165,7 +174,8 @@ def serve(paths: list[str] = (), host: str = "127.0.0.1", port: int = 0,
         _missing(e)
     ctx = Context.from_paths(list(paths))
     app = create_app(ctx)
-    port = free_port(host, port)
+    sock = bound_socket(host, port)
+    port = sock.getsockname()[1]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
     if not is_loopback(host):
         print(f"warning: serving on {host}, reachable from other machines; explore has no "
@@ -177,5 +187,6 @@ def serve(paths: list[str] = (), host: str = "127.0.0.1", port: int = 0,
         import webbrowser
         webbrowser.open(url)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     return 0
