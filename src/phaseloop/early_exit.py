@@ -32,6 +32,8 @@ off the wall clock. Stacks have no passes to skip and are refused.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -216,6 +218,21 @@ def tally(model):
         handle.remove()
 
 
+@functools.lru_cache(maxsize=16)
+def _pass_costs(cfg_json: str, seq_len: int, depth: int, extend: str | None) -> tuple:
+    """(F(depth), F(1), one pass) of a config (each a meta-device trace, ``depth.flops_per_token``),
+    traced once for a sweep's every row rather than per row."""
+    from .config import ModelConfig
+    from .depth import flops_per_token
+
+    cfg = ModelConfig.from_dict(json.loads(cfg_json))
+    full = flops_per_token(cfg, seq_len, depth, extend)
+    if full is None:
+        return None, None, None
+    one = flops_per_token(cfg, seq_len, 1, "last")
+    return full, one, flops_per_token(cfg, seq_len, 2, "last") - one
+
+
 def exit_flops(model, seq_len: int, t: Tally | None = None, extend: str | None = None) -> int | None:
     """Forward FLOPs per token at the trunk's depth D (``trunk.passes``) with the exit
     statistics ``t``, from ``depth.flops_per_token`` (meta device): F(D) - skipped passes x
@@ -224,14 +241,10 @@ def exit_flops(model, seq_len: int, t: Tally | None = None, extend: str | None =
     positions attend to it, UT §2.2). No statistics (no rule, or ``t`` None): F(D). Not
     counted: the state rule's norms and, in a Hyperloop, the mixing of an exited position's
     streams into its layers' input (O(n d_model) each)."""
-    from .depth import flops_per_token
-
     cfg, D = model.cfg, model.trunk.passes
-    full = flops_per_token(cfg, seq_len, D, extend)
+    full, one, per_pass = _pass_costs(json.dumps(cfg.to_dict(), sort_keys=True), seq_len, D, extend)
     if full is None or t is None or not t.positions:
         return full
-    one = flops_per_token(cfg, seq_len, 1, "last")
-    per_pass = flops_per_token(cfg, seq_len, 2, "last") - one
     if t.run:
         return round(one + (t.mean("run") - 1) * per_pass)
     kv = model.trunk.pass_blocks * 2 * cfg.d_model * 2 * cfg.n_kv_heads * cfg.head_dim
