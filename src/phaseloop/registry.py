@@ -220,15 +220,21 @@ def seq2seq_archs() -> dict[str, ArchSpec]:
     return {s.seq2seq_name: s for s in all_archs() if s.seq2seq is not None and s.seq2seq_name}
 
 
-def diagnostics(model, stats: dict) -> dict[str, float]:
-    """The architecture's own quantities of ``model`` (its option groups' and its spec's
-    ``diagnostics``), for the evaluation records; {} for a model without a ModelConfig."""
+def diagnostic_fns(model) -> list:
+    """The ``diagnostics`` functions of ``model``'s option groups and spec ([] for a model
+    without a ModelConfig, or an architecture that defines none)."""
     arch = getattr(getattr(model, "cfg", None), "arch", None)
     if not isinstance(arch, str):
-        return {}
+        return []
     spec = get_arch(arch)
+    fns = (*(getattr(g, "diagnostics", None) for g in groups_of(spec)), spec.diagnostics)
+    return [fn for fn in fns if fn is not None]
+
+
+def diagnostics(model, stats: dict) -> dict[str, float]:
+    """The architecture's own quantities of ``model`` (``diagnostic_fns``), for the
+    evaluation records; {} where it defines none."""
     out: dict[str, float] = {}
-    for fn in (*(getattr(g, "diagnostics", None) for g in groups_of(spec)), spec.diagnostics):
-        if fn is not None:
-            out.update(fn(model, stats))
+    for fn in diagnostic_fns(model):
+        out.update(fn(model, stats))
     return out

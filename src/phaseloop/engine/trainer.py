@@ -227,6 +227,8 @@ class Trainer:
     def _diagnostics(self) -> dict:
         """The architecture's own quantities (``registry.diagnostics``): every process's
         statistics of the last micro-batch, the parameters whole (collectives in a world)."""
+        if not registry.diagnostic_fns(self.model):  # nothing to compute: no gather, no unshard
+            return {}
         with dist.unsharded(self.model):
             return registry.diagnostics(self.model, dist.gather_stats(self.stats))
 
@@ -257,16 +259,16 @@ class Trainer:
             g["lr"] = lr
         loss: torch.Tensor | float = 0.0
         aux: dict[str, torch.Tensor] = {}
-        for i in range(tc.grad_accum):  # at the step's sampled depth (tc.depth_sample), if any
-            with sampled_depth(self.model, tc, self.step):
+        with sampled_depth(self.model, tc, self.step):  # the step's depth (tc.depth_sample), if any
+            for i in range(tc.grad_accum):
                 with dist.no_sync(fwd, sync=i == tc.grad_accum - 1), autocast(dev):
                     out = self.loss_fn(fwd, ignore_targets(self.batches.next(), tc.loss_ignore_id), dev)
                 with dist.no_sync(fwd, sync=i == tc.grad_accum - 1):
                     (out.loss / tc.grad_accum).backward()
-            loss = loss + out.ce_loss.detach() / tc.grad_accum  # no host sync until a log step
-            for k, v in out.aux_losses.items():
-                aux[k] = aux.get(k, 0.0) + v.detach() / tc.grad_accum
-            self.tokens += out.logits.shape[0] * out.logits.shape[1] * self.world.size
+                loss = loss + out.ce_loss.detach() / tc.grad_accum  # no host sync until a log step
+                for k, v in out.aux_losses.items():
+                    aux[k] = aux.get(k, 0.0) + v.detach() / tc.grad_accum
+                self.tokens += out.logits.shape[0] * out.logits.shape[1] * self.world.size
         self.stats = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.stats.items()}
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor of the global norm
