@@ -9,12 +9,16 @@ block (LayerNorm, GELU MLP 4·d, learned positions; written here) is timed besid
 
     python benchmarks/bench_step.py                 # every shape, ~4 min on 2 cores
     python benchmarks/bench_step.py --shapes nanogpt --archs rope --top 12
-    python benchmarks/bench_step.py --compile       # eager vs torch.compile, end to end
+    python benchmarks/bench_step.py --compile block # eager vs compiled, end to end
 
-``--compile`` times each model's eager step against the same step with the loss
-function compiled as the trainer compiles it (``TrainConfig.compile``), and prints the
-compile time (the first compiled step, less an eager step) and the break-even run
-length: the steps after which compiling has paid for itself.
+``--compile MODE`` times each model's eager step against the same step compiled: ``model``
+(the loss function, as ``--compile model`` does), ``block`` (every Block's forward on its
+instance, as ``--compile block`` does; the GPT-2 blocks likewise) or ``pieces`` (only the
+elementwise pieces the CPU lacks fused kernels for, each a compiled function: RMSNorm
+forward + backward, RoPE applied to q and k together; GPT-2's LayerNorm already has
+them). It prints the compile time (the first compiled step, less an eager step), the
+break-even run length (the steps after which compiling has paid for itself) and the
+compiled step against the eager step's matmul floor (the same products).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from common import time_interleaved  # noqa: E402
 
 from phaseloop import ModelConfig, build_model  # noqa: E402
 from phaseloop.engine import TrainConfig, make_optimizer  # noqa: E402
+from phaseloop.layers import Attention, Block, RMSNorm, apply_rope  # noqa: E402
 
 # name -> (preset, overrides, batch, seq)
 SHAPES = {
@@ -160,34 +165,64 @@ def model_loss(model: nn.Module):
     return (lambda x, y: model(x, y)) if isinstance(model, GPT2) else (lambda x, y: model(x, y).loss)
 
 
+@torch.compile
+def _rms_norm(x, weight, eps: float):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+@torch.compile
+def _rope_qk(q, k, cos, sin):
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def compiled(model: nn.Module, mode: str):
+    """(model, loss function) with ``mode`` applied from outside, as the trainer does."""
+    if mode == "model":
+        return model, torch.compile(model_loss(model))
+    for m in model.modules():
+        if mode == "block" and isinstance(m, (Block, GPT2Block)):
+            m.forward = torch.compile(m.forward)
+        elif mode == "pieces" and isinstance(m, RMSNorm):
+            m.forward = lambda x, m=m: _rms_norm(x, m.weight, m.eps)
+        elif mode == "pieces" and isinstance(m, Attention):
+            m.rotate = _rope_qk
+    return model, model_loss(model)
+
+
 def compile_table(args) -> None:
     """Eager vs compiled training step per shape and arch, interleaved medians."""
-    print(f"{'shape':<11}{'arch':<10}{'eager':>8}{'compiled':>9}{'ratio':>7}{'compile s':>10}{'break-even':>11}")
+    mode = args.compile
+    print(f"compile {mode}")
+    print(f"{'shape':<11}{'arch':<10}{'eager':>8}{'compiled':>9}{'ratio':>7}{'compile s':>10}{'break-even':>11}"
+          f"{'floor':>7}{'eager/floor':>12}{'compiled/floor':>15}")
     for shape in args.shapes:
         _, _, batch, seq = SHAPES[shape]
         builders = {arch: lambda a=arch: build_model(config(shape, a)) for arch in args.archs}
         if shape == "nanogpt":
             builders["gpt2"] = GPT2
-        fns, first = {}, {}
+        fns, first, floors = {}, {}, {}
         for name, build in builders.items():
             torch.manual_seed(0)
             model, twin = build(), build()
             twin.load_state_dict(model.state_dict())
             vocab = 256 if isinstance(model, GPT2) else model.cfg.vocab_size
             fns[name], _ = make_step(model, batch, seq, vocab)
-            fns[name + ":compiled"], _ = make_step(twin, batch, seq, vocab, loss_of=torch.compile(model_loss(twin)))
+            fns[name + ":floor"], _ = floor_of(fns[name])
+            twin, loss_of = compiled(twin, mode)
+            fns[name + ":compiled"], _ = make_step(twin, batch, seq, vocab, loss_of=loss_of)
             t0 = time.perf_counter()
             fns[name + ":compiled"]()  # compiles forward and backward
             first[name] = time.perf_counter() - t0
         t = time_interleaved(fns, warmup=2, rounds=args.rounds, reps=2)
         for name in builders:
-            e, c = t[name], t[name + ":compiled"]
+            e, c, f = t[name], t[name + ":compiled"], t[name + ":floor"]
             cost = first[name] - e
             even = f"{cost / (e - c):>11.0f}" if e > c else f"{'never':>11}"
-            print(f"{shape:<11}{name:<10}{1e3 * e:>8.1f}{1e3 * c:>9.1f}{c / e:>7.2f}{cost:>10.1f}{even}")
+            print(f"{shape:<11}{name:<10}{1e3 * e:>8.1f}{1e3 * c:>9.1f}{c / e:>7.3f}{cost:>10.1f}{even}"
+                  f"{1e3 * f:>7.1f}{e / f:>12.2f}{c / f:>15.2f}")
         if "gpt2" in builders and "rope" in builders:
             print(f"{shape:<11}rope/gpt2 step: eager {t['rope'] / t['gpt2']:.3f}, "
-                  f"compiled {t['rope:compiled'] / t['gpt2:compiled']:.3f}")
+                  f"compiled ({mode}) {t['rope:compiled'] / t['gpt2:compiled']:.3f}")
 
 
 def main(argv=None) -> int:
@@ -197,7 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--top", type=int, default=0, help="also print the top N operators per model")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compile", action="store_true", help="eager vs torch.compile instead of the floor")
+    ap.add_argument("--compile", choices=("model", "block", "pieces"),
+                    help="eager vs the step compiled this way (instead of the floor table)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per step, medians of "

@@ -5,6 +5,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from phaseloop.models import build_model
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -29,13 +35,34 @@ def test_bench_step_runs(capsys, one_thread):
     assert "nanogpt    rope" in out and "rope/gpt2 step" in out
 
 
-def test_bench_step_compile_mode_runs(capsys, one_thread):
+@pytest.mark.parametrize("mode", ["block", "pieces"])
+def test_bench_step_compile_mode_runs(capsys, one_thread, mode):
     import bench_step
 
-    assert bench_step.main(["--compile", "--shapes", "rope-tiny", "--archs", "rope", "--rounds", "1",
+    assert bench_step.main(["--compile", mode, "--shapes", "rope-tiny", "--archs", "rope", "--rounds", "1",
                             "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "break-even" in out and "rope-tiny  rope" in out
+    assert f"compile {mode}" in out and "compiled/floor" in out and "rope-tiny  rope" in out
+
+
+def test_bench_step_pieces_compute_the_plain_forms():
+    """The compiled pieces (RMSNorm, RoPE on q and k together) swapped into a model give its
+    eager loss and gradients (inductor: float tolerance)."""
+    import bench_step
+
+    counters.clear()
+    torch.manual_seed(0)
+    cfg = bench_step.config("rope-tiny", "rope")
+    model, twin = build_model(cfg), build_model(cfg)
+    twin.load_state_dict(model.state_dict())
+    twin, loss_of = bench_step.compiled(twin, "pieces")
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    for m in (model, twin):
+        (model(x, x).loss if m is model else loss_of(x, x)).backward()
+    assert torch.allclose(model(x, x).loss, loss_of(x, x), rtol=1e-5)
+    for (n, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), n
+    assert counters["stats"]["unique_graphs"] >= 2  # the RMSNorm and the RoPE function ran compiled
 
 
 def test_bench_documents_runs(capsys, one_thread):

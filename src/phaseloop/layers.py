@@ -263,9 +263,7 @@ class Attention(nn.Module):
         if self.cross:
             (k_BKSE, v_BKSE), mask, causal = ctx.memory.keys_values(self), ctx.memory.mask_B11S, False
         else:
-            k_BKSE, v_BKSE, mask, causal = self._self_keys(x_BTD, q_BHTE, ctx, slot)
-            if self.use_rope:
-                q_BHTE = apply_rope(q_BHTE, ctx.cos, ctx.sin)
+            q_BHTE, k_BKSE, v_BKSE, mask, causal = self._self_keys(x_BTD, q_BHTE, ctx, slot)
         gqa, dropout_p = self.n_heads != self.n_kv_heads, self.dropout if self.training else 0.0
         if mask is DOC_FLEX:  # within each document, through FlexAttention (docattn)
             if ctx.doc_block_mask is None:
@@ -276,12 +274,18 @@ class Attention(nn.Module):
                                                     dropout_p=dropout_p, enable_gqa=gqa)
         return self.o_proj(y_BHTE.transpose(1, 2).reshape(B, T, -1))
 
+    def rotate(self, q_BHTE, k_BKTE, cos_TE, sin_TE):
+        """RoPE on the queries and keys of the new tokens together (one place to fuse
+        them: benchmarks/bench_step.py --compile pieces compiles this on the instance)."""
+        return apply_rope(q_BHTE, cos_TE, sin_TE), apply_rope(k_BKTE, cos_TE, sin_TE)
+
     def _self_keys(self, x_BTD, q_BHTE, ctx: Context, slot):
-        """Keys/values of the new tokens (RoPE'd, appended to the cache) and the mask."""
+        """The new tokens' queries and keys (RoPE'd), values (keys and values appended to
+        the cache) and the mask."""
         T = x_BTD.shape[1]
         k_BKTE, v_BKTE = self.project_kv(x_BTD)
         if self.use_rope:
-            k_BKTE = apply_rope(k_BKTE, ctx.cos, ctx.sin)
+            q_BHTE, k_BKTE = self.rotate(q_BHTE, k_BKTE, ctx.cos, ctx.sin)
         past = 0
         if ctx.cache is not None:
             k_BKTE, v_BKTE = ctx.cache.update(slot, k_BKTE, v_BKTE)
@@ -298,7 +302,7 @@ class Attention(nn.Module):
             mask, causal = (same_BTT & torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril())[:, None], False
         elif past and T > 1:  # chunked prefill after a cached prefix: offset causal mask
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=past)
-        return k_BKTE, v_BKTE, mask, causal
+        return q_BHTE, k_BKTE, v_BKTE, mask, causal
 
 
 class SwiGLU(nn.Module):

@@ -25,7 +25,7 @@ from torch import nn
 from .decoding import sampling_probs
 from .errors import PhaseloopError
 from .hyperconn import HyperConnection
-from .layers import Attention, apply_rope
+from .layers import Attention
 
 MAX_PROMPT_CHARS = 100_000  # refused before tokenizing
 
@@ -51,8 +51,7 @@ def attention_probs(attn: Attention, x_BTD: torch.Tensor, ctx) -> torch.Tensor:
     q_BHTE = attn.q_proj(x_BTD).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
     k_BKTE, _ = attn.project_kv(x_BTD)
     if attn.use_rope:
-        q_BHTE = apply_rope(q_BHTE, ctx.cos, ctx.sin)
-        k_BKTE = apply_rope(k_BKTE, ctx.cos, ctx.sin)
+        q_BHTE, k_BKTE = attn.rotate(q_BHTE, k_BKTE, ctx.cos, ctx.sin)
     k_BHTE = k_BKTE.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
     s_BHTS = q_BHTE.float() @ k_BHTE.float().transpose(-1, -2) / math.sqrt(attn.head_dim)
     if ctx.causal:
