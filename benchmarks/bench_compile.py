@@ -3,12 +3,20 @@
 
     python benchmarks/bench_compile.py                       # rope-small at 4 and 12 layers, the UT
     python benchmarks/bench_compile.py --cases rope-small:4 --steps 6   # quick check
+    python benchmarks/bench_compile.py --train rope-small hyperloop-small  # whole runs, main job's settings
 
 For each case and mode: the first training step with an empty inductor cache (cold) and
 again in a new process with the cache the first left (warm), the steady step time, and
 the eager step time; compile = first step - steady step; break-even = compile / (eager
 step - compiled step). Targets (issue 30): cold block compile <= 1/2 of whole-model at 12
 layers and for the UT; warm first step <= 3 s; break-even <= 300 steps cold, <= 50 warm.
+
+``--train PRESET ...`` times whole ``phaseloop train`` runs at the README main job's
+settings (stdlib corpus, 300 steps of 16 x 128, an evaluation every 25 steps, a checkpoint
+every 50) in fresh processes, in the order off, block with an empty compile cache, block
+with the cache it left (a comparison's later runs), off again, block warm again: wall
+seconds, training tokens/s and the final validation loss of each, so the main job's
+end-to-end gain (issue 30: >= 15 %) is measured on the runs it is made of.
 """
 
 from __future__ import annotations
@@ -66,12 +74,49 @@ def measure(mode: str, case: str, steps: int, cache: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def train_runs(presets: list[str], steps: int) -> None:
+    """Whole training runs per preset: off / block cold / block warm / off / block warm."""
+    exe = os.path.join(os.path.dirname(sys.executable), "phaseloop")
+    print(f"{'preset':<16} {'run':<11} {'wall s':>7} {'tok/s':>7} {'val loss':>10}")
+    for preset in presets:
+        root = tempfile.mkdtemp(prefix="bench-compile-")
+        walls = {}
+        for i, (mode, cache) in enumerate((("off", "a"), ("block", "b"), ("block", "b"), ("off", "a"),
+                                           ("block", "b"))):
+            label = mode if mode == "off" else ("block cold" if i == 1 else "block warm")
+            out = os.path.join(root, f"run{i}")
+            env = {**os.environ, "PHASELOOP_CACHE": os.path.join(root, f"cache-{cache}")}
+            env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            t0 = time.perf_counter()
+            r = subprocess.run([exe, "train", "--preset", preset, "--data", "stdlib", "--steps", str(steps),
+                               "--batch-size", "16", "--seq-len", "128", "--lr", "0.002", "--warmup", "25",
+                                "--eval-every", "25", "--eval-windows", "32", "--ckpt-every", "50",
+                                "--log-every", "5", "--compile", mode, "--quiet", "--out", out],
+                               env=env, check=False, capture_output=True, text=True)
+            if r.returncode:
+                raise SystemExit(f"{preset} {label} failed:\n{r.stderr[-2000:]}")
+            wall = time.perf_counter() - t0
+            walls.setdefault(label, []).append(wall)
+            recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+            tok = statistics.median(r["tok_per_s"] for r in recs if "tok_per_s" in r)
+            val = [r["val_loss"] for r in recs if "val_loss" in r][-1]
+            print(f"{preset:<16} {label:<11} {wall:>7.1f} {tok:>7.0f} {val:>10.6f}", flush=True)
+        off = statistics.mean(walls["off"])
+        print(f"{preset:<16} wall / off: block cold {walls['block cold'][0] / off:.3f}, "
+              f"block warm {statistics.mean(walls['block warm']) / off:.3f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--steps", type=int, default=12, help="training steps per process")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--train", nargs="+", metavar="PRESET", help="whole runs at the main job's settings")
+    ap.add_argument("--train-steps", type=int, default=300)
     args = ap.parse_args(argv)
+    if args.train:
+        train_runs(args.train, args.train_steps)
+        return 0
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1], int(args.child[2]))))
         return 0

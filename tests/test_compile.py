@@ -106,6 +106,22 @@ def test_decoding_with_a_cache_runs_eager(monkeypatch):
     assert counters["stats"].get("unique_graphs", 0) == 0
 
 
+def test_evaluation_without_grad_runs_eager(monkeypatch):
+    """Block mode compiles training steps only: a no-grad evaluation takes the eager method
+    (its graph would cost a compile for a few forward passes), and computes the same."""
+    monkeypatch.setenv("PHASELOOP_COMPILE_BACKEND", "aot_eager")
+    model = build_model(tiny("rope")).eval()
+    x = torch.randint(0, 48, (2, 12))
+    with torch.no_grad():
+        want = model(x).logits
+        compiling.compile_blocks(model)
+        got = model(x).logits
+    assert torch.equal(got, want)
+    assert counters["stats"].get("unique_graphs", 0) == 0
+    model(x).logits.sum().backward()  # a gradient-taking call compiles
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_decide_compares_the_saving_with_the_compile_time():
     cpu = torch.device("cpu")
     mode, line = compiling.decide(0.1, 10_000, cpu, None)  # saves 0.05 * 0.1 * 10000 = 50 s > 15 s

@@ -7,8 +7,10 @@ Modes (``TrainConfig.compile``):
   ``Block``'s forward; trunks add their per-step extras: ACT's halting unit, the
   hyper-connection maths, mHC's branches) are compiled on the instance. Every layer of a
   stack and every pass of a weight-tied trunk runs the same code, so dynamo compiles one
-  graph for all of them (torchtitan compiles per block for the same reason). A call with
-  a KV cache (decoding) runs the eager method: cache slots are Python values a compiled
+  graph for all of them (torchtitan compiles per block for the same reason). Only calls
+  that take gradients run compiled: an evaluation (no grad) runs the eager method, which
+  costs less than compiling its graph for a few forward passes (bench_compile --train),
+  and so does a call with a KV cache (decoding), whose slots are Python values a compiled
   graph would be specialised (and recompiled) on.
 * ``model`` ``torch.compile`` of the whole forward (the former ``--compile``).
 * ``auto``  (default) eager for the first ``PROBE`` steps, then ``block`` if the saving
@@ -93,7 +95,10 @@ def compile_blocks(model: nn.Module) -> Callable[[], None]:
         compiled = torch.compile(eager, backend=backend())
 
         def call(*args, _eager=eager, _compiled=compiled, **kwargs):
-            return (_eager if _uses_cache(args, kwargs) else _compiled)(*args, **kwargs)
+            # training steps only: an evaluation (no grad, eval mode) would cost a second
+            # compile for a few forward passes, a cached call a graph per cache slot
+            wanted = torch.is_grad_enabled() and not _uses_cache(args, kwargs)
+            return (_compiled if wanted else _eager)(*args, **kwargs)
 
         call._phaseloop_compiled = True
         had = name in module.__dict__  # e.g. activation checkpointing's partial on forward
