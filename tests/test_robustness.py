@@ -327,3 +327,32 @@ def test_an_unwritable_out_is_one_line(world, tmp_path, capsys, monkeypatch):
     code, err = run_cli(["train", *TINY, "--steps", "2", "--data", world["text"], "--out", tmp_path / "r2"],
                         capsys)
     assert_one_line(code, err, "No space left on device")
+
+
+def test_file_sha256_reads_a_settled_file_once_and_any_change_again(tmp_path, monkeypatch):
+    """The digest is kept per (inode, size, mtime, ctime) for files older than 2 s, so a
+    checkpoint verified twice is read once; a rewrite, or a file changed just now (file
+    times are coarser than a fast rewrite), is read again."""
+    import hashlib
+    import os
+
+    from phaseloop import checkpoint
+
+    reads = []
+    real = hashlib.file_digest
+    monkeypatch.setattr(checkpoint.hashlib, "file_digest", lambda f, d: reads.append(f.name) or real(f, d))
+    monkeypatch.setattr(checkpoint, "_SHA256", {})
+    p = tmp_path / "w.bin"
+    p.write_bytes(b"a" * 100)
+    assert checkpoint.file_sha256(p) == checkpoint.file_sha256(p) == hashlib.sha256(b"a" * 100).hexdigest()
+    assert len(reads) == 2  # just written: not trusted to the stat
+    old = p.stat().st_mtime_ns - 10**10
+    os.utime(p, ns=(old, old))
+    monkeypatch.setattr(checkpoint.time, "time_ns", lambda: p.stat().st_ctime_ns + 3 * 10**9)
+    checkpoint.file_sha256(p), checkpoint.file_sha256(p)
+    assert len(reads) == 3  # settled: read once
+    p.write_bytes(b"b" * 100)  # same size, new content
+    os.utime(p, ns=(old, old))  # even with the old mtime: the ctime moved
+    monkeypatch.setattr(checkpoint.time, "time_ns", lambda: p.stat().st_ctime_ns + 3 * 10**9)
+    assert checkpoint.file_sha256(p) == hashlib.sha256(b"b" * 100).hexdigest()
+    assert len(reads) == 4

@@ -9,8 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -49,9 +51,26 @@ def write_json(path: Path, obj) -> None:
     atomic_write_bytes(Path(path), (dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+_SHA256: dict[tuple, str] = {}  # (device, inode, size, mtime_ns) -> digest, this process only
+
+
 def file_sha256(path: Path) -> str:
+    """sha256 of a file, read once per process while its inode, size and mtime stay the
+    same: a checkpoint verified again (--init-from's checks, then its load; a hard link
+    --keep-checkpoints made) is not read again, and any rewrite of it is. A file changed
+    in the last 2 s is always read: file times are coarser than a fast rewrite (git's
+    "racy clean" rule)."""
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in _SHA256:
+        return _SHA256[key]
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > 2_000_000_000:
+        if len(_SHA256) > 256:
+            _SHA256.clear()
+        _SHA256[key] = digest
+    return digest
 
 
 def read_json(path: Path) -> dict:
@@ -280,7 +299,17 @@ def _rename_legacy(state: dict) -> dict:
     return out
 
 
+class StateMismatch(CheckpointError):
+    """Weights that do not fit a model; ``detail`` names the first names and shapes."""
+
+    def __init__(self, msg: str, detail: str):
+        super().__init__(msg)
+        self.detail = detail
+
+
 def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
+    """Load a checkpoint folder's (or bare) model.safetensors into ``model``, verified
+    against its manifest; StateMismatch names what does not fit (names, shapes)."""
     if (Path(ckpt) / "trainer.json").exists() or (Path(ckpt) / MANIFEST).exists():
         verify_checkpoint(ckpt, ("model.safetensors",))  # a checkpoint folder, not bare weights
     state = _rename_legacy(_load_safetensors(Path(ckpt) / "model.safetensors"))
@@ -289,14 +318,15 @@ def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
             own["head.weight"].data_ptr() == own["embed.tok.weight"].data_ptr():
         state.setdefault("head.weight", state.get("embed.tok.weight"))  # tied: stored once
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    bad_shape = [k for k in set(own) & set(state) if own[k].shape != state[k].shape]
+    bad_shape = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
     if missing or unexpected or bad_shape:
         detail = "; ".join(x for x in (
-            f"missing {', '.join(missing[:3])}" if missing else "",
-            f"unexpected {', '.join(unexpected[:3])}" if unexpected else "",
-            f"shape differs for {', '.join(sorted(bad_shape)[:3])}" if bad_shape else "") if x)
-        raise CheckpointError(f"checkpoint {ckpt} does not match its model config ({detail}); "
-                              "use the config.json saved with these weights")
+            f"{', '.join(missing[:3])} missing there" if missing else "",
+            f"{', '.join(unexpected[:3])} not in this model" if unexpected else "",
+            ", ".join(f"{k} is {list(state[k].shape)} there, {list(own[k].shape)} here" for k in bad_shape[:3]))
+            if x)
+        raise StateMismatch(f"checkpoint {ckpt} does not match its model config ({detail}); "
+                            "use the config.json saved with these weights", detail)
     model.load_state_dict(state)
 
 

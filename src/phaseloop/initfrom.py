@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import (_load_safetensors, _rename_legacy, checkpoint_dir, load_model_state,
-                         read_json, read_run_config, verify_checkpoint, MANIFEST)
+from .checkpoint import (MANIFEST, StateMismatch, checkpoint_dir, load_model_state, read_json,
+                         read_run_config, verify_checkpoint)
 from .config import ModelConfig
 from .errors import ConfigError
 from .files import why_missing
@@ -84,19 +84,13 @@ def load_init(model, path: str | Path) -> None:
     if isinstance(here, ModelConfig) and there.get("arch") != here.arch:
         raise ConfigError(f"--init-from {path} is arch {there.get('arch')!r}, this run's model is arch "
                           f"{here.arch!r}; build the same architecture (--preset/--arch as in {run_dir}/config.json)")
-    state = _rename_legacy(_load_safetensors(ckpt / "model.safetensors"))
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    tied = "head.weight" in own and "head.weight" not in state and "embed.tok.weight" in state
-    problem = next((f"{k} is missing there" for k in own if k not in state and not (tied and k == "head.weight")),
-                   None) or next((f"{k} is not in this model" for k in state if k not in own), None) \
-        or next((f"{k} is {list(state[k].shape)} there, {list(s)} here" for k, s in own.items()
-                 if k in state and tuple(state[k].shape) != s), None)
-    if problem is not None:
+    try:
+        load_model_state(model, ckpt)
+    except StateMismatch as e:
         diff = _differences(there, here)
-        raise ConfigError(f"--init-from {path}: its weights do not fit this model ({problem}"
+        raise ConfigError(f"--init-from {path}: its weights do not fit this model ({e.detail}"
                           + (f"; config: {diff}" if diff else "") + "); build the model with the source's "
-                          f"shape (its config.json), or start without --init-from")
-    load_model_state(model, ckpt)
+                          f"shape (its config.json), or start without --init-from") from None
 
 
 def _differences(there: dict, here) -> str:
