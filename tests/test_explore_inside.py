@@ -118,9 +118,15 @@ def test_attention_next_token_and_depth(client, served, q):
     assert d == probe.loss_vs_depth(model, torch.tensor(list(PROMPT.encode())), [1, 2, 3])
 
 
-def test_validation_window(client, q):
+def test_validation_window(client, q, monkeypatch):
+    from phaseloop import data
+
+    reads, real = [], data.run_corpus
+    monkeypatch.setattr(data, "run_corpus", lambda *a, **k: reads.append(a) or real(*a, **k))
     a = client.get("/api/inside/analyze", params={**q("rope"), "prompt": "", "window": 1}).json()
-    assert a["n_tokens"] == 64  # max_seq_len of rope-tiny
+    b = client.get("/api/inside/analyze", params={**q("rope"), "prompt": "", "window": 2}).json()
+    assert a["n_tokens"] == b["n_tokens"] == 64  # max_seq_len of rope-tiny
+    assert a["tokens"] != b["tokens"] and len(reads) <= 1  # the corpus read once for the run
 
 
 @pytest.mark.parametrize("url,over,message", [

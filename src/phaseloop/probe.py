@@ -131,17 +131,14 @@ def encode_prompt(tokenizer, text: str, max_len: int) -> torch.Tensor:
     return ids
 
 
-def validation_window(run_dir, run_cfg: dict, index: int, seq_len: int, n_windows: int = 8) -> torch.Tensor:
-    """[seq_len + 1] ids: window ``index`` of the ``n_windows`` evenly spaced validation
-    windows of the run's own data (``data.eval_windows``, as evaluation reads them)."""
+def validation_windows(run_dir, run_cfg: dict, seq_len: int, n_windows: int = 8) -> list[torch.Tensor]:
+    """[seq_len + 1] ids each: the ``n_windows`` evenly spaced validation windows of the
+    run's own data (``data.eval_windows``, as evaluation reads them)."""
     from .data import eval_windows, run_corpus
 
     corpus = run_corpus(run_dir, run_cfg)
     _, val = corpus.split(run_cfg.get("train", {}).get("val_fraction", 0.1), seq_len + 1)
-    windows = eval_windows(val, seq_len, n_windows)
-    if not 0 <= index < len(windows):
-        raise PhaseloopError(f"window must be between 0 and {len(windows) - 1}, got {index}")
-    return windows[index]
+    return list(eval_windows(val, seq_len, n_windows))
 
 
 # ---------------------------------------------------------------------------- analysis

@@ -30,6 +30,7 @@ class Inside:
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.analyses: OrderedDict = OrderedDict()
+        self.windows: OrderedDict = OrderedDict()  # loaded key -> the run's validation windows
 
     def loaded(self, run: Path):
         """(model, run_cfg, tokenizer, key): key names the checkpoint's files as loaded."""
@@ -46,11 +47,18 @@ class Inside:
         return (*self.ctx.model(key, load), key)
 
     def ids(self, run: Path, params: dict):
-        model, run_cfg, tok, _ = self.loaded(run)
+        model, run_cfg, tok, key = self.loaded(run)
         L = model.cfg.max_seq_len
         if params.get("window") not in (None, ""):
             k = number(params, "window", int, lo=0, hi=7)
-            return probe.validation_window(run, run_cfg, k, L - 1)  # L tokens
+            if key not in self.windows:  # the corpus is read once per loaded run
+                self.windows[key] = probe.validation_windows(run, run_cfg, L - 1)  # L tokens each
+                while len(self.windows) > ANALYSES:
+                    self.windows.popitem(last=False)
+            self.windows.move_to_end(key)
+            if k >= len(self.windows[key]):
+                raise BadInput(f"window must be between 0 and {len(self.windows[key]) - 1}, got {k}")
+            return self.windows[key][k]
         return probe.encode_prompt(tok, params.get("prompt"), L)
 
     def analysis(self, params: dict):
