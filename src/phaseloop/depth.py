@@ -13,9 +13,14 @@ from .config import ModelConfig
 from .errors import ConfigError
 
 
-def set_model_depth(model, depth: int, extend: str | None = None) -> None:
+def set_model_depth(model, depth: int | None, extend: str | None = None) -> None:
     """Run ``model`` (a decoder's trunk, or an encoder-decoder with ``set_depth``) at
-    ``depth`` from now on; one-line ConfigError where it cannot."""
+    ``depth`` from now on (None: leave it at its trained depth, where ``extend`` has
+    nothing to extend); one-line ConfigError where it cannot."""
+    if depth is None:
+        if extend is not None:
+            raise ConfigError("--extend-loops applies with --depth; add --depth K")
+        return
     trunk = getattr(model, "trunk", model)
     if not trunk.dynamic_depth:
         tied = ", ".join(s.name for s in registry.all_archs() if s.trunk.dynamic_depth)

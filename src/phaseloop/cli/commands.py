@@ -101,11 +101,7 @@ def _depth_args(args, model) -> None:
     from ..depth import set_model_depth
     from ..early_exit import set_exit
 
-    if args.depth is None:
-        if args.extend_loops:
-            raise PhaseloopError("--extend-loops applies with --depth; add --depth K")
-    else:
-        set_model_depth(model, args.depth, args.extend_loops)
+    set_model_depth(model, args.depth, args.extend_loops or None)
     if args.exit:
         if len(args.exit) > 1:
             raise PhaseloopError(f"--exit {args.exit[0].kind}: give one value here (a list sweeps "

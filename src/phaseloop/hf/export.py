@@ -24,6 +24,7 @@ import torch
 
 from ..checkpoint import (checkpoint_dir, dumps, file_sha256, load_run, read_json, run_folder,
                           run_tokenizer)
+from ..depth import set_model_depth
 from ..errors import CheckpointError, PhaseloopError
 from ..files import check_out_dir, writing
 from .modeling import PhaseloopForCausalLM
@@ -67,8 +68,7 @@ def from_run(run: str | Path, device: str | torch.device = "cpu", dtype: str = "
         raise PhaseloopError(f"--dtype {dtype}: choose {' or '.join(DTYPES)}")
     model, run_cfg = load_run(run, "cpu")
     quant = _quantized_weights(model, Path(quantized)) if quantized else None
-    if depth is None and extend_loops is not None:
-        raise PhaseloopError("--extend-loops applies with --depth; add --depth K")
+    set_model_depth(model, depth, extend_loops)  # refused here, before an export is written
     hf = PhaseloopForCausalLM.from_decoder(model.to(device=device, dtype=DTYPES[dtype]))
     if depth is not None:
         hf.config.phaseloop_depth, hf.config.phaseloop_extend_loops = depth, extend_loops
