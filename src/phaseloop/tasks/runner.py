@@ -102,27 +102,29 @@ def run_examples(model_cfg: ModelConfig, train: Sequence[Example], test: Sequenc
         run = RunFolder.open(run_dir, run_cfg, resume and (Path(run_dir) / "config.json").exists())
     t0 = time.perf_counter()
     trainer = train_pairs(cfg, tr, tc, arch, max_offset, run, log)
-    dec = decode_pairs(task_model_class(arch)(trainer.model), te, eval_batch_size, trainer.device)
-    preds = [vocab.decode(ids) for ids in dec.ids]
+    targets = [e.target for e in test]
+
+    def score():  # greedy-decode the test set at the model's current depth
+        dec = decode_pairs(task_model_class(arch)(trainer.model), te, eval_batch_size, trainer.device)
+        preds = [vocab.decode(ids) for ids in dec.ids]
+        return dec, preds, {"per_length": length_metrics(test, preds, dec.ponder),
+                            "char_acc": char_accuracy(preds, targets), "seq_acc": sequence_accuracy(preds, targets)}
+
+    dec, preds, scores = score()
     train_log = [r for r in (read_metrics(run.path) if run else trainer.records) if "loss" in r]
-    res = {"per_length": length_metrics(test, preds, dec.ponder),
-           "char_acc": char_accuracy(preds, [e.target for e in test]),
-           "seq_acc": sequence_accuracy(preds, [e.target for e in test]),
-           "train_log": train_log, "final_loss": train_log[-1]["loss"],
+    res = {**scores, "train_log": train_log, "final_loss": train_log[-1]["loss"],
            "params": sum(p.numel() for p in trainer.model.parameters()),
            "train_seconds": trainer.elapsed, "seconds": time.perf_counter() - t0,
            "model": cfg.to_dict()}
     depth_preds = {}
     if test_depths:  # depth extrapolation (UT §4): the trained weights at other depths
         res["per_depth"] = {}
-        for d in test_depths:
-            set_model_depth(trainer.model, d, extend_loops)
-            dec_d = decode_pairs(task_model_class(arch)(trainer.model), te, eval_batch_size, trainer.device)
-            preds_d = depth_preds[d] = [vocab.decode(ids) for ids in dec_d.ids]
-            targets = [e.target for e in test]
-            res["per_depth"][d] = {"per_length": length_metrics(test, preds_d, dec_d.ponder),
-                                   "char_acc": char_accuracy(preds_d, targets),
-                                   "seq_acc": sequence_accuracy(preds_d, targets)}
+        try:
+            for d in test_depths:
+                set_model_depth(trainer.model, d, extend_loops)
+                _, depth_preds[d], res["per_depth"][d] = score()
+        finally:  # the model is returned at its trained depth
+            getattr(trainer.model, "trunk", trainer.model).reset_depth()
     if run is not None:
         run.finish({**trainer.summary(), **{k: v for k, v in res.items() if k != "train_log"}})
     return {**res, "preds": preds, "depth_preds": depth_preds, "decoded": dec}
