@@ -56,7 +56,14 @@ def init(device: str = "auto") -> World:
 
 
 def close() -> None:
+    """Leave the process group. A run's DDP / FSDP2 objects often sit in reference cycles:
+    collected first, while the group and the interpreter are alive, instead of at
+    interpreter exit, where freeing a gloo work's tensors can abort the process
+    ("terminate called without an active exception"; pytorch/pytorch#179291)."""
     if dist.is_available() and dist.is_initialized():
+        import gc
+
+        gc.collect()
         dist.destroy_process_group()
 
 
