@@ -24,6 +24,7 @@ from ..errors import PhaseloopError
 from ..files import as_os_error
 from . import argtypes as T
 from . import commands as C
+from . import task_commands as K
 from .trainflags import add_train_flags
 
 
@@ -240,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         k.add_argument("--resume", action="store_true", help="continue the run in --out (finished seeds "
                        "are reloaded, not retrained)")
         k.add_argument("--quiet", action="store_true")
-        k.set_defaults(func=C.cmd_task if name == "task" else C.cmd_babi)
+        k.set_defaults(func=K.cmd_task if name == "task" else K.cmd_babi)
 
     q = on_a_run(sub, "quantize", "weight-only INT8/INT4 quantisation of a run, with validation "
                   "loss/BPB before and after", C.cmd_quantize, windows=64, seq_len=False)

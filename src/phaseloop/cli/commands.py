@@ -4,10 +4,8 @@ prints its result. Nothing here is needed by the library, the benchmarks or the 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
-import time
 from pathlib import Path
 
 from .. import compare, plots, registry
@@ -316,86 +314,6 @@ def cmd_archs(args) -> int:
         if extra:
             print(f"  recipes: {', '.join(extra)}")
         print(f"  presets: {', '.join(r['presets']) or '-'}")
-    return 0
-
-
-# ---------------------------------------------------------------------------- tasks (UT paper)
-def _task_setup(args):
-    from ..tasks.models import task_train_config
-    from ..tasks.runner import task_model_config
-
-    if args.extend_loops and not (args.test_depth or args.depth_sample):
-        raise PhaseloopError("--extend-loops applies with --test-depth or --depth-sample; add --test-depth "
-                             "K[,K...] or --depth-sample LO:HI")
-    cfg, arch = task_model_config(args.arch, args.preset, parse_overrides(args.set))
-    device = str(resolve_device(args.device or "cpu"))
-    depth = {"depth_sample": args.depth_sample, "extend_loops": args.extend_loops} if args.depth_sample else {}
-    tc = task_train_config(device=device, **depth, **{k: v for k, v in (
-        ("steps", args.steps), ("batch_size", args.batch_size), ("lr", args.lr)) if v is not None})
-    items = [s.strip() for s in args.seeds.split(",")]
-    if not all(s.isdigit() for s in items):
-        raise PhaseloopError(f"bad --seeds {args.seeds!r}; write integers like 0,1")
-    return cfg, arch, tc, list(dict.fromkeys(int(s) for s in items))
-
-
-def _task_out(args, kind: str) -> Path:
-    if args.resume and not args.out:
-        raise PhaseloopError("--resume needs --out, the folder of the run to continue")
-    return Path(args.out or f"runs/{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def cmd_task(args) -> int:
-    """Algorithmic task (or a JSONL file): train over seeds; table, metrics.json, plot."""
-    from ..tasks.report import format_depth_table, format_table, model_label, task_title
-    from ..tasks.runner import run_task
-
-    if args.task.startswith("jsonl:") and (args.train_len or args.test_len or args.paper):
-        raise PhaseloopError("--train-len/--test-len/--paper set the lengths of algorithmic tasks; "
-                             "a JSONL task's lengths are those in its files: drop them")
-    cfg, arch, tc, seeds = _task_setup(args)
-    train_len = args.train_len or ("40" if args.paper else "1-20")
-    test_len = args.test_len or ("400" if args.paper else "40,80")
-    spec = registry.seq2seq_archs().get(arch) or cfg.spec  # the paper's offsets where it used them
-    offsets = args.offsets if args.offsets is not None else (
-        "auto" if args.paper and spec.task_offsets else "0")
-    if offsets != "auto" and not offsets.isdigit():
-        raise PhaseloopError(f"bad --offsets {offsets!r}; write auto or an integer >= 0")
-    out = _task_out(args, f"task-{args.task.split(':')[0]}-{model_label(cfg, arch)}")
-    res = run_task(args.task, cfg, tc, seeds, train_len, test_len, out, n_test=args.n_test,
-                   test_file=args.test_file, offsets=offsets if offsets == "auto" else int(offsets),
-                   arch=arch, log=None if args.quiet else print, resume=args.resume,
-                   tokenizer=args.tokenizer, test_depths=args.test_depth or (),
-                   extend_loops=args.extend_loops)
-    print(format_table(res["summary"], task_title(res)))
-    if args.test_depth:
-        print(format_depth_table(res["summary"]))
-    print(f"wrote {out / 'metrics.json'}" + (f" and {out / 'accuracy_vs_length.png'}" if res["plot"]
-                                              else f" (no plot: {plots.MISSING})"))
-    return 0
-
-
-def cmd_babi(args) -> int:
-    """bAbI QA: error per task, failed tasks, ponder time by supporting facts."""
-    from ..tasks.report import format_babi_depth_table, format_babi_table
-    from ..tasks.runner import run_babi_seeds
-
-    cfg, arch, tc, seeds = _task_setup(args)
-    data_dir = args.data_dir or Path(os.environ.get("PHASELOOP_DATA_DIR", "data")) / "babi" / "en-1k"
-    try:
-        tasks = [int(t) for t in args.tasks.split(",")]
-    except ValueError:
-        raise PhaseloopError(f"bad --tasks {args.tasks!r}; write task numbers like 1,2,3") from None
-    window = None if args.max_sentences == "all" else args.max_sentences
-    if window is not None and not window.isdigit():
-        raise PhaseloopError(f"bad --max-sentences {window!r}; write an integer or all")
-    out = _task_out(args, f"babi-{arch or cfg.arch}")
-    res = run_babi_seeds(cfg, data_dir, tasks, tc, seeds, args.joint, window and int(window), out, arch,
-                         log=None if args.quiet else print, max_test=args.n_test, resume=args.resume,
-                         test_depths=args.test_depth or (), extend_loops=args.extend_loops)
-    print(format_babi_table(res))
-    if args.test_depth:
-        print(format_babi_depth_table(res))
-    print(f"wrote {out / 'metrics.json'}")
     return 0
 
 
