@@ -200,7 +200,7 @@ def compile_table(args) -> None:
         builders = {arch: lambda a=arch: build_model(config(shape, a)) for arch in args.archs}
         if shape == "nanogpt":
             builders["gpt2"] = GPT2
-        fns, first, floors = {}, {}, {}
+        fns, first = {}, {}
         for name, build in builders.items():
             torch.manual_seed(0)
             model, twin = build(), build()

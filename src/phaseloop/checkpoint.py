@@ -51,11 +51,11 @@ def write_json(path: Path, obj) -> None:
     atomic_write_bytes(Path(path), (dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-_SHA256: dict[tuple, str] = {}  # (device, inode, size, mtime_ns) -> digest, this process only
+_SHA256: dict[tuple, str] = {}  # (device, inode, size, mtime_ns, ctime_ns) -> digest, this process only
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file, read once per process while its inode, size and mtime stay the
+    """sha256 of a file, read once per process while its inode, size and times stay the
     same: a checkpoint verified again (--init-from's checks, then its load; a hard link
     --keep-checkpoints made) is not read again, and any rewrite of it is. A file changed
     in the last 2 s is always read: file times are coarser than a fast rewrite (git's

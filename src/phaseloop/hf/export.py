@@ -68,7 +68,8 @@ def from_run(run: str | Path, device: str | torch.device = "cpu", dtype: str = "
         raise PhaseloopError(f"--dtype {dtype}: choose {' or '.join(DTYPES)}")
     model, run_cfg = load_run(run, "cpu")
     quant = _quantized_weights(model, Path(quantized)) if quantized else None
-    set_model_depth(model, depth, extend_loops)  # refused here, before an export is written
+    if depth is None:
+        set_model_depth(model, None, extend_loops)  # refuses --extend-loops alone, before anything is written
     hf = PhaseloopForCausalLM.from_decoder(model.to(device=device, dtype=DTYPES[dtype]))
     if depth is not None:
         hf.config.phaseloop_depth, hf.config.phaseloop_extend_loops = depth, extend_loops
