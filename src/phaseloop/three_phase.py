@@ -127,9 +127,15 @@ class PhaseRotation(DerivedBuffers, nn.Module):
         # products have no bf16/half kernels), cast back to the input's dtype.
         dtype = compute_dtype(torch.promote_types(x_BTD.dtype, self.theta.dtype))
         a_P = self.angles(dtype).flatten()  # [N * d_phase/2], phase-major like the channels
-        rot_P = torch.polar(torch.ones_like(a_P), a_P)
-        z_BTP = torch.view_as_complex(x_BTD.to(dtype).unflatten(-1, (-1, 2)).contiguous())
-        y_BTD = torch.view_as_real(z_BTP * rot_P).flatten(-2).to(x_BTD.dtype)
+        if torch.compiler.is_compiling():  # inductor has no complex kernels: the same product
+            x0_BTP, x1_BTP = x_BTD.to(dtype).unflatten(-1, (-1, 2)).unbind(-1)  # in reals, fused
+            c_P, s_P = a_P.cos(), a_P.sin()
+            y_BTD = torch.stack((x0_BTP * c_P - x1_BTP * s_P, x0_BTP * s_P + x1_BTP * c_P), -1)
+            y_BTD = y_BTD.flatten(-2).to(x_BTD.dtype)
+        else:
+            rot_P = torch.polar(torch.ones_like(a_P), a_P)
+            z_BTP = torch.view_as_complex(x_BTD.to(dtype).unflatten(-1, (-1, 2)).contiguous())
+            y_BTD = torch.view_as_real(z_BTP * rot_P).flatten(-2).to(x_BTD.dtype)
         return x_BTD + y_BTD if self.residual else y_BTD
 
 
