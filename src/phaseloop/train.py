@@ -137,12 +137,13 @@ def init_section(tc: TrainConfig, data: dict, out_dir: str | Path, resume: bool)
 def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib",
           out_dir: str | Path = "runs/run", resume: bool = False, progress: bool = True,
           on_step: Callable[[int, dict], None] | None = None, stop_after: int | None = None,
-          log: Callable[[str], None] | None = None) -> dict:
+          log: Callable[[str], None] | None = None, compile_share: int = 1) -> dict:
     """Train a model on a corpus; returns the run summary (also written to ``summary.json``).
 
     ``stop_after`` ends the process-local loop after that many steps without finishing
     the run (used to test interruption); ``on_step`` receives every logged record;
-    ``log`` the notes (e.g. "nothing to resume yet; starting").
+    ``log`` the notes (e.g. "nothing to resume yet; starting"); ``compile_share`` the runs
+    that compile the same blocks (``Trainer``).
     """
     corpus = data if isinstance(data, Corpus) else load_corpus(data)
     fit_vocab(model_cfg, corpus.tokenizer, explicit=True)
@@ -162,7 +163,8 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
                       evaluate=lambda m: evaluate(m, windows, corpus.tokenizer, tc.batch_size, trainer.device,
                                                   tc.loss_ignore_id, docs),
                       run=run, progress=progress, desc=run.path.name, on_step=on_step,
-                      flops_per_token=measure(model_cfg, seq_len)["flops_per_token"])  # None: no MFU
+                      flops_per_token=measure(model_cfg, seq_len)["flops_per_token"],  # None: no MFU
+                      compile_share=compile_share)
     trainer.setup()  # writes config.json: the tokenizer's copy goes in beside it
     if w.main and corpus.tokenizer.path is not None and not (run.path / TOKENIZER_COPY).exists():
         atomic_write_bytes(run.path / TOKENIZER_COPY, corpus.tokenizer.path.read_bytes())

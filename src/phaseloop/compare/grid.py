@@ -140,7 +140,8 @@ def execute(spec: RunSpec, corpus=None, *, on_step: Callable[[int, dict], None] 
     try:
         if beat is not None:
             beat.__enter__()
-        summary = lm.train(spec.cfg, tc, data, run_dir, resume=resume, progress=False, on_step=on_step, log=log)
+        summary = lm.train(spec.cfg, tc, data, run_dir, resume=resume, progress=False, on_step=on_step, log=log,
+                           compile_share=spec.compile_share)
     except KeyboardInterrupt:
         if main:
             write_state(spec, "stopped")

@@ -27,7 +27,7 @@ from .grid import execute as execute_one, run_state
 from .launch import LaunchOptions, run_local
 from .recipe import Recipe, RecipeError, resolve_variant, slugify
 from .report import write_report
-from .runs import RunSpec, RunsPending, recipe_data
+from .runs import RunSpec, RunsPending, recipe_data, share_compiles
 from .tune import run_tuning
 
 
@@ -154,6 +154,7 @@ def execute(runs: list[RunSpec], launch: LaunchOptions, corpus, device: str, *, 
     if w.size > 1:  # rank 0's view of what is left, so every rank trains the same runs
         names = dist.gather_objects([r.name for r in todo])[0]
         todo = [r for r in runs if r.name in names]
+    todo = share_compiles(todo)
     failed: list[str] = []
     out = runs[0].out
     if launch.launcher == "sequential":

@@ -33,6 +33,7 @@ class RunSpec:
     out: Path  # the comparison folder
     data: dict  # load_corpus arguments: spec, tokenizer, text_column
     tuning: bool = False  # trains and scores on the tuning slice (``tuning_corpus``)
+    compile_share: int = 1  # runs to launch that compile the same blocks (``share_compiles``)
 
     @property
     def run_dir(self) -> Path:
@@ -89,7 +90,7 @@ class RunSpec:
     def to_dict(self) -> dict:
         return {"name": self.name, "variant": self.variant, "seed": self.seed, "model": self.cfg.to_dict(),
                 "train": self.train.to_dict(), "out": os.path.abspath(self.out), "data": self.data,
-                "tuning": self.tuning}
+                "tuning": self.tuning, "compile_share": self.compile_share}
 
     def save(self) -> Path:
         write_json(self.spec_path, self.to_dict())
@@ -99,11 +100,23 @@ class RunSpec:
     def load(cls, path: str | Path) -> "RunSpec":
         d = read_json(Path(path))
         keys = ("name", "variant", "seed", "model", "train", "out", "data", "tuning")
-        if not isinstance(d, dict) or set(d) != set(keys):
-            raise CheckpointError(f"{path} is not a run description (keys {', '.join(keys)}); "
+        if not isinstance(d, dict) or not set(keys) <= set(d) <= {*keys, "compile_share"} \
+                or not isinstance(d.get("compile_share", 1), int) or d.get("compile_share", 1) < 1:
+            raise CheckpointError(f"{path} is not a run description (keys {', '.join(keys)}, compile_share); "
                                   "rerun `phaseloop compare` to write it again")
         return cls(d["name"], d["variant"], d["seed"], ModelConfig.from_dict(d["model"]),
-                   TrainConfig.from_dict(d["train"]), Path(d["out"]), d["data"], bool(d["tuning"]))
+                   TrainConfig.from_dict(d["train"]), Path(d["out"]), d["data"], bool(d["tuning"]),
+                   d.get("compile_share", 1))
+
+
+def share_compiles(runs: list[RunSpec]) -> list[RunSpec]:
+    """``runs`` with ``compile_share`` set: how many of them compile the same blocks (under
+    ``--compile auto`` the first compiles, the others load it from the cache)."""
+    from ..engine import compiling
+    from ..models import build_model
+
+    n = compiling.shares([(r.name, lambda r=r: build_model(r.cfg), r.train) for r in runs])
+    return [dataclasses.replace(r, compile_share=n[r.name]) for r in runs]
 
 
 class RunsPending(Exception):

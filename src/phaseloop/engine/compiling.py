@@ -15,9 +15,12 @@ Modes (``TrainConfig.compile``):
 * ``model`` ``torch.compile`` of the whole forward (the former ``--compile``).
 * ``auto``  (default) eager for the first ``PROBE`` steps, then ``block`` if the saving
   expected over the steps left beats the compile time, else ``off``; one line says what it
-  chose and why. The compile time is the one measured by earlier runs of the same block
-  shapes on this machine (``records.json`` in the compile cache), else a cold estimate.
-  The choice is kept in the run's checkpoints, so a resumed run computes as before.
+  chose and why. What earlier runs of the same block shapes measured on this machine
+  (``records.json`` in the compile cache: a cold compile's seconds, a warm load's, the
+  fraction of a step compiling saved) replaces the estimates below. A block never compiled
+  here costs a cold compile, which the runs of a comparison that share it (``share``: the
+  runner counts them) split: the first compiles, the others load it warm. The choice is
+  kept in the run's checkpoints, so a resumed run computes as before.
 
 Compiled artefacts persist in ``$PHASELOOP_CACHE/compile/`` (inductor's FX-graph and
 AOTAutograd caches, keyed by inductor on the graph, the torch version and its settings),
@@ -39,14 +42,17 @@ import torch
 from torch import nn
 
 MODES = ("off", "block", "model", "auto")
-PROBE = 3  # eager steps auto times before deciding (the first is warm-up, not timed)
-# Fraction of an eager step block compilation saves, and a cold compile's seconds, per
-# device type, when no earlier run measured them: benchmarks/bench_compile.py on a 2-core
-# CPU measured savings of 1.6 % (rope-small, 4 layers), 2.9 % (universal-small) and 9.8 %
-# (12 layers) and cold compiles of 12-15 s (docs/performance.md); the CUDA figures are
-# conservative guesses (no GPU was lent to measure them).
-SAVING = {"cpu": 0.05, "cuda": 0.25}
-COLD_S = {"cpu": 15.0, "cuda": 60.0}
+PROBE = 5  # eager steps auto times before deciding (the first is warm-up, not timed)
+MEASURE = 8  # compiled steps auto times after the first, to record the saving it measured
+# Per device type, until a run here measured them: the fraction of an eager step block
+# compilation saves, a cold compile's seconds and a warm load's. On the 2-core CPU
+# (docs/performance.md): whole runs at the main job's settings gained 12 % (rope-small)
+# and 20 % (hyperloop-small) training throughput, interleaved steps 12-26 %; a block
+# never compiled took 8-10 s (12-15 s when inductor's first-use toolchain checks run
+# too), a warm load 1.5-2.2 s. The CUDA figures are guesses (no GPU was lent).
+SAVING = {"cpu": 0.10, "cuda": 0.25}
+COLD_S = {"cpu": 12.0, "cuda": 60.0}
+LOAD_S = {"cpu": 2.0, "cuda": 5.0}
 
 
 def cache_root():
@@ -60,6 +66,45 @@ def use_cache() -> None:
     root = cache_root() / f"torch-{torch.__version__}"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    if backend() == "inductor":
+        trust_vec_isa()
+
+
+def trust_vec_isa() -> None:
+    """Inductor checks each vector ISA the CPU advertises by building a test library and
+    loading it in a child Python, in every process: 0.9 s of a warm run's first step on
+    the 2-core CPU. Once the checks passed for this torch, compiler, Python and CPU
+    (``records.json``), later processes tell inductor (``config.cpp.vec_isa_ok``); the
+    first one checks before it compiles and sets it too, so every process compiles under
+    the same inductor settings (they are part of its cache keys). Where a check fails,
+    or elsewhere than x86-64 Linux, inductor keeps checking for itself."""
+    import platform
+
+    import torch._inductor.config as ic
+
+    if ic.cpp.vec_isa_ok is not None or sys.platform != "linux" or platform.machine() != "x86_64":
+        return  # the user decided (TORCHINDUCTOR_VEC_ISA_OK), or not the case measured
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        flags = sorted(cpu_vec_isa.x86_isa_checker())
+        flagged = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+        parts = [torch.__version__, sys.executable, get_cpp_compiler(), os.environ.get("ATEN_CPU_CAPABILITY", ""),
+                 *flags, *map(str, flagged)]
+    except Exception:  # noqa: BLE001 - inductor's internals moved: leave its checks alone
+        return
+    key = "vec_isa:" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+    ok = _read_records().get(key)
+    if not isinstance(ok, bool):
+        ok = bool(flagged) and all(_isa_builds(isa) for isa in flagged)  # inductor's own checks, once
+        _write_record(key, ok)
+    if ok:
+        ic.cpp.vec_isa_ok = True
+
+
+def _isa_builds(isa) -> bool:
+    return bool(isa)  # inductor's check: build a test library with the ISA's flags, load it in a child
 
 
 def backend() -> str:
@@ -114,6 +159,11 @@ def compile_blocks(model: nn.Module) -> Callable[[], None]:
     return undo
 
 
+def batch_key(tc) -> str:
+    """The batch shape part of ``shape_key`` (a TrainConfig's)."""
+    return f"{tc.batch_size}x{tc.seq_len}x{tc.grad_accum}"
+
+
 def shape_key(model: nn.Module, batch_shape, device: torch.device, mode: str) -> str:
     """What a compile's cost depends on: the targets' code and parameter shapes, the batch."""
     parts = [torch.__version__, device.type, mode, str(tuple(batch_shape))]
@@ -123,44 +173,104 @@ def shape_key(model: nn.Module, batch_shape, device: torch.device, mode: str) ->
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
+def shares(runs: list[tuple[str, Callable[[], nn.Module], object]]) -> dict[str, int]:
+    """For each (name, build, TrainConfig): how many of ``runs`` compile the same blocks
+    (built on the meta device: no memory), so auto can split one cold compile between them."""
+    keys = {}
+    for name, build, tc in runs:
+        with torch.device("meta"):
+            keys[name] = shape_key(build(), batch_key(tc), torch.device("meta"), "block")
+    return {name: sum(k == key for k in keys.values()) for name, key in keys.items()}
+
+
+RECORD_KEYS = ("compile_s", "load_s")
+SAVINGS_KEPT = 8  # the saving is the median of the last runs' measurements: one run's is noisy
+
+
 def _records_path():
     return cache_root() / "records.json"
 
 
-def recorded_seconds(key: str) -> float | None:
+def _read_records() -> dict:
     try:
-        return float(json.loads(_records_path().read_text())[key])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # no record (or an unreadable one: it is only an estimate's input)
+        data = json.loads(_records_path().read_text())
+    except (OSError, ValueError):
+        return {}  # no record (or an unreadable one: it is only an estimate's input)
+    return data if isinstance(data, dict) else {}
 
 
-def record_seconds(key: str, seconds: float) -> None:
+def read_record(key: str) -> dict:
+    """What runs on this machine measured for ``key``: compile_s (a cold compile), load_s
+    (a warm load), saving (the fraction of an eager step it saved: the median of the last
+    ``SAVINGS_KEPT`` runs' measurements); only those measured."""
+    v = _read_records().get(key)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):  # records before the saving was kept
+        return {"compile_s": float(v)}
+    if not isinstance(v, dict):
+        return {}
+    out = {k: float(v[k]) for k in RECORD_KEYS if _number(v.get(k))}
+    savings = [float(x) for x in v.get("savings", []) if _number(x)] if isinstance(v.get("savings"), list) else []
+    return {**out, "savings": savings, "saving": _median(savings)} if savings else out
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+def update_record(key: str, saving: float | None = None, **seconds: float) -> None:
+    """Set a cold compile's or a warm load's seconds; add a measured ``saving``."""
+    rec = read_record(key)
+    savings = rec.pop("savings", [])
+    rec.pop("saving", None)
+    rec.update({k: round(float(v), 4) for k, v in seconds.items()})
+    if saving is not None:
+        savings = [*savings, round(float(saving), 4)][-SAVINGS_KEPT:]
+    _write_record(key, {**rec, **({"savings": savings} if savings else {})})
+
+
+def _write_record(key: str, value) -> None:
     from ..files import atomic_write_bytes
 
-    path = _records_path()
+    data = _read_records()
+    data[key] = value
     try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict):
-            data = {}
-    except (OSError, ValueError):
-        data = {}
-    data[key] = round(seconds, 3)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
+        _records_path().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(_records_path(), json.dumps(data, indent=1, sort_keys=True).encode())
     except OSError:
         pass  # a read-only cache costs only the estimate
 
 
-def decide(step_s: float, steps_left: int, device: torch.device, compile_s: float | None) -> tuple[str, str]:
-    """auto's choice and the one line saying why."""
+def decide(step_s: float, steps_left: int, device: torch.device, record: dict | None = None,
+           share: int = 1) -> tuple[str, str]:
+    """auto's choice and the one line saying why. ``record``: ``read_record``'s; ``share``:
+    the runs (this one included) that compile the same blocks and have not started."""
     kind = "cuda" if device.type == "cuda" else "cpu"
-    cost = compile_s if compile_s is not None else COLD_S[kind]
-    gain = steps_left * SAVING[kind] * step_s
-    where = "measured before (warm cache)" if compile_s is not None else "cold estimate"
+    record = record or {}
+    saving = record.get("saving", SAVING[kind])
+    if "compile_s" in record or "load_s" in record:  # compiled here before: inductor's cache holds it
+        runs, cost, where = 1, record.get("load_s", LOAD_S[kind]), "warm cache"
+    else:
+        runs = max(1, share)
+        cost = COLD_S[kind] + (runs - 1) * LOAD_S[kind]
+        where = "cold estimate" + (f"; one compile, then {runs - 1} warm loads, for {runs} runs" if runs > 1 else "")
+    gain = runs * steps_left * saving * step_s
     mode = "block" if gain > cost else "off"
     return mode, (f"compile auto: {mode} (expected saving {gain:.1f} s over {steps_left} steps of "
-                  f"{step_s * 1e3:.1f} ms {'>' if gain > cost else '<='} {cost:.1f} s to compile, {where})")
+                  f"{step_s * 1e3:.1f} ms at {saving:.1%} ({'measured' if 'saving' in record else 'estimated'})"
+                  + (f" x {runs} runs" if runs > 1 else "")
+                  + f" {'>' if gain > cost else '<='} {cost:.1f} s to compile, {where})")
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _cache_counts() -> tuple[int, int]:
+    """Inductor's and AOTAutograd's cache hits and misses so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return (counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
+            counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"])
 
 
 def note(msg: str) -> None:
@@ -174,12 +284,13 @@ class RunCompiler:
     """The compile state of one run: which forward each step calls, auto's probe and
     choice, and the fallback to eager when the first compiled step fails.
 
-    ``chosen``: the mode a resumed run recorded (auto's earlier choice), else None."""
+    ``chosen``: the mode a resumed run recorded (auto's earlier choice), else None;
+    ``share``: the runs, this one included, that compile the same blocks (``shares``)."""
 
     def __init__(self, mode: str, model: nn.Module, device: torch.device, key_extra: str,
                  chosen: str | None = None, sharded: bool = False, main: bool = True,
-                 verbose: bool = True):
-        self.model, self.device, self.key_extra, self.main = model, device, key_extra, main
+                 verbose: bool = True, share: int = 1):
+        self.model, self.device, self.key_extra, self.main, self.share = model, device, key_extra, main, share
         self.verbose = verbose  # auto's line on stderr (a quiet run keeps it in its summary)
         self.line: str | None = None  # what auto chose and why (summary.json: compile_note)
         self.mode = chosen if mode == "auto" and chosen in ("off", "block") else mode
@@ -192,7 +303,8 @@ class RunCompiler:
         self.eager_fwd = self.fwd = None
         self.undo: Callable[[], None] | None = None
         self.pending = False  # the next step is the first compiled one
-        self.times: list[float] = []
+        self.times: list[float] = []  # auto's eager probe steps
+        self.compiled: list[float] | None = None  # auto: compiled steps timed to measure the saving
         if self.mode == "block":  # before FSDP2 / DDP wrap the model (as torchtitan orders it)
             self._apply_block()
 
@@ -230,6 +342,7 @@ class RunCompiler:
         from ..errors import PhaseloopError
 
         saved = snapshot() if self.pending else None
+        cache = _cache_counts() if self.pending else None
         t0 = time.perf_counter()
         try:
             rec = run_step(self.fwd)
@@ -244,21 +357,35 @@ class RunCompiler:
         seconds = time.perf_counter() - t0
         if self.pending:
             self.pending = False
-            eager = sorted(self.times[1:])[len(self.times[1:]) // 2] if len(self.times) > 1 else 0.0
-            record_seconds(self._key(), max(seconds - eager, 0.0))
+            hits, misses = (a - b for a, b in zip(_cache_counts(), cache))
+            warm = hits > 0 and misses == 0  # inductor loaded every graph from its cache
+            self._record(**{"load_s" if warm else "compile_s": max(seconds - self._eager_s(), 0.0)})
+            if self.times:  # auto: time a few compiled steps against the eager probe
+                self.compiled = []
         elif self.mode == "auto":
             self.times.append(seconds)
             if len(self.times) > PROBE:
                 self._decide(steps_left - 1)
+        elif self.compiled is not None:
+            self.compiled.append(seconds)
+            if len(self.compiled) == MEASURE:
+                self._record(saving=1.0 - _median(self.compiled) / self._eager_s())
+                self.compiled = None
         return rec
+
+    def _eager_s(self) -> float:
+        """The median eager probe step (auto), else 0 (an eager step was never timed)."""
+        return _median(self.times[1:]) if len(self.times) > 1 else 0.0
+
+    def _record(self, **values: float) -> None:
+        if self.main:
+            update_record(self._key(), **values)
 
     def _decide(self, steps_left: int) -> None:
         from . import dist
 
-        probe = sorted(self.times[1:])
-        step_s = probe[len(probe) // 2]
-        mode, line = decide(step_s, steps_left, self.device,
-                            recorded_seconds(shape_key(self.model, self.key_extra, self.device, "block")))
+        mode, line = decide(self._eager_s(), steps_left, self.device,
+                            read_record(shape_key(self.model, self.key_extra, self.device, "block")), self.share)
         if dist.world().size > 1:  # every rank must compile alike: the majority's choice
             votes = float(dist.all_sum(1.0 if mode == "block" else 0.0)[0])
             mode = "block" if votes * 2 > dist.world().size else "off"

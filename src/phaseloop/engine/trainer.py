@@ -95,8 +95,11 @@ class Trainer:
                  loss_fn: Callable, *, evaluate: Callable[[nn.Module], dict] | None = None,
                  run: RunFolder | None = None, progress: bool = False, desc: str = "train",
                  on_step: Callable[[int, dict], None] | None = None,
-                 flops_per_token: float | None = None):
-        """Store what the run is made of; nothing is built or written until ``setup``."""
+                 flops_per_token: float | None = None, compile_share: int = 1):
+        """Store what the run is made of; nothing is built or written until ``setup``.
+        ``compile_share``: the runs, this one included, that will compile the same blocks
+        (a comparison's; ``compiling.shares``): ``--compile auto`` splits one compile between them."""
+        self.compile_share = compile_share
         self.build, self.tc, self.batches, self.loss_fn, self.evaluate = build, tc, batches, loss_fn, evaluate
         self.flops_per_token = flops_per_token  # forward, for MFU
         self.run, self.progress, self.desc, self.on_step = run, progress, desc, on_step
@@ -143,10 +146,10 @@ class Trainer:
         if tc.checkpoint_activations:  # before FSDP2 wraps the blocks, as torchtitan does
             dist.checkpoint_activations(self.model)
         self.compiler = compiling.RunCompiler(  # block mode compiles before DDP / FSDP2 wrap
-            tc.compile, self.model, self.device, f"{tc.batch_size}x{tc.seq_len}x{tc.grad_accum}",
+            tc.compile, self.model, self.device, compiling.batch_key(tc),
             restored[0].get("compile") if restored is not None else None,
             sharded=self.world.size > 1 and tc.parallel == "fsdp", main=self.world.main,
-            verbose=self.progress)
+            verbose=self.progress, share=self.compile_share)
         self.fwd = dist.parallelize(self.model, tc.parallel, self.device,  # from outside the model
                                     varying_depth=tc.depth_sample is not None)
         self.compiler.attach(self.fwd)
