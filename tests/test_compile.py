@@ -151,6 +151,9 @@ def test_decide_compares_the_saving_with_the_compile_time(monkeypatch):
     assert compiling.decide(0.1, 1000, cpu, share=4)[0] == "off"
     mode, line = compiling.decide(0.1, 1000, cpu, share=5)
     assert mode == "block" and "x 5 runs" in line and "23.0 s to compile" in line and "4 warm loads" in line
+    # compiled by an earlier run of this process (compare's sequential runs): free
+    mode, line = compiling.decide(0.1, 1000, cpu, {"compile_s": 40.0, "saving": 0.001}, here=True)
+    assert mode == "block" and "0.0 s to compile, compiled by an earlier run in this process" in line
 
 
 def test_records_keep_what_runs_measured_and_read_old_ones(tmp_path, monkeypatch):
@@ -244,6 +247,13 @@ def test_auto_probes_then_decides_and_a_resumed_run_keeps_the_choice(tmp_path, m
     assert t.compiler.mode == "block" and t.summary()["compile"] == "block"
     assert t.summary()["compile_note"].startswith("compile auto: block (expected saving")
     assert counters["stats"]["unique_graphs"] >= 1
+    # a second run in this process reuses dynamo's graphs: no compile, nothing recorded
+    before = json.loads((compiling.cache_root() / "records.json").read_text())
+    second = train("auto", steps=8)
+    assert "compiled by an earlier run in this process" in second.summary()["compile_note"]
+    after = json.loads((compiling.cache_root() / "records.json").read_text())
+    assert {k: v.get("compile_s") for k, v in after.items() if isinstance(v, dict)} == \
+        {k: v.get("compile_s") for k, v in before.items() if isinstance(v, dict)}
     eager = train("off", steps=8)
     for a, b in zip(t.records, eager.records):  # aot_eager: the same numbers as eager
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)

@@ -241,13 +241,16 @@ def _write_record(key: str, value) -> None:
 
 
 def decide(step_s: float, steps_left: int, device: torch.device, record: dict | None = None,
-           share: int = 1) -> tuple[str, str]:
+           share: int = 1, here: bool = False) -> tuple[str, str]:
     """auto's choice and the one line saying why. ``record``: ``read_record``'s; ``share``:
-    the runs (this one included) that compile the same blocks and have not started."""
+    the runs (this one included) that compile the same blocks and have not started;
+    ``here``: this process compiled them already (a comparison's earlier run)."""
     kind = "cuda" if device.type == "cuda" else "cpu"
     record = record or {}
     saving = record.get("saving", SAVING[kind])
-    if "compile_s" in record or "load_s" in record:  # compiled here before: inductor's cache holds it
+    if here:
+        runs, cost, where = 1, 0.0, "compiled by an earlier run in this process"
+    elif "compile_s" in record or "load_s" in record:  # compiled here before: inductor's cache holds it
         runs, cost, where = 1, record.get("load_s", LOAD_S[kind]), "warm cache"
     else:
         runs = max(1, share)
@@ -265,12 +268,17 @@ def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def _cache_counts() -> tuple[int, int]:
-    """Inductor's and AOTAutograd's cache hits and misses so far in this process."""
+def _cache_counts() -> tuple[int, int, int]:
+    """Inductor's and AOTAutograd's cache hits and misses, and the graphs dynamo compiled,
+    so far in this process."""
     from torch._dynamo.utils import counters
 
     return (counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
-            counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"])
+            counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"],
+            counters["stats"]["unique_graphs"])
+
+
+_COMPILED_HERE: set[str] = set()  # shape keys this process compiled: a later run reuses them free
 
 
 def note(msg: str) -> None:
@@ -357,9 +365,15 @@ class RunCompiler:
         seconds = time.perf_counter() - t0
         if self.pending:
             self.pending = False
-            hits, misses = (a - b for a, b in zip(_cache_counts(), cache))
-            warm = hits > 0 and misses == 0  # inductor loaded every graph from its cache
-            self._record(**{"load_s" if warm else "compile_s": max(seconds - self._eager_s(), 0.0)})
+            hits, misses, graphs = (a - b for a, b in zip(_cache_counts(), cache))
+            took = max(seconds - self._eager_s(), 0.0)
+            if misses or (graphs and not hits):  # compiled (a backend without caches: compiled too)
+                self._record(compile_s=took)
+            elif hits:  # inductor loaded every graph from its cache
+                self._record(load_s=took)
+            # neither: dynamo reused what an earlier run in this process compiled (compare's
+            # sequential runs), which costs nothing and says nothing about a new process
+            _COMPILED_HERE.add(self._key())
             if self.times:  # auto: time a few compiled steps against the eager probe
                 self.compiled = []
         elif self.mode == "auto":
@@ -384,8 +398,9 @@ class RunCompiler:
     def _decide(self, steps_left: int) -> None:
         from . import dist
 
-        mode, line = decide(self._eager_s(), steps_left, self.device,
-                            read_record(shape_key(self.model, self.key_extra, self.device, "block")), self.share)
+        key = shape_key(self.model, self.key_extra, self.device, "block")
+        mode, line = decide(self._eager_s(), steps_left, self.device, read_record(key), self.share,
+                            here=key in _COMPILED_HERE)
         if dist.world().size > 1:  # every rank must compile alike: the majority's choice
             votes = float(dist.all_sum(1.0 if mode == "block" else 0.0)[0])
             mode = "block" if votes * 2 > dist.world().size else "off"
