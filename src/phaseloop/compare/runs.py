@@ -110,8 +110,8 @@ class RunSpec:
 
 
 def share_compiles(runs: list[RunSpec]) -> list[RunSpec]:
-    """``runs`` with ``compile_share`` set: how many of them compile the same blocks (under
-    ``--compile auto`` the first compiles, the others load it from the cache)."""
+    """``runs`` with ``compile_share`` set: how many of them, from each on, compile the same
+    blocks (under ``--compile auto`` the first compiles, the others load it from the cache)."""
     from ..engine import compiling
     from ..models import build_model
 

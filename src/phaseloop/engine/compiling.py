@@ -174,13 +174,14 @@ def shape_key(model: nn.Module, batch_shape, device: torch.device, mode: str) ->
 
 
 def shares(runs: list[tuple[str, Callable[[], nn.Module], object]]) -> dict[str, int]:
-    """For each (name, build, TrainConfig): how many of ``runs`` compile the same blocks
-    (built on the meta device: no memory), so auto can split one cold compile between them."""
-    keys = {}
+    """For each (name, build, TrainConfig), in launch order: how many runs from it on
+    compile the same blocks (built on the meta device: no memory), so auto can split one
+    cold compile between them."""
+    keys = []
     for name, build, tc in runs:
         with torch.device("meta"):
-            keys[name] = shape_key(build(), batch_key(tc), torch.device("meta"), "block")
-    return {name: sum(k == key for k in keys.values()) for name, key in keys.items()}
+            keys.append((name, shape_key(build(), batch_key(tc), torch.device("meta"), "block")))
+    return {name: sum(k == key for _, k in keys[i:]) for i, (name, key) in enumerate(keys)}
 
 
 RECORD_KEYS = ("compile_s", "load_s")
