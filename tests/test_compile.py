@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import sys
 
@@ -363,3 +364,22 @@ def test_the_vector_isa_checks_run_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
     compiling.trust_vec_isa()
     assert ic.cpp.vec_isa_ok is False
+
+
+def test_inductor_caches_go_into_phaseloops_folder(tmp_path, monkeypatch):
+    """Inductor writes its default folder into TORCHINDUCTOR_CACHE_DIR when first asked:
+    that value is replaced by phaseloop's folder; a folder the user chose is kept."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.setenv("PHASELOOP_CACHE", str(tmp_path))
+    monkeypatch.setenv("PHASELOOP_COMPILE_BACKEND", "aot_eager")  # no ISA checks here
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert cache_dir() == os.path.abspath(default_cache_dir())  # sets the variable, as inductor does
+    compiling.use_cache()
+    want = compiling.cache_root() / f"torch-{torch.__version__}" / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(want) and cache_dir() == str(want)
+    assert str(tmp_path) in os.environ["TRITON_CACHE_DIR"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    compiling.use_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -62,12 +62,24 @@ def cache_root():
 
 
 def use_cache() -> None:
-    """Point inductor's on-disk caches into phaseloop's cache folder (unless the user set one)."""
+    """Point inductor's on-disk caches into phaseloop's cache folder (unless the user set
+    one). Inductor writes its default folder into TORCHINDUCTOR_CACHE_DIR the first time
+    anything asks for it, so that value counts as unset."""
     root = cache_root() / f"torch-{torch.__version__}"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    now = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if now is None or os.path.abspath(now) == os.path.abspath(_inductor_default_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     if backend() == "inductor":
         trust_vec_isa()
+
+
+def _inductor_default_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # moved: only a value the user set explicitly is then kept
+        return ""
+    return default_cache_dir()
 
 
 def trust_vec_isa() -> None:
