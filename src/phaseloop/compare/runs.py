@@ -115,7 +115,10 @@ def share_compiles(runs: list[RunSpec]) -> list[RunSpec]:
     from ..engine import compiling
     from ..models import build_model
 
-    n = compiling.shares([(r.name, lambda r=r: build_model(r.cfg), r.train) for r in runs])
+    try:
+        n = compiling.shares([(r.name, lambda r=r: build_model(r.cfg), r.train) for r in runs])
+    except Exception:  # noqa: BLE001 - only an estimate's input: the run itself says what is wrong
+        return runs
     return [dataclasses.replace(r, compile_share=n[r.name]) for r in runs]
 
 
