@@ -335,6 +335,12 @@ def test_a_comparison_tells_each_run_how_many_share_its_compile(tmp_path, monkey
     del old["compile_share"]
     spec.spec_path.write_text(json.dumps(old))
     assert RunSpec.load(spec.spec_path).compile_share == 1
+    from phaseloop.errors import CheckpointError
+
+    for bad in (0, "3", 2.5):  # a damaged description is refused, in one line
+        spec.spec_path.write_text(json.dumps({**old, "compile_share": bad}))
+        with pytest.raises(CheckpointError, match="is not a run description"):
+            RunSpec.load(spec.spec_path)
 
 
 @pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() == "x86_64"), reason="x86-64 Linux only")
