@@ -48,10 +48,10 @@ def child(mode: str, case: str, steps: int) -> dict:
 
     sys.path.insert(0, os.path.dirname(__file__))
     from phaseloop import ModelConfig, build_model
-    from phaseloop.engine import TrainConfig, compiling, make_optimizer
+    from phaseloop.engine import TrainConfig, compile_cache, compiling, make_optimizer
 
     t0 = time.perf_counter()
-    compiling.use_cache()  # as a run does: phaseloop's cache settings (the vector ISA checks, kept)
+    compile_cache.use_cache()  # as a run does: phaseloop's cache settings (the vector ISA checks, kept)
     setup = time.perf_counter() - t0  # part of the first compiled step's cost
     if mode == "toolchain":  # inductor's first use in a cache folder: a one-op function
         x = torch.randn(64, requires_grad=True)
@@ -75,7 +75,7 @@ def child(mode: str, case: str, steps: int) -> dict:
 
     first = setup + step(compiled)
     on, off = [], []
-    for r in range(0, steps, 2):
+    for _r in range(0, steps, 2):
         on += [step(compiled) for _ in range(2)]
         if undo is not None:
             undo()
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
             done = statistics.median(m["compiled"] for m in (first, new, warm))
             c = {k: m["first"] - m["compiled"] for k, m in (("first", first), ("new", new), ("warm", warm))}
             gain = eager - done
-            be = (lambda s: f"{s / gain:.0f}" if gain > 0 else "never")
+            be = (lambda s, gain=gain: f"{s / gain:.0f}" if gain > 0 else "never")
             row[mode] = c
             print(f"{case:<16} {mode:<6} {c['first']:>20.1f} {c['new']:>9.1f} {c['warm']:>5.1f} {eager * 1e3:>8.0f} "
                   f"{done * 1e3:>11.0f} {done / eager:>6.3f} {be(c['new']):>21} {be(c['warm']):>5}", flush=True)

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import time_interleaved  # noqa: E402
+from common import time_interleaved
 
-from phaseloop import ModelConfig, build_model  # noqa: E402
-from phaseloop.data import Documents  # noqa: E402
-from phaseloop.engine import TrainConfig, make_optimizer  # noqa: E402
+from phaseloop import ModelConfig, build_model
+from phaseloop.data import Documents
+from phaseloop.engine import TrainConfig, make_optimizer
 
 OPTIONS = {"plain": (False, False), "positions": (False, True), "mask": (True, False), "both": (True, True)}
 

@@ -56,21 +56,21 @@ def main(argv=None) -> int:
 
     from phaseloop.cli import main as cli
     from phaseloop.explore.app import create_app
-    from phaseloop.explore.context import Context
+    from phaseloop.explore.context import ServerContext
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "served"
         curves = []
         for r in range(args.rounds):  # a fresh server each round: the first open is cold
             _metrics(root / f"big{r}", args.records)
-        client = TestClient(create_app(Context.from_paths([root])))
+        client = TestClient(create_app(ServerContext.from_paths([root])))
         for r in range(args.rounds):
             q = {"root": "served", "path": f"big{r}"}
-            first, body = _timed(lambda: client.get("/api/runs/curves", params=q))
+            first, body = _timed(lambda q=q: client.get("/api/runs/curves", params=q))
             with open(root / f"big{r}" / "metrics.jsonl", "a") as f:
                 for s in range(args.records + 1, args.records + 101):
                     f.write(json.dumps({"step": s, "loss": 2.0, "lr": 3e-4, "elapsed_s": 1.0}) + "\n")
-            poll, body2 = _timed(lambda: client.get("/api/runs/curves", params=q))
+            poll, body2 = _timed(lambda q=q: client.get("/api/runs/curves", params=q))
             assert body2.json()["records"] == body.json()["records"] + 100
             curves.append((first, poll, len(body.content), len(body.json()["train"]["step"])))
 
@@ -87,12 +87,12 @@ def main(argv=None) -> int:
         cold, _ = _timed(lambda: client.get("/api/inside/analyze", params={**q, "prompt": prompts[0]}))
         warm = []
         for p in prompts[1:]:
-            dt, body = _timed(lambda: client.get("/api/inside/analyze", params={**q, "prompt": p}))
+            dt, body = _timed(lambda p=p: client.get("/api/inside/analyze", params={**q, "prompt": p}))
             a = body.json()
             assert body.status_code == 200 and len(a["ponder"]) == args.tokens, body.text[:200]
             warm.append(dt)
 
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = lambda xs: statistics.median(xs)
     print(f"open a run of {args.records:,} metric records (first /api/runs/curves, whole file): "
           f"{med([c[0] for c in curves]) * 1e3:.0f} ms, {curves[0][2] / 1e3:.0f} kB, "
           f"{curves[0][3]} points drawn of the training curve")

@@ -61,7 +61,8 @@ def mean_std(xs: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", help="comma-separated seeds (default: the recipe's 0,1,2)")
-    ap.add_argument("--keep", type=Path, help="write both comparisons (report.md, runs) here, not in a temporary folder")
+    ap.add_argument("--keep", type=Path,
+                    help="write both comparisons (report.md, runs) here, not in a temporary folder")
     a = ap.parse_args()
     import torch
 
@@ -79,7 +80,8 @@ def main() -> None:
         got = {m: finals(tmp / m) for m in walls}
         print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; the quick comparison"
               + (f", seeds {a.seeds}" if a.seeds else "") + "; fresh processes, empty compile cache")
-        print(f"wall s: off {walls['off']:.1f}, auto {walls['auto']:.1f}; auto / off {walls['auto'] / walls['off']:.3f} "
+        print(f"wall s: off {walls['off']:.1f}, auto {walls['auto']:.1f}; "
+              f"auto / off {walls['auto'] / walls['off']:.3f} "
               f"({(1 - walls['auto'] / walls['off']) * 100:.1f} % sooner)")
         print("| variant | off val BPB | auto val BPB | auto - off per seed |")
         print("|---|---|---|---|")

@@ -35,11 +35,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_interleaved  # noqa: E402
+from common import time_interleaved
 
-from phaseloop import ModelConfig, build_model  # noqa: E402
-from phaseloop.engine import TrainConfig, make_optimizer  # noqa: E402
-from phaseloop.layers import Attention, Block, RMSNorm, apply_rope  # noqa: E402
+from phaseloop import ModelConfig, build_model
+from phaseloop.engine import TrainConfig, make_optimizer
+from phaseloop.layers import Attention, Block, RMSNorm, apply_rope
 
 # name -> (preset, overrides, batch, seq)
 SHAPES = {
@@ -131,7 +131,7 @@ class Capture(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.overloadpacket.__name__ in FLOOR_OPS:
-            keep = lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a  # noqa: E731
+            keep = lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a
             self.calls.append((func, [keep(a) for a in args], {k: keep(v) for k, v in kwargs.items()}))
         return func(*args, **kwargs)
 
@@ -197,7 +197,7 @@ def compile_table(args) -> None:
           f"{'floor':>7}{'eager/floor':>12}{'compiled/floor':>15}")
     for shape in args.shapes:
         _, _, batch, seq = SHAPES[shape]
-        builders = {arch: lambda a=arch: build_model(config(shape, a)) for arch in args.archs}
+        builders = {arch: lambda a=arch, shape=shape: build_model(config(shape, a)) for arch in args.archs}
         if shape == "nanogpt":
             builders["gpt2"] = GPT2
         fns, first = {}, {}
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
             fns["gpt2"], fns["gpt2:floor"] = step, floor
             meta["gpt2"] = (sum(p.numel() for p in g.parameters()), times, n, step)
         t = time_interleaved(fns, warmup=2, rounds=args.rounds, reps=2)
-        for name, (params, times, n, step) in meta.items():
+        for name, (params, times, n, _step) in meta.items():
             fwd, bwd = statistics.median(times["fwd"][-args.rounds:]), statistics.median(times["bwd"][-args.rounds:])
             print(f"{shape:<11}{name:<10}{params / 1e6:>7.2f}M{1e3 * t[name]:>8.1f}{1e3 * t[name + ':floor']:>8.1f}"
                   f"{t[name] / t[name + ':floor']:>11.2f}{1e3 * fwd:>7.1f}{1e3 * bwd:>7.1f}{n:>6}")

@@ -15,9 +15,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import time_interleaved, train_step_fn  # noqa: E402
+from common import time_interleaved, train_step_fn
 
-from phaseloop import ModelConfig  # noqa: E402
+from phaseloop import ModelConfig
 
 TARGETS = {3: 1.03, 12: 1.06}
 

@@ -1,4 +1,4 @@
-"""Token store build speed and memory (issue 12): MB/s of ``phaseloop.store.build``
+"""Token store build speed and memory (issue 12): MB/s of ``phaseloop.data.store.build``
 against the ``tokenizers`` library's own ``encode_batch`` on the same pieces and cores,
 and against a single-process loop of ``encode`` calls; then peak memory for corpora of
 growing size, and a build under a data-segment limit a quarter of the corpus.
@@ -46,7 +46,7 @@ CHILD = """
 import resource, sys
 open('/proc/self/clear_refs', 'w').write('5')  # peak RSS from here (it survives fork + exec)
 from phaseloop import sources, store
-from phaseloop.tokenizer import load_tokenizer
+from phaseloop.data.tokenizer import load_tokenizer
 def vmdata():
     return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmData')) * 1024
 src, tok = sources.resolve(sys.argv[1]), load_tokenizer(sys.argv[2])
@@ -77,8 +77,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from phaseloop import sources, store
-    from phaseloop.tokenizer_train import train_tokenizer
+    from phaseloop.data import sources, store
+    from phaseloop.data.tokenizer_train import train_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
     os.environ["PHASELOOP_CACHE"] = str(work / "cache")

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_interleaved, train_step_fn  # noqa: E402
+from common import time_interleaved, train_step_fn
 
-from phaseloop import ModelConfig  # noqa: E402
-from phaseloop.engine.trackers import Trackers  # noqa: E402
+from phaseloop import ModelConfig
+from phaseloop.engine.trackers import Trackers
 
 VARIANTS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "both": "tensorboard,wandb"}
 

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from phaseloop.tasks import Example, parse_lengths
-from phaseloop.tasks.models import task_train_config
 from phaseloop.tasks.runner import run_examples, task_model_config
+from phaseloop.tasks.task_model import task_train_config
 
 
 def parity_examples(n: int, lengths: list[int], seed: int) -> list[Example]:

@@ -21,8 +21,8 @@ import torch
 
 from phaseloop import ModelConfig
 from phaseloop.compare.stats import paired_t_test
+from phaseloop.lm.train import TrainConfig, train
 from phaseloop.quant import quantize_run
-from phaseloop.train import TrainConfig, train
 
 ARCHS = ("transformer", "mhc", "looped", "hyperloop")
 
@@ -54,7 +54,7 @@ def table(out: Path) -> str:
         if not rs:
             continue
 
-        def ms(key):
+        def ms(key, rs=rs):
             v = [r[key] for r in rs]
             sd = statistics.stdev(v) if len(v) > 1 else 0.0
             return f"{statistics.mean(v):.4f}±{sd:.4f}"

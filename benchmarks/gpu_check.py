@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_interleaved  # noqa: E402
+from common import time_interleaved
 
-from phaseloop import ModelConfig, build_model  # noqa: E402
-from phaseloop.engine import TrainConfig, autocast, dist, make_optimizer, resolve_device  # noqa: E402
-from phaseloop.params import count_params  # noqa: E402
+from phaseloop import ModelConfig, build_model
+from phaseloop.analysis.params import count_params
+from phaseloop.engine import TrainConfig, autocast, dist, make_optimizer, resolve_device
 
 FULL = dict(batch=16, seq=1024, gen=256, loss_preset="rope-small", loss_batch=16, loss_seq=256,
             rope="rope-123m", tpt="3pt-123m", looped="looped-240m", hyper="hyperloop-240m",

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["explore_fixtures"]  # a live explore server and headless Chromium
 
 
 def shared_data_dir() -> Path | None:

@@ -32,13 +32,14 @@ def explore_server():
     pytest.importorskip("uvicorn")
     import uvicorn
 
-    from phaseloop.explore.app import create_app, free_port
-    from phaseloop.explore.context import Context
+    from phaseloop.explore.app import create_app
+    from phaseloop.explore.context import ServerContext
+    from phaseloop.explore.web import free_port
 
     servers = []
 
     def start(paths=()):
-        app = create_app(Context.from_paths(list(paths)))
+        app = create_app(ServerContext.from_paths(list(paths)))
         port = free_port("127.0.0.1", 0)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                                log_level="warning"))

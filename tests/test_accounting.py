@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from phaseloop import accounting as acc
+from phaseloop.analysis import accounting as acc
 from phaseloop.cli import main
 
 

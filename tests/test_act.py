@@ -1,11 +1,11 @@
-"""Tests for phaseloop.act: tensor2tensor's "basic" ACT arithmetic on hand-computed cases."""
+"""Tests for phaseloop.archs.act: tensor2tensor's "basic" ACT arithmetic on hand-computed cases."""
 
 import math
 
 import pytest
 import torch
 
-from phaseloop.act import (
+from phaseloop.archs.act import (
     ACTState,
     HaltingSchedule,
     combine,
@@ -237,7 +237,7 @@ def test_listing_line_by_line_on_the_explainer_examples():
     sigmoid(1) halts every position at step 2 (R 0.2689, ponder 2.269, effective weights
     0.5344 + 0.2689 = 0.8034); p > 0.99 halts at step 1 (R 1, ponder 2); p = 0.05 runs all
     12 steps (sum 0.60, R 0, ponder 12, weights summing to 1 - 0.95^12)."""
-    from phaseloop.act import listing
+    from phaseloop.archs.act import listing
 
     p = torch.full((12, 2), 1 / (1 + math.exp(-1)), dtype=torch.float64)
     p[0, 1] = 0.995

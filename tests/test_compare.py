@@ -6,12 +6,25 @@ from pathlib import Path
 
 import pytest
 
-import phaseloop.train as train_mod
-from phaseloop import compare, config, registry
+import phaseloop.lm.train as train_mod
+from phaseloop import registry
 from phaseloop.cli import main
-from phaseloop.compare import (Recipe, RecipeError, Variant, apply_overrides, first_reach,
-                               load_recipe, match_budget, measure, paired_t_test, plan_variants,
-                               resolve_variant, run_comparison, speedup, t_two_sided_p)
+from phaseloop.compare import (
+    Recipe,
+    RecipeError,
+    Variant,
+    apply_overrides,
+    first_reach,
+    load_recipe,
+    match_budget,
+    measure,
+    paired_t_test,
+    plan_variants,
+    resolve_variant,
+    run_comparison,
+    speedup,
+    t_two_sided_p,
+)
 from phaseloop.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]

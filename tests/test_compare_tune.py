@@ -7,15 +7,22 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import assert_one_line, run_cli
 
-import phaseloop.train as train_mod
-from phaseloop import store
-from phaseloop.compare import (Recipe, RecipeError, apply_overrides, load_recipe, paired_t_test, plan_variants,
-                               run_comparison)
+import phaseloop.lm.train as train_mod
+from phaseloop.compare import (
+    Recipe,
+    RecipeError,
+    apply_overrides,
+    load_recipe,
+    paired_t_test,
+    plan_variants,
+    run_comparison,
+)
 from phaseloop.compare.dryrun import dry_run
 from phaseloop.compare.tune import choose, grow
+from phaseloop.data import store
 from phaseloop.engine import TrainConfig
-from conftest import assert_one_line, run_cli
 
 TINY_TRAIN = dict(steps=6, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=1, eval_every=2,
                   eval_windows=2, ckpt_every=2, log_every=1)
@@ -250,7 +257,8 @@ def test_quick_recipe_has_the_control():
     cfgs = {p.name: p.cfg for p in plan_variants(r, 256)}
     assert control.spec == "rope" and control.name != r.reference
     c, t = cfgs[control.name], cfgs[three.name]
-    assert (c.embed_init_std, c.init, c.embed_scale) == (t.embed_init_std, t.init, t.embed_scale) == (1.0, "torch", False)
+    assert ((c.embed_init_std, c.init, c.embed_scale) == (t.embed_init_std, t.init, t.embed_scale)
+            == (1.0, "torch", False))
 
 
 def test_variants_option_drops_a_control_left_out():

@@ -30,8 +30,8 @@ import pytest
 import torch
 
 import phaseloop
-from phaseloop.checkpoint import load_run
 from phaseloop.cli import main
+from phaseloop.engine.checkpoint import load_run
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures" / "compat"
@@ -66,7 +66,7 @@ def check_logits(logits: torch.Tensor, want: dict, what: str) -> None:
     assert list(logits.shape) == want["shape"], what
     for t, first in want["first"].items():
         torch.testing.assert_close(x[int(t), :len(first)], torch.tensor(first, dtype=torch.float64),
-                                   atol=ATOL, rtol=0, msg=lambda m: f"{what}, position {t}: {m}")
+                                   atol=ATOL, rtol=0, msg=lambda m, t=t: f"{what}, position {t}: {m}")
     n = x.numel()
     for key, val in (("sum", x.sum()), ("abs_sum", x.abs().sum()), ("sq_sum", (x * x).sum())):
         # each value within ATOL moves a sum by at most n * ATOL; in practice far less

@@ -17,10 +17,10 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_model_config
 from torch._dynamo.utils import counters
 
-from conftest import tiny_model_config
-from phaseloop.engine import TrainConfig, Trainer, compiling
+from phaseloop.engine import TrainConfig, Trainer, compile_cache, compiling
 from phaseloop.models import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -159,21 +159,21 @@ def test_decide_compares_the_saving_with_the_compile_time(monkeypatch):
 
 def test_records_keep_what_runs_measured_and_read_old_ones(tmp_path, monkeypatch):
     monkeypatch.setenv("PHASELOOP_CACHE", str(tmp_path))
-    assert compiling.read_record("k") == {}
-    compiling.update_record("k", compile_s=12.0)
-    compiling.update_record("k", load_s=1.25, saving=0.125)
-    assert compiling.read_record("k") == {"compile_s": 12.0, "load_s": 1.25, "saving": 0.125, "savings": [0.125]}
+    assert compile_cache.read_record("k") == {}
+    compile_cache.update_record("k", compile_s=12.0)
+    compile_cache.update_record("k", load_s=1.25, saving=0.125)
+    assert compile_cache.read_record("k") == {"compile_s": 12.0, "load_s": 1.25, "saving": 0.125, "savings": [0.125]}
     for x in (0.03, 0.09, 0.01, 0.2, 0.1, 0.11, 0.12, 0.13):  # the median of the last 8 runs' savings
-        compiling.update_record("k", saving=x)
-    rec = compiling.read_record("k")
+        compile_cache.update_record("k", saving=x)
+    rec = compile_cache.read_record("k")
     assert rec["savings"] == [0.03, 0.09, 0.01, 0.2, 0.1, 0.11, 0.12, 0.13] and rec["saving"] == 0.11
     assert rec["compile_s"] == 12.0 and rec["load_s"] == 1.25
-    path = compiling.cache_root() / "records.json"
+    path = compile_cache.cache_root() / "records.json"
     path.write_text(json.dumps({"old": 14.5, "bad": {"savings": "x", "load_s": True}, "nan": {"savings": [None]}}))
-    assert compiling.read_record("old") == {"compile_s": 14.5}  # a record written before savings were kept
-    assert compiling.read_record("bad") == {} and compiling.read_record("nan") == {}
+    assert compile_cache.read_record("old") == {"compile_s": 14.5}  # a record written before savings were kept
+    assert compile_cache.read_record("bad") == {} and compile_cache.read_record("nan") == {}
     path.write_text("{not json")
-    assert compiling.read_record("k") == {}  # only an estimate's input: unreadable means none
+    assert compile_cache.read_record("k") == {}  # only an estimate's input: unreadable means none
 
 
 def test_runs_that_compile_the_same_blocks_share_one_compile():
@@ -249,28 +249,28 @@ def test_auto_probes_then_decides_and_a_resumed_run_keeps_the_choice(tmp_path, m
     assert t.summary()["compile_note"].startswith("compile auto: block (expected saving")
     assert counters["stats"]["unique_graphs"] >= 1
     # a second run in this process reuses dynamo's graphs: no compile, nothing recorded
-    before = json.loads((compiling.cache_root() / "records.json").read_text())
+    before = json.loads((compile_cache.cache_root() / "records.json").read_text())
     second = train("auto", steps=8)
     assert "compiled by an earlier run in this process" in second.summary()["compile_note"]
-    after = json.loads((compiling.cache_root() / "records.json").read_text())
+    after = json.loads((compile_cache.cache_root() / "records.json").read_text())
     assert {k: v.get("compile_s") for k, v in after.items() if isinstance(v, dict)} == \
         {k: v.get("compile_s") for k, v in before.items() if isinstance(v, dict)}
     eager = train("off", steps=8)
     for a, b in zip(t.records, eager.records):  # aot_eager: the same numbers as eager
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-    records = json.loads((compiling.cache_root() / "records.json").read_text())
+    records = json.loads((compile_cache.cache_root() / "records.json").read_text())
     rec = records[compiling.shape_key(t.model, compiling.batch_key(t.tc), torch.device("cpu"), "block")]
     # the first compiled step's seconds, then the saving measured
     assert set(rec) == {"compile_s", "savings"} and rec["compile_s"] >= 0 and rec["savings"][0] < 1
     # stopped after step 6 (checkpoint at 6), resumed where compiling would no longer pay:
     # the checkpoint's recorded choice (block) holds, so the resumed run computes as before
-    monkeypatch.setattr(compiling, "read_record", lambda key: {"load_s": 0.0})  # compiling pays
+    monkeypatch.setattr(compile_cache, "read_record", lambda key: {"load_s": 0.0})  # compiling pays
     part = Trainer(lambda: build_model(tiny("rope")), t.tc, Batches(), lambda m, b, d: m(*b),
                    run=RunFolder.open(tmp_path / "part", cfg))
     torch.manual_seed(0)
     part.fit(stop_after=6)
     monkeypatch.setattr(compiling, "COLD_S", {"cpu": 1e9, "cuda": 1e9})
-    monkeypatch.setattr(compiling, "read_record", lambda key: {})
+    monkeypatch.setattr(compile_cache, "read_record", lambda key: {})
     again = Trainer(lambda: build_model(tiny("rope")), t.tc, Batches(), lambda m, b, d: m(*b),
                     run=RunFolder.open(tmp_path / "part", cfg, resume=True))
     again.fit()
@@ -308,10 +308,10 @@ def test_train_says_what_auto_chose(tmp_path, text_file, capsys):
 def test_a_comparison_tells_each_run_how_many_share_its_compile(tmp_path, monkeypatch):
     """runner.execute counts the runs it launches that compile the same blocks; the count
     travels in the run description (old descriptions without it read as 1) to lm.train."""
-    from phaseloop import train as lm
     from phaseloop.compare import runner
     from phaseloop.compare.launch import LaunchOptions
-    from phaseloop.compare.runs import RunSpec
+    from phaseloop.compare.runs import CompareRun
+    from phaseloop.lm import train as lm
 
     seen = {}
 
@@ -324,52 +324,57 @@ def test_a_comparison_tells_each_run_how_many_share_its_compile(tmp_path, monkey
     monkeypatch.setattr(lm, "train", fake_train)
     tc = TrainConfig(batch_size=2, seq_len=12, steps=2)
     data = {"spec": "x", "tokenizer": "bytes", "text_column": None}
-    specs = [RunSpec(f"{v}-s{s}", v, s, tiny(v), dataclasses.replace(tc, seed=s), tmp_path, data)
+    specs = [CompareRun(f"{v}-s{s}", v, s, tiny(v), dataclasses.replace(tc, seed=s), tmp_path, data)
              for v in ("rope", "three_phase") for s in (0, 1, 2)]
     runner.execute(specs, LaunchOptions(), corpus=object(), device="cpu")
     assert seen == {"rope-s0": 3, "rope-s1": 2, "rope-s2": 1, "three_phase-s0": 3, "three_phase-s1": 2,
                     "three_phase-s2": 1}
     spec = dataclasses.replace(specs[0], compile_share=5)
-    assert RunSpec.load(spec.save()).compile_share == 5
+    assert CompareRun.load(spec.save()).compile_share == 5
     old = json.loads(spec.spec_path.read_text())
     del old["compile_share"]
     spec.spec_path.write_text(json.dumps(old))
-    assert RunSpec.load(spec.spec_path).compile_share == 1
+    assert CompareRun.load(spec.spec_path).compile_share == 1
     from phaseloop.errors import CheckpointError
 
     for bad in (0, "3", 2.5):  # a damaged description is refused, in one line
         spec.spec_path.write_text(json.dumps({**old, "compile_share": bad}))
         with pytest.raises(CheckpointError, match="is not a run description"):
-            RunSpec.load(spec.spec_path)
+            CompareRun.load(spec.spec_path)
 
 
 @pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() == "x86_64"), reason="x86-64 Linux only")
 def test_the_vector_isa_checks_run_once_per_machine(tmp_path, monkeypatch):
     """Inductor's per-process ISA checks (a build, then a child Python loading it) run once;
-    their verdict is kept, later processes tell inductor; a failed check is never trusted."""
+    their verdict is kept, later processes tell inductor; a failed check is never trusted.
+    inductor's config is patched through its own ``patch`` (restored as found): a
+    monkeypatch of ``ic.cpp`` would delete the key at teardown, and every later compile in
+    this process that missed the inductor cache would then fail."""
     import torch._inductor.config as ic
     from torch._inductor import cpu_vec_isa
 
     monkeypatch.setenv("PHASELOOP_CACHE", str(tmp_path))
-    monkeypatch.setattr(ic.cpp, "vec_isa_ok", None)
     checked = []
-    monkeypatch.setattr(compiling, "_isa_builds", lambda isa: checked.append(str(isa)) or True)
+    monkeypatch.setattr(compile_cache, "_isa_builds", lambda isa: checked.append(str(isa)) or True)
     monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
-    compiling.trust_vec_isa()
-    assert checked == ["avx512", "avx2"] and ic.cpp.vec_isa_ok is True  # the ISAs the CPU flags name
-    monkeypatch.setattr(ic.cpp, "vec_isa_ok", None)  # a new process: the kept verdict, no check
-    compiling.trust_vec_isa()
-    assert checked == ["avx512", "avx2"] and ic.cpp.vec_isa_ok is True
-    monkeypatch.setattr(ic.cpp, "vec_isa_ok", None)  # another CPU whose check fails
-    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2"])
-    monkeypatch.setattr(compiling, "_isa_builds", lambda isa: False)
-    compiling.trust_vec_isa()
-    compiling.trust_vec_isa()
-    assert ic.cpp.vec_isa_ok is None
-    monkeypatch.setattr(ic.cpp, "vec_isa_ok", False)  # the user's TORCHINDUCTOR_VEC_ISA_OK=0 stands
-    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
-    compiling.trust_vec_isa()
-    assert ic.cpp.vec_isa_ok is False
+    before = ic.cpp.vec_isa_ok
+    with ic.patch({"cpp.vec_isa_ok": None}):
+        compile_cache.trust_vec_isa()
+        assert checked == ["avx512", "avx2"] and ic.cpp.vec_isa_ok is True  # the ISAs the CPU flags name
+        ic.cpp.vec_isa_ok = None  # a new process: the kept verdict, no check
+        compile_cache.trust_vec_isa()
+        assert checked == ["avx512", "avx2"] and ic.cpp.vec_isa_ok is True
+        ic.cpp.vec_isa_ok = None  # another CPU whose check fails
+        monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2"])
+        monkeypatch.setattr(compile_cache, "_isa_builds", lambda isa: False)
+        compile_cache.trust_vec_isa()
+        compile_cache.trust_vec_isa()
+        assert ic.cpp.vec_isa_ok is None
+        ic.cpp.vec_isa_ok = False  # the user's TORCHINDUCTOR_VEC_ISA_OK=0 stands
+        monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
+        compile_cache.trust_vec_isa()
+        assert ic.cpp.vec_isa_ok is False
+    assert ic.cpp.vec_isa_ok == before  # restored, not deleted (reading a deleted key raises)
 
 
 def test_inductor_caches_go_into_phaseloops_folder(tmp_path, monkeypatch):
@@ -382,10 +387,10 @@ def test_inductor_caches_go_into_phaseloops_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert cache_dir() == os.path.abspath(default_cache_dir())  # sets the variable, as inductor does
-    compiling.use_cache()
-    want = compiling.cache_root() / f"torch-{torch.__version__}" / "inductor"
+    compile_cache.use_cache()
+    want = compile_cache.cache_root() / f"torch-{torch.__version__}" / "inductor"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(want) and cache_dir() == str(want)
     assert str(tmp_path) in os.environ["TRITON_CACHE_DIR"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    compiling.use_cache()
+    compile_cache.use_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

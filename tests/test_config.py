@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phaseloop import ConfigError, ModelConfig
-from phaseloop import build_model, registry
+from phaseloop import ConfigError, ModelConfig, build_model, registry
 
 ARCHS = registry.arch_names()
 
@@ -135,7 +134,7 @@ def test_the_layer_count_under_either_name_over_a_preset():
     """A preset stores n_layers; a later layer naming the count under the arch's own name
     (--set, a --print-config file, a recipe) replaces it rather than conflicting."""
     from phaseloop.compare.recipe import Variant, resolve_variant
-    from phaseloop.runconfig import resolve_run
+    from phaseloop.lm.runconfig import resolve_run
 
     assert ModelConfig.from_preset("looped-tiny", n_unique_layers=6).n_layers == 6
     assert resolve_variant(Variant("v", "looped n_unique_layers=6"), "tiny").n_layers == 6
@@ -152,7 +151,8 @@ def test_assigned_fields_are_kept_by_copies_and_replace():
 
     c = ModelConfig()
     c.n_layers = 8
-    assert copy.deepcopy(c).n_layers == pickle.loads(pickle.dumps(c)).n_layers == c.replace(vocab_size=300).n_layers == 8
+    assert (copy.deepcopy(c).n_layers == pickle.loads(pickle.dumps(c)).n_layers
+            == c.replace(vocab_size=300).n_layers == 8)
     looped = ModelConfig(arch="looped")
     looped.n_loops, looped.n_unique_layers = 7, 6
     assert copy.copy(looped) == looped and looped.to_dict()["n_unique_layers"] == 6 and looped.n_layers == 6
@@ -171,7 +171,7 @@ def test_none_only_where_a_field_derives_from_it():
 
 
 def test_re_registering_an_arch_with_new_group_classes(monkeypatch):
-    """Reloading a plugin (a notebook cell run again) replaces its spec."""
+    """Reloading a plugin (a notebook cell run again) replaces its spec when it asks to."""
     from dataclasses import make_dataclass
 
     from phaseloop.model import Stack
@@ -179,10 +179,24 @@ def test_re_registering_an_arch_with_new_group_classes(monkeypatch):
     monkeypatch.setattr(registry, "ARCHS", dict(registry.ARCHS))
     for _ in range(2):
         group = make_dataclass("ReloadOptions", [("reload_k", int, 1)])
-        registry.register_arch(registry.ArchSpec(name="reloaded", trunk=Stack, options=(group,)))
+        registry.register_arch(registry.ArchSpec(name="reloaded", trunk=Stack, options=(group,)), replace=True)
     assert ModelConfig(arch="reloaded", reload_k=3).reload_k == 3
     with pytest.raises(TypeError, match="reuses ModelConfig names"):
         registry.register_arch(registry.ArchSpec(name="clash", trunk=Stack, options=(
             make_dataclass("ClashOptions", [("head_dim", int, 1)]),)))
     with pytest.raises(ValueError, match="defaults for \\['n_loopz'\\]"):
         registry.register_arch(registry.ArchSpec(name="typo", trunk=Stack, defaults={"n_loopz": 2}))
+
+
+def test_a_second_registration_of_a_name_is_refused(monkeypatch):
+    """Two plugins (or a plugin and a built-in) naming one arch: the second is refused, the
+    first keeps the name, unless replace=True says it is meant."""
+    from phaseloop.model import Stack
+
+    monkeypatch.setattr(registry, "ARCHS", dict(registry.ARCHS))
+    rope = registry.ARCHS["rope"]
+    with pytest.raises(ValueError, match="arch 'rope' is registered already .*replace=True"):
+        registry.register_arch(registry.ArchSpec(name="rope", trunk=Stack))
+    assert registry.get_arch("rope") is rope
+    spec = registry.register_arch(registry.ArchSpec(name="rope", trunk=Stack), replace=True)
+    assert registry.get_arch("rope") is spec

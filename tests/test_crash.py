@@ -57,7 +57,8 @@ def _leftovers(out):
 
 
 # the last: training for depth (each step's depth drawn from 1..6 by seed and step) resumes as exactly
-@pytest.mark.parametrize("seed, extra", [(0, ()), (1, ()), (2, ("--preset", "universal-tiny", "--depth-sample", "1:6"))])
+@pytest.mark.parametrize("seed, extra", [(0, ()), (1, ()),
+                                         (2, ("--preset", "universal-tiny", "--depth-sample", "1:6"))])
 def test_sigkill_at_random_moments_then_resume_is_exact(tmp_path, text_file, seed, extra):
     ref = tmp_path / "ref"
     subprocess.run(_cmd(ref, text_file, *extra), check=True, capture_output=True)

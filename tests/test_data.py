@@ -7,8 +7,8 @@ import torch
 
 from phaseloop import DataError
 from phaseloop import data as D
-from phaseloop import sources as S
-from phaseloop.tokenizer import ByteTokenizer, get_tokenizer
+from phaseloop.data import sources as S
+from phaseloop.data.tokenizer import ByteTokenizer, get_tokenizer
 
 
 def test_byte_tokenizer_roundtrip_any_bytes():
@@ -146,7 +146,7 @@ def test_eval_windows_fixed_and_cover_split(text_file):
 
 def test_bpb_is_nats_per_byte_over_ln2(text_file):
     from phaseloop import ModelConfig, build_model
-    from phaseloop.train import evaluate
+    from phaseloop.lm.train import evaluate
 
     c = D.load_corpus(text_file)
     _, va = c.split(0.2, 17)

@@ -4,9 +4,9 @@ eval exactly; bad depths and stacks are one line, exit 2."""
 import json
 
 import pytest
-
 from conftest import assert_one_line, cli_json, run_cli, tiny_runs
-from phaseloop import plots
+
+from phaseloop.analysis import plots
 from phaseloop.cli import main
 
 
@@ -90,8 +90,8 @@ def test_export_at_a_depth_equals_the_native_model_there(runs, tmp_path, capsys)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from phaseloop.checkpoint import load_run
     from phaseloop.depth import set_model_depth
+    from phaseloop.engine.checkpoint import load_run
 
     run = runs["hyperloop-tiny"]
     out = tmp_path / "hf3"

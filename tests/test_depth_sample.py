@@ -7,16 +7,16 @@ import random
 
 import pytest
 import torch
-
 from conftest import TINY, assert_one_line, run_cli
+
 from phaseloop.compare.recipe import Recipe, RecipeError
 from phaseloop.compare.runner import run_comparison
 from phaseloop.config import ModelConfig
 from phaseloop.depth import parse_depth_range, sample_depth
 from phaseloop.engine import RunFolder, TrainConfig, Trainer, read_metrics
 from phaseloop.errors import ConfigError
+from phaseloop.lm.train import lm_loss
 from phaseloop.model import build_model
-from phaseloop.train import lm_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -245,8 +245,8 @@ def test_a_plugin_trunk_without_reset_depth_is_refused():
 def test_an_encoder_decoder_returns_each_side_to_its_own_trained_steps():
     """UniversalSeq2Seq with ACT on the decoder only: its sides train at different step
     limits (n_steps, act_steps); after a sampled step each is back at its own."""
+    from phaseloop.archs.universal import UniversalSeq2Seq
     from phaseloop.depth import sampled_depth
-    from phaseloop.universal import UniversalSeq2Seq
 
     cfg = tiny("universal-act-tiny")
     m = UniversalSeq2Seq(cfg, encoder_act=False, decoder_act=True)

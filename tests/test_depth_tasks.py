@@ -4,8 +4,8 @@ depth's numbers are the plain test's; a bad depth is refused before anything tra
 import json
 
 import pytest
-
 from conftest import assert_one_line, run_cli
+
 from phaseloop.cli import main
 
 SMALL = ["--task", "copy", "--train-len", "2-3", "--test-len", "3,5", "--steps", "4", "--batch-size", "4",

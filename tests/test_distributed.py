@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from phaseloop.checkpoint import verify_checkpoint
+from phaseloop.engine.checkpoint import verify_checkpoint
 
 TIMING = ("tok_per_s", "elapsed_s")
 

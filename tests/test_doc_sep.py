@@ -10,7 +10,6 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import TINY, assert_one_line, run_cli
 
 from phaseloop.data import load_corpus
@@ -43,8 +42,8 @@ def _check_separated(corpus, sep_id: int, encoded: list[np.ndarray]) -> None:
 
 
 def test_bytes_separator_between_documents_and_store_identity(tmp_path, monkeypatch):
-    from phaseloop import store
-    from phaseloop.sources import resolve
+    from phaseloop.data import store
+    from phaseloop.data.sources import resolve
 
     monkeypatch.setenv("PHASELOOP_CACHE", str(tmp_path / "cache"))  # its stores are broken below
 
@@ -103,8 +102,7 @@ def test_bpe_special_token_separator(tmp_path):
 
 
 def test_cli_train_eval_resume_read_the_same_store(tmp_path, capsys):
-    from phaseloop.checkpoint import load_run
-    from phaseloop.data import run_corpus
+    from phaseloop.engine.checkpoint import load_run, run_corpus
 
     data = _folder(tmp_path)
     out = tmp_path / "run"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_model_config
+
 from phaseloop import ConfigError
 from phaseloop.models import build_model
 
@@ -117,7 +117,7 @@ def test_train_eval_and_resume_with_document_options(tmp_path, capsys):
 
 def test_task_runs_refuse_document_options():
     from phaseloop.engine import TrainConfig
-    from phaseloop.tasks.models import train_pairs
+    from phaseloop.tasks.task_model import train_pairs
 
     with pytest.raises(ConfigError, match="doc_mask / doc_positions apply to LM runs"):
         train_pairs(tiny("rope"), [], TrainConfig(doc_mask=True))

@@ -8,8 +8,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from phaseloop import ConfigError, ModelConfig, build_model
-from phaseloop.depth import flops_per_token
-from phaseloop.early_exit import Monitor, exit_flops, parse_exit, set_exit, tally
+from phaseloop.analysis.exits import exit_flops, tally
+from phaseloop.analysis.params import flops_per_token
+from phaseloop.early_exit import Monitor, parse_exit, set_exit
 from phaseloop.layers import KVCache
 
 torch.set_num_threads(1)

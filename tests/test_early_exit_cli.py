@@ -4,9 +4,9 @@ with and without the cache gives the same text; bad rules and stacks are one lin
 
 
 import pytest
-
 from conftest import assert_one_line, cli_json, run_cli, tiny_runs
-from phaseloop import plots
+
+from phaseloop.analysis import plots
 from phaseloop.cli import main
 
 

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_one_line, run_cli, snapshot, tiny_run
+
 from phaseloop.cli import main
 
 
@@ -89,7 +89,7 @@ def test_babi_task_lists_are_refused_before_training(tmp_path, capsys, tasks, wo
 
 def test_run_babi_seeds_refuses_repeated_seeds(tmp_path):
     from phaseloop.errors import ConfigError
-    from phaseloop.tasks.runner import run_babi_seeds
+    from phaseloop.tasks.babi_runner import run_babi_seeds
 
     with pytest.raises(ConfigError, match="--seeds 0,0 names 0 twice"):
         run_babi_seeds(None, tmp_path, [1], None, [0, 0], out_dir=tmp_path / "b")

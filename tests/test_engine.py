@@ -13,8 +13,8 @@ from phaseloop.engine import RunFolder, TrainConfig, Trainer, lr_at, read_metric
 from phaseloop.engine.trainer import ignore_targets
 from phaseloop.model import ModelOutput
 from phaseloop.tasks import TaskSpec
-from phaseloop.tasks.models import PairBatches, task_train_config
 from phaseloop.tasks.runner import algorithmic_data, run_examples, task_model_config
+from phaseloop.tasks.task_model import PairBatches, task_train_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -152,7 +152,7 @@ def test_accumulation_equals_the_bigger_batch_and_logs_aux_losses():
                 super().__init__(4)
                 self.rows, self.i = None, 0
 
-            def next(self):
+            def next(self, bs=bs):
                 if self.rows is None or self.i == 4:
                     self.rows, self.i = super().next(), 0
                 x, y = (t[self.i: self.i + bs] for t in self.rows)
@@ -314,7 +314,7 @@ def test_the_constructor_stores_and_setup_builds(tmp_path):
     t = Trainer(TinyLM, tc, FixedBatches(4), loss_fn, run=RunFolder.open(tmp_path / "r", {"train": tc.to_dict()}))
     assert not (tmp_path / "r").exists()
     with pytest.raises(AttributeError, match="once setup"):
-        t.model
+        _ = t.model
     assert t.setup() is t and (tmp_path / "r" / "config.json").exists()
     model, opt = t.model, t.optimizer
     assert t.setup().model is model and t.optimizer is opt

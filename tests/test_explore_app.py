@@ -9,12 +9,10 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from starlette.testclient import TestClient  # noqa: E402
+from starlette.testclient import TestClient
 
-from phaseloop.explore.app import create_app  # noqa: E402
-from phaseloop.explore.context import BadInput, Context, number  # noqa: E402
-
-from explore_fixtures import browser, explore_server  # noqa: E402,F401
+from phaseloop.explore.app import create_app
+from phaseloop.explore.context import BadInput, ServerContext, number
 
 
 def test_resolve_refuses_escapes(tmp_path):
@@ -22,7 +20,7 @@ def test_resolve_refuses_escapes(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "secret").write_text("x")
     os.symlink(tmp_path / "secret", tmp_path / "run" / "link")
-    ctx = Context.from_paths([tmp_path / "run"])
+    ctx = ServerContext.from_paths([tmp_path / "run"])
     assert ctx.resolve("run", "metrics.jsonl") == (tmp_path / "run" / "metrics.jsonl").resolve()
     for bad in ("../secret", "/etc/passwd", "link", "a/../../secret"):
         with pytest.raises(BadInput):

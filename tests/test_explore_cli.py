@@ -13,7 +13,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_one_line, run_cli
 
 pytest.importorskip("starlette")

@@ -10,16 +10,16 @@ import pytest
 
 pytest.importorskip("starlette")
 
-import torch  # noqa: E402
-from starlette.testclient import TestClient  # noqa: E402
+import torch
+from explore_fixtures import screenshot
+from starlette.testclient import TestClient
 
-from phaseloop import accounting, act  # noqa: E402
-from phaseloop.explore.app import create_app  # noqa: E402
-from phaseloop.explore.context import Context  # noqa: E402
-from phaseloop.explore.learn import PAGES, endpoints  # noqa: E402
-from phaseloop.tasks import parity_demo as pd  # noqa: E402
-
-from explore_fixtures import browser, explore_server, screenshot  # noqa: E402,F401
+from phaseloop.analysis import accounting
+from phaseloop.archs import act
+from phaseloop.explore.app import create_app
+from phaseloop.explore.context import ServerContext
+from phaseloop.explore.learn import PAGES, endpoints
+from phaseloop.tasks import parity_demo as pd
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def test_results_read_from_claim_files(tmp_path):
                "spearman": 0.25}
         (out / f"act_w0.01_b1.0-s{seed}.json").write_text(json.dumps(rec))
     (out / "broken-s9.json").write_text("{")  # not a result: skipped
-    b = TestClient(create_app(Context.from_paths([tmp_path]))).get("/api/learn/results").json()
+    b = TestClient(create_app(ServerContext.from_paths([tmp_path]))).get("/api/learn/results").json()
     v = b["measured"]["variants"][0]
     assert b["measured"]["found"] and v["seeds"] == [0, 1]
     assert v["rows"] == [{"length": 4, "seeds": 2, "acc": 0.6, "ponder": 2.5, "halt1": 0.5}]
@@ -198,7 +198,7 @@ def test_results_read_from_task_runs(tmp_path):
             "errors": {"1": [0.1, 0.0]}, "mean_error": [0.1, 0.0], "ponder": {"1": {"1": [[2.3, 0.0], [0.8, 0.0]]}}}}))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "metrics.json").write_text("{")  # damaged / not a task run: skipped
-    t = TestClient(create_app(Context.from_paths([tmp_path]))).get("/api/learn/results").json()["tasks"]
+    t = TestClient(create_app(ServerContext.from_paths([tmp_path]))).get("/api/learn/results").json()["tasks"]
     assert t["found"] and [r["kind"] for r in t["runs"]] == ["babi", "algorithmic"]
     babi, copy = t["runs"]
     assert copy["per_length"] == [{"length": "8", "char_acc": 0.9, "seq_acc": 0.45, "ponder_mean": None}]

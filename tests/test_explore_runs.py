@@ -13,17 +13,16 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from starlette.testclient import TestClient  # noqa: E402
+from conftest import REPO, write_corpus
+from explore_fixtures import screenshot
+from starlette.testclient import TestClient
 
-from phaseloop.checkpoint import read_json  # noqa: E402
-from phaseloop.compare.report import format_table  # noqa: E402
-from phaseloop.engine import read_metrics  # noqa: E402
-from phaseloop.explore import rundata  # noqa: E402
-from phaseloop.explore.app import create_app  # noqa: E402
-from phaseloop.explore.context import Context  # noqa: E402
-
-from conftest import REPO, write_corpus  # noqa: E402
-from explore_fixtures import browser, explore_server, screenshot  # noqa: E402,F401
+from phaseloop.compare.report import format_table
+from phaseloop.engine import read_metrics
+from phaseloop.explore import rundata
+from phaseloop.explore.app import create_app
+from phaseloop.explore.context import ServerContext
+from phaseloop.files import read_json
 
 
 def _rec(step, loss=None, val=None):
@@ -119,7 +118,7 @@ def test_comparison_table_is_report_py_s(comparison):
 
 # ---------------------------------------------------------------------------- endpoints
 def test_runs_endpoints(comparison):
-    client = TestClient(create_app(Context.from_paths([comparison])))
+    client = TestClient(create_app(ServerContext.from_paths([comparison])))
     items = client.get("/api/runs/list").json()["items"]
     assert [i["kind"] for i in items] == ["comparison"] + ["run"] * 4
     run = items[1]
@@ -150,7 +149,7 @@ def test_runs_endpoints(comparison):
     ("/api/runs/plot", {"root": "ci", "name": "../ci/summary.json"}, "is not a plot"),
 ])
 def test_runs_bad_input_is_a_400_with_the_message(comparison, url, params, message):
-    client = TestClient(create_app(Context.from_paths([comparison])))
+    client = TestClient(create_app(ServerContext.from_paths([comparison])))
     r = client.get(url, params=params)
     assert r.status_code == 400 and message in r.json()["error"], r.text
 
@@ -159,7 +158,7 @@ def test_symlinked_run_is_refused(tmp_path):
     real = _fake_run(tmp_path / "real", [_rec(1, 1.0)])
     (tmp_path / "served").mkdir()
     os.symlink(real, tmp_path / "served" / "link")
-    client = TestClient(create_app(Context.from_paths([tmp_path / "served"])))
+    client = TestClient(create_app(ServerContext.from_paths([tmp_path / "served"])))
     r = client.get("/api/runs/curves", params={"root": "served", "path": "link"})
     assert r.status_code == 400 and "symbolic link" in r.json()["error"]
     assert client.get("/api/runs/list").json()["items"] == []
@@ -245,6 +244,7 @@ def test_comparison_control_column_is_report_py_s(comparison, tmp_path):
                                             "t": 1.0, "df": 1, "n": 2, "mean_diff": 0.01, "note": ""}
     (copy / "summary.json").write_text(json.dumps(summary))
     row = rundata.comparison(copy)["rows"][1]
-    line = next(ln for ln in format_table(summary).splitlines() if ln.startswith(f"| {summary['variants'][1]['name']} |"))
+    line = next(ln for ln in format_table(summary).splitlines()
+                if ln.startswith(f"| {summary['variants'][1]['name']} |"))
     assert row["vs_control"] == "indistinguishable (p=0.250) vs rope" and f" {row['vs_control']} |" in line
     assert rundata.comparison(copy)["rows"][0]["vs_control"] == ""

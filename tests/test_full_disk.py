@@ -10,10 +10,10 @@ import os
 import subprocess
 
 import pytest
-from safetensors import SafetensorError
-
 from conftest import TINY, run_cli, snapshot, tiny_run
 from conftest import assert_one_line as _one_line
+from safetensors import SafetensorError
+
 from phaseloop.files import as_os_error
 
 FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
@@ -69,7 +69,8 @@ def test_a_later_checkpoint_on_a_full_disk_keeps_the_earlier_one(world, tmp_path
     import json
 
     import safetensors.torch
-    from phaseloop.checkpoint import verify_checkpoint
+
+    from phaseloop.engine.checkpoint import verify_checkpoint
 
     real, calls = safetensors.torch.serialize_file, []
 
@@ -175,6 +176,6 @@ def test_any_other_safetensors_error_is_one_line(capsys, monkeypatch, text, word
     """The command line's backstop, for a safetensors call no writer or reader wrapped."""
     def fails(args):
         raise SafetensorError(text)
-    monkeypatch.setattr("phaseloop.cli.commands.cmd_archs", fails)
+    monkeypatch.setattr("phaseloop.cli.info_cmds.cmd_archs", fails)
     code, err = run_cli(["archs"], capsys)
     assert_one_line(code, err, words)

@@ -87,7 +87,7 @@ def test_activation_checkpointing_changes_no_number(preset):
 
 def test_trainer_with_activation_checkpointing_logs_the_same_losses():
     from phaseloop.data import TrainBatches
-    from phaseloop.train import lm_loss
+    from phaseloop.lm.train import lm_loss
 
     tokens = torch.randint(0, 256, (4000,)).numpy()
     runs = []

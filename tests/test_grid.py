@@ -13,15 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import assert_one_line
+from test_compare import TINY_TRAIN, _one_thread, tiny_recipe  # noqa: F401 (the fixture applies here too)
 
 from phaseloop import compare
 from phaseloop.cli import main
 from phaseloop.compare import LaunchOptions, RecipeError, comparison_status, run_comparison
 from phaseloop.compare import launch as launch_mod
 from phaseloop.engine.trainer import PeerFailed
-from test_compare import TINY_TRAIN, _one_thread, tiny_recipe  # noqa: F401 (the fixture applies here too)
-
-from conftest import assert_one_line
 
 TIMING = ("tok_per_s", "mfu", "elapsed_s")  # wall-clock fields: everything else must be equal
 
@@ -115,7 +114,7 @@ def test_killed_worker_resumes_and_status_and_report(tmp_path, text_file, capsys
     def launch():
         try:
             run_comparison(recipe, out, progress=False, log=None, launch=opts)
-        except BaseException as e:  # noqa: BLE001 (reported below)
+        except BaseException as e:
             err.append(e)
 
     t = threading.Thread(target=launch)
@@ -174,7 +173,7 @@ def test_state_rules(tmp_path, monkeypatch):
 def test_run_description_round_trips_through_json(tmp_path, text_file):
     """What a worker or a Slurm task reads is the run the runner described: tuning flag,
     the variant's own settings, its tuned point, folder and data."""
-    from phaseloop.compare import RunSpec, Tune, plan_variants
+    from phaseloop.compare import CompareRun, Tune, plan_variants
     from phaseloop.compare.tune import tuning_runs
 
     recipe = tiny_recipe(text_file, variants=[{"spec": "rope", "train": {"beta2": 0.99}}], seeds=[0],
@@ -182,7 +181,7 @@ def test_run_description_round_trips_through_json(tmp_path, text_file):
     plan = plan_variants(recipe, 256)
     for spec in [*tuning_runs(recipe, Tune(**recipe.tune), plan[0], [1e-3, 2e-3], tmp_path),
                  *compare.main_runs(recipe, plan, tmp_path, {"rope": {"lr": 2e-3}})]:
-        back = RunSpec.load(spec.save())
+        back = CompareRun.load(spec.save())
         assert back == spec and back.run_dir == spec.run_dir and back.train.beta2 == 0.99
     assert (tmp_path / "launch" / "tune" / "rope" / "lr0.002-s7.json").exists()
     assert back.train.lr == 2e-3 and not back.tuning and spec.run_dir == tmp_path / "runs" / "rope-s0"

@@ -7,15 +7,11 @@ import json
 import shutil
 
 import pytest
-
 from conftest import TINY, assert_one_line, run_cli, snapshot, write_corpus
-from phaseloop.checkpoint import config_digest, read_run_config
+
 from phaseloop.cli import main
+from phaseloop.engine.checkpoint import config_digest, read_run_config
 from phaseloop.errors import PhaseloopError
-
-
-
-
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +175,7 @@ def test_records_after_the_checkpoint_and_a_torn_last_line_still_resume(made, tm
     is not damage: the records past the checkpoint are logged again."""
     from phaseloop.config import ModelConfig
     from phaseloop.engine import TrainConfig
-    from phaseloop.train import train
+    from phaseloop.lm.train import train
 
     cfg = ModelConfig.from_preset("rope-tiny", n_layers=1)
     tc = TrainConfig(steps=6, batch_size=2, eval_every=3, eval_windows=2, warmup_steps=1, ckpt_every=3, log_every=1)
@@ -246,7 +242,7 @@ def test_an_empty_cache_variable_is_refused_not_the_working_folder(made, tmp_pat
 
 
 def test_the_library_refuses_the_same_names_and_numbers(made, tmp_path):
-    from phaseloop.tokenizer_train import train_tokenizer
+    from phaseloop.data.tokenizer_train import train_tokenizer
 
     for kw, words in (({"name": "../x"}, "not a plain name"), ({"name": ""}, "not a plain name"),
                       ({"out": tmp_path / "k", "min_frequency": -1}, "--min-frequency -1"),

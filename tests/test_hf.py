@@ -15,17 +15,16 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
-from safetensors import safe_open  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from conftest import write_corpus
+from safetensors import safe_open
+from test_cli import TINY_TRAIN, one_line_error
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from phaseloop import PRESETS, ModelConfig, build_model, registry  # noqa: E402
-from phaseloop.cli import main  # noqa: E402
-from phaseloop.hf.modeling import PhaseloopForCausalLM  # noqa: E402
-from phaseloop.hf.tokenizer import hf_tokenizer  # noqa: E402
-from phaseloop.tokenizer import ByteTokenizer  # noqa: E402
-
-from conftest import write_corpus  # noqa: E402
-from test_cli import TINY_TRAIN, one_line_error  # noqa: E402
+from phaseloop import PRESETS, ModelConfig, build_model, registry
+from phaseloop.cli import main
+from phaseloop.data.tokenizer import ByteTokenizer
+from phaseloop.hf.modeling import PhaseloopForCausalLM
+from phaseloop.hf.tokenizer import hf_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -259,7 +258,7 @@ def test_import_registers_with_auto_classes(first):
 
 
 def test_export_quantized_equals_the_quantized_model(trained, tmp_path, capsys):
-    from phaseloop.checkpoint import load_run
+    from phaseloop.engine.checkpoint import load_run
     from phaseloop.quant.io import load_quantized_state_dict
 
     assert main(["quantize", str(trained), "--bits", "4", "--group-size", "32", "--windows", "2",
@@ -328,7 +327,7 @@ def _own_loglikelihood(model, tok, context: str, continuation: str, prefix: int)
 
 
 def test_lm_eval_loglikelihoods_equal_phaseloop(trained, tmp_path):
-    from phaseloop.checkpoint import load_run
+    from phaseloop.engine.checkpoint import load_run
     from phaseloop.hf.harness import lm_eval_run
 
     docs = [{"text": "the quick brown fox jumps over the lazy dog"},
@@ -387,8 +386,9 @@ def test_lm_eval_bad_input(trained, tmp_path, capsys, monkeypatch):
 
 
 def test_compare_lm_eval_column_mean_std_over_seeds(tmp_path, text_file, data_dir):
-    from phaseloop.compare import run_comparison
     from test_compare import tiny_recipe
+
+    from phaseloop.compare import run_comparison
 
     recipe = tiny_recipe(text_file, variants=["rope", "universal"], eval_tasks=["lambada_local"],
                          eval_limit=3)

@@ -25,12 +25,11 @@ import torch
 pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "hf_common"))
-import fetch  # noqa: E402
+import fetch
+from test_hf_conformance import VARIANTS, tiny_config
 
-from phaseloop import ModelConfig  # noqa: E402
-from phaseloop.hf.modeling import PhaseloopConfig, PhaseloopForCausalLM  # noqa: E402
-
-from test_hf_conformance import VARIANTS, tiny_config  # noqa: E402
+from phaseloop import ModelConfig
+from phaseloop.hf.modeling import PhaseloopConfig, PhaseloopForCausalLM
 
 PKG = fetch.package_dir()
 
@@ -130,7 +129,8 @@ def _make(arch: str, over: dict):
             # attention-output tests skip themselves ("Model does not output attentions")
             "has_attentions": False}
     for attr in dir(ModelTesterMixin):  # parameterized tests are expanded to name_00_...
-        base = next((n for n in SKIP if attr == n or (attr.startswith(n + "_") and attr[len(n) + 1:][:2].isdigit())), None)
+        base = next((n for n in SKIP if attr == n or (attr.startswith(n + "_") and attr[len(n) + 1:][:2].isdigit())),
+                    None)
         if base and attr not in SKIP_TEMPLATES:
             body[attr] = _skipped(attr, SKIP[base])
     return f"TestHFCommon_{tag}", type(f"TestHFCommon_{tag}", (ModelTesterMixin, GenerationTesterMixin,

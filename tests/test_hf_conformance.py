@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from phaseloop import ModelConfig, registry  # noqa: E402
-from phaseloop.errors import ConfigError  # noqa: E402
-from phaseloop.hf.modeling import PhaseloopConfig, PhaseloopForCausalLM  # noqa: E402
+from phaseloop import ModelConfig, registry
+from phaseloop.errors import ConfigError
+from phaseloop.hf.modeling import PhaseloopConfig, PhaseloopForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

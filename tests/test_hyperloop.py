@@ -1,4 +1,4 @@
-"""Looped, Hyperloop and mHC trunks (phaseloop.hyperloop) and the quantize command."""
+"""Looped, Hyperloop and mHC trunks (phaseloop.archs.hyperloop) and the quantize command."""
 
 import json
 import math
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from phaseloop import ConfigError, ModelConfig, build_model
-from phaseloop.hyperconn import HyperConnection, copy_streams, merge_streams, sinkhorn
-from phaseloop.hyperloop import PooledMLPTransition
-from phaseloop.layers import Context, KVCache
+from phaseloop.archs.hyperconn import HyperConnection, copy_streams, merge_streams, sinkhorn
+from phaseloop.archs.hyperloop import PooledMLPTransition
+from phaseloop.layers import ForwardContext, KVCache
 
 torch.set_num_threads(1)
 
@@ -139,7 +139,7 @@ def test_hyper_connection_matches_per_token_formula(form, loop_embedding):
             hc.e.normal_()
     y = torch.randn(2, 3, 4, 64) * 2
     lin = torch.nn.Linear(64, 64)
-    fn = lambda x: torch.tanh(lin(x))  # noqa: E731  (F is applied to the read, token-wise)
+    fn = lambda x: torch.tanh(lin(x))
     torch.testing.assert_close(hc(y, fn), _reference_hc(hc, y, fn), atol=2e-5, rtol=1e-4)
 
 
@@ -167,7 +167,7 @@ def test_pooled_mlp_transition_formula_and_causal_pooling():
     cfg = ModelConfig.from_preset("hyperloop-tiny", hc_transition="pooled_mlp")
     tr = PooledMLPTransition(cfg)
     y = torch.randn(2, 6, 4, 64)
-    fn = lambda x: 3 * x  # noqa: E731
+    fn = lambda x: 3 * x
     out = tr(y, fn)
     for t in range(6):
         pooled = y[:, : t + 1].mean(1).flatten(-2)  # running mean over positions <= t
@@ -203,7 +203,7 @@ def test_hyperloop_init_relation_alpha_zero(form, keep):
     T = idx.shape[1]
     from phaseloop.layers import rope_tables
     cos, sin = rope_tables(torch.arange(T), 16, 10000.0)
-    ctx = Context(cos=cos, sin=sin)
+    ctx = ForwardContext(cos=cos, sin=sin)
     tr = looped.trunk
     x = tr.run(tr.begin, x, ctx, "begin")
     for loop in range(tr.n_loops):
@@ -280,8 +280,8 @@ def test_middle_block_shared_and_per_loop_parameters_distinct():
     # one KV-cache entry per (middle layer, loop)
     cache = KVCache()
     m(_idx(T=4), cache=cache)
-    assert {k for k in cache.entries if k[0] == "middle"} == {("middle", i, l) for i in range(mid)
-                                                              for l in range(cfg.n_loops)}
+    assert {k for k in cache.entries if k[0] == "middle"} == {("middle", i, loop) for i in range(mid)
+                                                              for loop in range(cfg.n_loops)}
     # the shared block collects gradient from every loop
     m.train()
     m(_idx(), _idx(seed=2)).loss.backward()
@@ -312,7 +312,7 @@ def test_paper_scale_parameter_counts(scale, names, paper):
     """Each preset's count (built on the meta device, as `phaseloop params` counts it)
     equals the closed-form count of its layers, and total minus the input embedding
     rounds to the paper's figure; vocab 32000 is what makes all twelve figures agree."""
-    from phaseloop.params import count_params
+    from phaseloop.analysis.params import count_params
 
     (d, (b, m, e)), L, n, V = scale, 3, 4, 32000
     d_ff = int(2.75 * d)  # SwiGLU d_ff = 2.75 d
@@ -357,7 +357,7 @@ def test_static_transition_coefficients_do_not_depend_on_the_input(form):
     static = _model("hyperloop-tiny", hc_res=form, hc_dynamic=False)
     n_loops, n, D = static.cfg.n_loops, static.cfg.n_streams, static.cfg.d_model
     hc_params = {k for k, _ in static.named_parameters() if ".hc." in k}
-    assert hc_params == {f"trunk.hc.{l}.{p}" for l in range(n_loops) for p in ("b", "e")}
+    assert hc_params == {f"trunk.hc.{loop}.{p}" for loop in range(n_loops) for p in ("b", "e")}
     n_b = 2 * n + {"diagonal": n, "sinkhorn": n * n, "identity": 0}[form]
     assert _count_model(static) == _count_model(_model("looped-tiny")) + n_loops * (n_b + D)
     assert not torch.equal(static.trunk.hc[0].b, static.trunk.hc[1].b)  # per loop
@@ -488,8 +488,7 @@ def test_default_split():
 
 # ---------------------------------------------------------------------------- quantisation
 def test_quantised_weights_round_trip(tmp_path):
-    from phaseloop.quant import (QUANT_ATTR, collect_hessians, load_quantized_state_dict,
-                                 quantize_model, save_quantized)
+    from phaseloop.quant import QUANT_ATTR, collect_hessians, load_quantized_state_dict, quantize_model, save_quantized
 
     m = _model("hyperloop-tiny")
     calib = [_idx(B=2, T=16, seed=s) for s in range(2)]
@@ -523,7 +522,7 @@ def test_quantised_weights_round_trip(tmp_path):
 
 def test_quantize_cli_end_to_end(tmp_path, text_file, capsys):
     from phaseloop.cli import main
-    from phaseloop.train import TrainConfig, train
+    from phaseloop.lm.train import TrainConfig, train
 
     run = tmp_path / "run"
     train(ModelConfig.from_preset("looped-tiny"),
@@ -551,7 +550,7 @@ def test_torch_path_compiles_with_fullgraph():
     torch.manual_seed(0)
     hc = HyperConnection(ModelConfig.from_preset("mhc-tiny", hc_alpha_init=0.5), False, False)
     y = torch.randn(2, 5, 4, 64, requires_grad=True)
-    run = lambda t: hc(t, torch.tanh)  # noqa: E731
+    run = lambda t: hc(t, torch.tanh)
     want = run(y)
     g_want, = torch.autograd.grad(want.square().sum(), y)
     got = torch.compile(run, fullgraph=True)(y)  # graph breaks would raise
@@ -561,7 +560,7 @@ def test_torch_path_compiles_with_fullgraph():
 
 
 def test_param_breakdown_sums_to_the_total():
-    from phaseloop.params import breakdown, count_params
+    from phaseloop.analysis.params import breakdown, count_params
 
     for name in ("hyperloop-tiny", "looped-tiny", "transformer-tiny"):
         cfg = ModelConfig.from_preset(name)

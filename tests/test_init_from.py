@@ -10,14 +10,16 @@ import shutil
 
 import pytest
 import torch
+from conftest import REPO, TINY, assert_one_line, run_cli, tiny_run
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY, assert_one_line, run_cli, tiny_run
 from phaseloop import ModelConfig, build_model
-from phaseloop.checkpoint import file_sha256, save_checkpoint, write_json
 from phaseloop.engine import TrainConfig, read_metrics
-from phaseloop.initfrom import load_init
-from phaseloop.train import train
+from phaseloop.engine.checkpoint import save_checkpoint
+from phaseloop.engine.initfrom import load_init
+from phaseloop.files import sha256_file as file_sha256
+from phaseloop.files import write_json
+from phaseloop.lm.train import train
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,7 @@ def test_another_shape_or_arch_is_a_named_error(source, tmp_path, capsys):
 
 
 def test_the_tokenizer_must_be_the_same_unless_allowed_with_the_same_vocabulary(tmp_path, text_file, capsys):
-    from phaseloop.tokenizer_train import train_tokenizer
+    from phaseloop.data.tokenizer_train import train_tokenizer
 
     toks = {name: train_tokenizer(str(REPO / "src" / "phaseloop" / f), "bpe", size, tmp_path / name, progress=False)
             for name, f, size in (("a", "train.py", 300), ("b", "config.py", 300), ("c", "train.py", 320))}

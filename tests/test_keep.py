@@ -8,15 +8,15 @@ import shutil
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import load_file
 
-from conftest import run_cli
 from phaseloop import ModelConfig
-from phaseloop.checkpoint import TMP_PREFIX, load_run, verify_checkpoint
 from phaseloop.data import eval_windows, load_corpus
 from phaseloop.engine import TrainConfig, read_metrics
+from phaseloop.engine.checkpoint import TMP_PREFIX, load_run, verify_checkpoint
 from phaseloop.engine.keep import ckpt_step, kept_steps
-from phaseloop.train import evaluate, train
+from phaseloop.lm.train import evaluate, train
 
 CFG = ModelConfig.from_preset("rope-tiny", max_seq_len=16)
 

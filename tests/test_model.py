@@ -66,7 +66,7 @@ def closed_form_params(c: ModelConfig) -> int:
 
 @pytest.mark.parametrize("preset", ["rope-123m", "rope-5.5m", "rope-small"])
 def test_parameter_count_closed_form(preset):
-    from phaseloop.params import count_params
+    from phaseloop.analysis.params import count_params
 
     cfg = ModelConfig.from_preset(preset)
     counts = count_params(cfg)
@@ -122,10 +122,10 @@ def test_gqa_attention_matches_explicit_reference():
     cfg = tiny(n_heads=4, n_kv_heads=2)
     attn = build_model(cfg).trunk.layers[0].attn
     x = torch.randn(2, 6, cfg.d_model)
-    from phaseloop.layers import Context
+    from phaseloop.layers import ForwardContext
 
     cos, sin = rope_tables(torch.arange(6), cfg.head_dim, cfg.rope_base)
-    got = attn(x, Context(cos, sin))
+    got = attn(x, ForwardContext(cos, sin))
     B, T, H, K, E = 2, 6, 4, 2, cfg.head_dim
     q = apply_rope(attn.q_proj(x).view(B, T, H, E).transpose(1, 2), cos, sin)
     k, v = attn.kv_proj(x).view(B, T, 2, K, E).unbind(2)

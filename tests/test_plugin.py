@@ -9,10 +9,8 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
 from conftest import REPO, write_corpus
 
 PLUGIN = REPO / "examples" / "phaseloop-parallel"
@@ -81,7 +79,7 @@ def test_every_command_takes_the_plugin(env, tmp_path, data_dir):
     r = python(env, f"""
 import torch, phaseloop
 from transformers import AutoModelForCausalLM
-from phaseloop.checkpoint import load_run
+from phaseloop.engine.checkpoint import load_run
 hf = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'hf')!r}, trust_remote_code=True).eval()
 ours, _ = load_run({str(run)!r}, torch.device('cpu'))
 idx = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -135,7 +133,8 @@ def test_a_broken_plugin_is_named(tmp_path):
     """An installed plugin that fails to import is one line naming it, not a traceback."""
     site = tmp_path / "site"
     (site / "broken_arch-0.1.dist-info").mkdir(parents=True)
-    (site / "broken_arch-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-arch\nVersion: 0.1\n")
+    (site / "broken_arch-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: broken-arch\nVersion: 0.1\n")
     (site / "broken_arch-0.1.dist-info" / "entry_points.txt").write_text(
         "[phaseloop.architectures]\nbroken = broken_arch\n")
     (site / "broken_arch.py").write_text("raise ImportError('needs torch 9')\n")

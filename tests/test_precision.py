@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from phaseloop import ModelConfig, build_model
+from phaseloop.archs.three_phase import HornInjection, PhaseRotation, phase_offsets
 from phaseloop.layers import KVCache
-from phaseloop.three_phase import HornInjection, PhaseRotation, phase_offsets
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

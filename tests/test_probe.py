@@ -1,22 +1,29 @@
-"""phaseloop.probe (issue 26, inside a trained model) and the zero-sum profile over every
+"""phaseloop.analysis.probe (issue 26, inside a trained model) and the zero-sum profile over every
 trunk's real layer applications: hooks change no number, each captured quantity equals
 the one the model computes."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
+from phaseloop.analysis.probe import (
+    analyze,
+    attention_probs,
+    encode_prompt,
+    loss_vs_depth,
+    next_token,
+    recording,
+    token_losses,
+)
+from phaseloop.archs.three_phase import zero_sum_diagnostic
+from phaseloop.cli.three_phase_cmd import zero_sum_profile
 from phaseloop.config import ModelConfig
+from phaseloop.data.tokenizer import ByteTokenizer
 from phaseloop.decoding import pick_next, sampling_probs
 from phaseloop.errors import PhaseloopError
-from phaseloop.layers import Attention, Context
+from phaseloop.layers import Attention, ForwardContext
 from phaseloop.model import build_model
-from phaseloop.probe import (analyze, attention_probs, encode_prompt, loss_vs_depth, next_token, recording,
-                             token_losses)
-from phaseloop.three_phase import zero_sum_diagnostic, zero_sum_profile
-from phaseloop.tokenizer import ByteTokenizer
 
 PHASES = dict(n_phases=3, phase_rotation=True, phase_norm=True, horn=True)
 SMALL = dict(vocab_size=64, d_model=48, n_heads=6, n_kv_heads=3, d_ff=64, max_seq_len=32)
@@ -44,7 +51,7 @@ def test_zero_sum_profile_walks_every_application(arch, over, n_apps):
     model, idx = _model(arch, **over), _idx()
     with torch.no_grad():
         x_BTD = model.embed(idx)
-        y_BTD = model.trunk(x_BTD, Context.at(model.cfg, 0, idx.shape[1], idx.device))
+        y_BTD = model.trunk(x_BTD, ForwardContext.at(model.cfg, 0, idx.shape[1], idx.device))
     rows = zero_sum_profile(model, idx)
     assert len(rows) == 1 + n_apps, [r["site"] for r in rows]  # was 1 (embedding alone) for mhc
     assert len({r["site"] for r in rows}) == len(rows)  # every application named apart
@@ -70,7 +77,7 @@ def test_attention_probs_are_the_weights_sdpa_applies(arch, over):
     model = _model(arch, phases=arch != "rope", **over)
     attn: Attention = next(m for m in model.modules() if isinstance(m, Attention))
     x = torch.randn(2, 12, 48)
-    ctx = Context.at(model.cfg, 0, 12, x.device)
+    ctx = ForwardContext.at(model.cfg, 0, 12, x.device)
     with torch.no_grad():
         p_BHTS = attention_probs(attn, x, ctx)
         _, v_BKSE = attn.project_kv(x)
@@ -106,7 +113,7 @@ def test_analyze_loss_ponder_and_stripes():
     assert a.ponder == pytest.approx(ref.stats["ponder_time"][0].tolist())
     assert len(a.halting[0]) == 10 and len(a.halting) == ref.stats["halting_probs"].shape[0]
     # the horn sets the DC of token t to r(t) = 1/(t+1) and the stripes' sum to N H_T / T
-    emb = a.stripes[0]
+    emb = a.extras["stripes"][0]
     assert emb["site"] == "embedding"
     assert emb["dc"] == pytest.approx([1 / (t + 1) for t in range(10)], abs=1e-5)
     assert emb["zero_sum"] == pytest.approx(3 * sum(1 / k for k in range(1, 11)) / 10, abs=1e-5)
@@ -117,12 +124,13 @@ def test_analyze_angles_and_mixing():
     model, idx = _model("hyperloop", n_layers=4, n_begin=1, n_end=1, n_loops=3), _idx(T=8, B=1)
     a = analyze(model, idx[0])
     rot = [m for m in model.modules() if type(m).__name__ == "PhaseRotation"]
-    assert len(a.angles["theta"]) == len(rot) and len(a.angles["theta"][0]) == 8  # d_phase / 2
-    assert [r["layer"] for r in a.angles["drift"]] == [m.layer_idx for m in rot]
+    assert len(a.extras["angles"]["theta"]) == len(rot) and len(a.extras["angles"]["theta"][0]) == 8  # d_phase / 2
+    assert [r["layer"] for r in a.extras["angles"]["drift"]] == [m.layer_idx for m in rot]
     assert len(a.mixing) == 3  # one hyper-connection per loop
     hc = model.trunk.hc[0]
     with torch.no_grad():
-        x = model.trunk.run(model.trunk.begin, model.embed(idx), Context.at(model.cfg, 0, 8, idx.device), "begin")
+        x = model.trunk.run(model.trunk.begin, model.embed(idx), ForwardContext.at(model.cfg, 0, 8, idx.device),
+                            "begin")
         pre, post, res = hc.coefficients(x.unsqueeze(2).expand(-1, -1, 4, -1))
     assert torch.allclose(torch.tensor(a.mixing[0]["pre"]), pre[0], atol=1e-6)
     assert torch.allclose(torch.tensor(a.mixing[0]["post"]), post[0], atol=1e-6)

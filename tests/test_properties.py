@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phaseloop.compare import Recipe, plan_variants
 from phaseloop import registry
+from phaseloop.compare import Recipe, plan_variants
 from phaseloop.config import PRESETS, ModelConfig
 from phaseloop.engine import TrainConfig
 from phaseloop.errors import PhaseloopError

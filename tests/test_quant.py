@@ -8,9 +8,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from phaseloop.quant import (QUANT_ATTR, collect_hessians, dequantize, gptq_quantize, load_quantized_state_dict,
-                             pack_int4, quantize_model, quantize_rtn, quantized_state_dict, save_quantized,
-                             unpack_int4)
+from phaseloop.quant import (
+    QUANT_ATTR,
+    collect_hessians,
+    dequantize,
+    gptq_quantize,
+    load_quantized_state_dict,
+    pack_int4,
+    quantize_model,
+    quantize_rtn,
+    quantized_state_dict,
+    save_quantized,
+    unpack_int4,
+)
 
 torch.set_num_threads(1)
 
@@ -274,6 +284,7 @@ def test_head_tied_to_embedding_is_left_alone():
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 def test_torchao_cpu():
     errs = {}
-    for bits, _, rep, errs[bits], _, _ in _each_width("torchao"):
+    for bits, _, rep, err, _, _ in _each_width("torchao"):
+        errs[bits] = err
         assert rep["n_quantized"] == 4 and rep["bytes_after"] < rep["bytes_before"]
     assert errs[8] < 0.01 and errs[8] < errs[4] < 0.3, errs

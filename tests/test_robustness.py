@@ -10,17 +10,14 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import TINY, assert_one_line, run_cli, snapshot, write_corpus
-from phaseloop.checkpoint import file_sha256, load_run, save_checkpoint
+
 from phaseloop.cli import main
 from phaseloop.engine import TrainConfig, Trainer
+from phaseloop.engine.checkpoint import load_run, save_checkpoint
 from phaseloop.engine.trainer import DivergedError
+from phaseloop.files import sha256_file as file_sha256
 from phaseloop.model import ModelOutput
-
-
-
-
 
 
 @pytest.fixture(scope="module")
@@ -329,30 +326,30 @@ def test_an_unwritable_out_is_one_line(world, tmp_path, capsys, monkeypatch):
     assert_one_line(code, err, "No space left on device")
 
 
-def test_file_sha256_reads_a_settled_file_once_and_any_change_again(tmp_path, monkeypatch):
+def test_sha256_file_reads_a_settled_file_once_and_any_change_again(tmp_path, monkeypatch):
     """The digest is kept per (inode, size, mtime, ctime) for files older than 2 s, so a
     checkpoint verified twice is read once; a rewrite, or a file changed just now (file
     times are coarser than a fast rewrite), is read again."""
     import hashlib
     import os
 
-    from phaseloop import checkpoint
+    from phaseloop import files
 
     reads = []
     real = hashlib.file_digest
-    monkeypatch.setattr(checkpoint.hashlib, "file_digest", lambda f, d: reads.append(f.name) or real(f, d))
-    monkeypatch.setattr(checkpoint, "_SHA256", {})
+    monkeypatch.setattr(files.hashlib, "file_digest", lambda f, d: reads.append(f.name) or real(f, d))
+    monkeypatch.setattr(files, "_SHA256", {})
     p = tmp_path / "w.bin"
     p.write_bytes(b"a" * 100)
-    assert checkpoint.file_sha256(p) == checkpoint.file_sha256(p) == hashlib.sha256(b"a" * 100).hexdigest()
+    assert files.sha256_file(p) == files.sha256_file(p) == hashlib.sha256(b"a" * 100).hexdigest()
     assert len(reads) == 2  # just written: not trusted to the stat
     old = p.stat().st_mtime_ns - 10**10
     os.utime(p, ns=(old, old))
-    monkeypatch.setattr(checkpoint.time, "time_ns", lambda: p.stat().st_ctime_ns + 3 * 10**9)
-    checkpoint.file_sha256(p), checkpoint.file_sha256(p)
+    monkeypatch.setattr(files.time, "time_ns", lambda: p.stat().st_ctime_ns + 3 * 10**9)
+    files.sha256_file(p), files.sha256_file(p)
     assert len(reads) == 3  # settled: read once
     p.write_bytes(b"b" * 100)  # same size, new content
     os.utime(p, ns=(old, old))  # even with the old mtime: the ctime moved
-    monkeypatch.setattr(checkpoint.time, "time_ns", lambda: p.stat().st_ctime_ns + 3 * 10**9)
-    assert checkpoint.file_sha256(p) == hashlib.sha256(b"b" * 100).hexdigest()
+    monkeypatch.setattr(files.time, "time_ns", lambda: p.stat().st_ctime_ns + 3 * 10**9)
+    assert files.sha256_file(p) == hashlib.sha256(b"b" * 100).hexdigest()
     assert len(reads) == 4

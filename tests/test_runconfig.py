@@ -6,13 +6,12 @@ import json
 
 import pytest
 
-from phaseloop.cli import build_parser, main
-from phaseloop.cli import trainflags
+from phaseloop.cli import build_parser, main, trainflags
 from phaseloop.config import ModelConfig
 from phaseloop.engine import OPTIMIZERS, TrainConfig
 from phaseloop.errors import ConfigError
-from phaseloop.runconfig import RunSpec, read_config, resolve_run
-from phaseloop.train import train
+from phaseloop.lm.runconfig import TrainRun, read_config, resolve_run
+from phaseloop.lm.train import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,7 +91,8 @@ def test_the_flags_of_earlier_versions_still_parse():
            "--device": ("device", "cpu"), "--parallel": ("parallel", "fsdp"),
            "--peak-tflops": ("peak_tflops", "100"), "--skip-nonfinite": ("skip_nonfinite", "2")}
     argv = [a for flag, (_, v) in old.items() for a in (flag, v)]
-    args = parse(*argv, "--compile", "model", "--checkpoint-activations", "--preset", "rope-tiny", "--set", "n_layers=2",
+    args = parse(*argv, "--compile", "model", "--checkpoint-activations", "--preset", "rope-tiny",
+                 "--set", "n_layers=2",
                  "--data", "x.txt", "--tokenizer", "bytes", "--text-column", "body", "--data-split", "test",
                  "--streaming", "--out", "o", "--resume", "--quiet")
     want = {"steps": 7, "batch_size": 3, "grad_accum": 2, "seq_len": 32, "lr": 0.01, "min_lr_ratio": 0.2,
@@ -161,7 +161,7 @@ def read_config_text(tmp_path, text: str) -> dict:
 
 def test_round_trip_with_a_learned_tokenizer(tmp_path, text_file, capsys):
     """A preset takes the tokenizer's vocabulary; the file holds it, read back as explicit."""
-    from phaseloop.tokenizer_train import train_tokenizer
+    from phaseloop.data.tokenizer_train import train_tokenizer
 
     tok = train_tokenizer(str(text_file), "bpe", 300, tmp_path / "bpe", progress=False)
     assert main(["train", "--preset", "3pt-tiny", "--tokenizer", str(tok.path), "--print-config"]) == 0
@@ -194,7 +194,8 @@ def test_flags_override_the_file(tmp_path, text_file, capsys):
                    f'[data]\nsource = "{text_file}"\ntext_column = "body"\n')
     spec = resolve_run(cfg)
     assert (spec.model.n_layers, spec.model.dropout, spec.model.d_model) == (1, 0.1, 96)
-    assert (spec.train.steps, spec.train.lr, spec.train.compile, spec.train.warmup_steps) == (7, 0.01, "model", 50)  # compile = true: the whole model, as before issue 30
+    # compile = true: the whole model, as before issue 30
+    assert (spec.train.steps, spec.train.lr, spec.train.compile, spec.train.warmup_steps) == (7, 0.01, "model", 50)
     assert spec.data == {"source": str(text_file), "tokenizer": "bytes", "text_column": "body", "split": "train",
                          "streaming": False, "doc_sep": None}
     assert spec.preset == "rope-tiny" and spec.out.name.startswith("rope-tiny-")
@@ -208,12 +209,12 @@ def test_flags_override_the_file(tmp_path, text_file, capsys):
 
 
 def test_resolve_run_from_python_with_a_dict(tmp_path, text_file):
-    from phaseloop.runconfig import train_run
+    from phaseloop.lm.runconfig import train_run
 
     spec = resolve_run({"model": {"preset": "rope-tiny", "n_layers": 1}, "train": {"steps": 2, "batch_size": 2,
                         "eval_windows": 2, "warmup_steps": 1}, "data": {"source": str(text_file)}},
                        out=tmp_path / "r")
-    assert isinstance(spec, RunSpec) and spec.out == tmp_path / "r" and not spec.out.exists()
+    assert isinstance(spec, TrainRun) and spec.out == tmp_path / "r" and not spec.out.exists()
     s = train_run(spec, progress=False)
     assert s["step"] == 2 and json.loads((tmp_path / "r" / "config.json").read_text())["train"]["steps"] == 2
 

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from phaseloop import ConfigError, ModelConfig
+from phaseloop.archs.seq2seq import collate
+from phaseloop.data.tokenizer import BOS, EOS, PAD
+from phaseloop.decoding import until_eos
 from phaseloop.layers import KVCache
 from phaseloop.models import TransformerSeq2Seq, UniversalSeq2Seq, build_seq2seq
-from phaseloop.decoding import until_eos
-from phaseloop.seq2seq import collate
-from phaseloop.tasks.models import task_train_config, train_pairs
-from phaseloop.tokenizer import BOS, EOS, PAD
-
+from phaseloop.tasks.task_model import task_train_config, train_pairs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -186,7 +185,7 @@ def test_generate_equals_stepwise_argmax_of_teacher_forcing():
                                       (universal(act=True), "universal-seq2seq")],
                          ids=["transformer", "ut-act"])
 def test_copy_task_trains_to_zero_loss(cfg, arch):
-    """Through the one training engine (tasks.models.train_pairs): targets end in EOS."""
+    """Through the one training engine (tasks.task_model.train_pairs): targets end in EOS."""
     pairs = [(s, t + [EOS]) for s, t in copy_pairs(400 * 32, random.Random(0))]
     tc = task_train_config(steps=400, batch_size=32, lr=1e-2, warmup_steps=20, weight_decay=0.0,
                            beta2=0.95, log_every=10)

@@ -180,7 +180,7 @@ def test_char_vocab_roundtrip_and_specials():
     assert v.decode(ids + [5, 6]) == "12+9"  # stops at EOS
     assert v.decode([v.PAD] + ids[:-1] + [v.PAD]) == "12+9"
     ex = make_examples("addition", 1, [3], seed=0)[0]
-    from phaseloop.tasks.models import decoder_batch, encode_pairs
+    from phaseloop.tasks.task_model import decoder_batch, encode_pairs
 
     idx, tgt = decoder_batch(encode_pairs([ex], v))  # input + SEP + target + EOS, shifted
     assert idx[0].tolist().count(v.SEP) == 1 and tgt[0, -1] == v.EOS

@@ -2,9 +2,17 @@
 
 import pytest
 
-from phaseloop.tasks.parity_demo import (prefix_parity_bits, random_bits, render_demo, run_fixed_stack,
-                                         run_shared, run_without_step_signal, scan_step, steps_needed,
-                                         steps_needed_without_signal)
+from phaseloop.tasks.parity_demo import (
+    prefix_parity_bits,
+    random_bits,
+    render_demo,
+    run_fixed_stack,
+    run_shared,
+    run_without_step_signal,
+    scan_step,
+    steps_needed,
+    steps_needed_without_signal,
+)
 
 
 def test_scan_step_offsets():

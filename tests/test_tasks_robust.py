@@ -10,8 +10,8 @@ import pytest
 from phaseloop.cli import main
 from phaseloop.config import ModelConfig
 from phaseloop.tasks import Example
-from phaseloop.tasks.report import format_babi_table, format_table, length_span, model_label, task_title
 from phaseloop.tasks.positions import positions_needed
+from phaseloop.tasks.report import format_babi_table, format_table, length_span, model_label, task_title
 from phaseloop.tasks.runner import task_model_config
 
 TINY_SET = ["--set", "d_model=32", "--set", "n_heads=2", "--set", "n_kv_heads=2", "--set", "d_ff=64"]

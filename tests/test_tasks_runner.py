@@ -13,10 +13,18 @@ from phaseloop.layers import KVCache
 from phaseloop.model import build_model
 from phaseloop.tasks import CharVocab, Example, TaskSpec
 from phaseloop.tasks.babi import WordVocab
-from phaseloop.tasks.models import (DecoderTaskModel, build_task_model, decode_pairs, decoder_batch,
-                                    encode_pairs, task_model_class, task_train_config)
+from phaseloop.tasks.babi_runner import run_babi
 from phaseloop.tasks.report import length_metrics
-from phaseloop.tasks.runner import algorithmic_data, run_babi, run_examples, task_model_config
+from phaseloop.tasks.runner import algorithmic_data, run_examples, task_model_config
+from phaseloop.tasks.task_model import (
+    DecoderTaskModel,
+    build_task_model,
+    decode_pairs,
+    decoder_batch,
+    encode_pairs,
+    task_model_class,
+    task_train_config,
+)
 
 TINY = dict(arch="rope", d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=14, max_seq_len=32)
 TINY_SET = ["--set", "d_model=32", "--set", "n_heads=2", "--set", "n_kv_heads=2", "--set", "d_ff=64"]

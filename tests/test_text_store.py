@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import run_cli, write_corpus
-from phaseloop import store as token_store
+
 from phaseloop.cli import main
 from phaseloop.data import load_corpus
+from phaseloop.data import store as token_store
+from phaseloop.data.sources import resolve
 from phaseloop.errors import CheckpointError, DataError
-from phaseloop.sources import resolve
 
 TINY = ["--preset", "rope-tiny", "--batch-size", "2", "--eval-windows", "2", "--warmup", "2", "--quiet",
         "--steps", "2"]

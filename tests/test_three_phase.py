@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from phaseloop import ConfigError, ModelConfig, build_model
-from phaseloop.params import count_params
-from phaseloop.three_phase import HornInjection, PhaseRMSNorm, PhaseRotation, zero_sum_diagnostic
+from phaseloop.analysis.params import count_params
+from phaseloop.archs.three_phase import HornInjection, PhaseRMSNorm, PhaseRotation, zero_sum_diagnostic
 
 
 def cfg3(**kw):
@@ -46,11 +46,11 @@ def test_rotation_equals_explicit_givens_and_preserves_stripe_norms(N):
 def test_offsets_and_depth_linear_init():
     cfg = cfg3(n_layers=4)
     m = build_model(cfg)
-    for l, layer in enumerate(m.trunk.layers):
+    for layer_idx, layer in enumerate(m.trunk.layers):
         pr = layer.between
         assert isinstance(pr, PhaseRotation)
         assert torch.allclose(pr.offsets, torch.tensor([0, 2 * math.pi / 3, 4 * math.pi / 3]))
-        assert torch.allclose(pr.theta, torch.full((8,), (l + 1) * math.pi / (2 * 4)))
+        assert torch.allclose(pr.theta, torch.full((8,), (layer_idx + 1) * math.pi / (2 * 4)))
         assert pr.theta.shape == (cfg.d_phase // 2,)
 
 
@@ -60,12 +60,12 @@ def test_rotation_sits_between_attention_and_ffn_not_residual():
     seen = {}
     blk.between.register_forward_hook(lambda mod, inp, out: seen.update(inp=inp[0], out=out))
     blk.ffn_norm.register_forward_pre_hook(lambda mod, inp: seen.update(ffn_in=inp[0]))
-    from phaseloop.layers import Context, rope_tables
+    from phaseloop.layers import ForwardContext, rope_tables
 
     x = torch.randn(1, 4, 48)
     cos, sin = rope_tables(torch.arange(4), cfg.head_dim, cfg.rope_base)
-    y = blk(x, Context(cos, sin))
-    h = x + blk.attn(blk.attn_norm(x), Context(cos, sin))
+    y = blk(x, ForwardContext(cos, sin))
+    h = x + blk.attn(blk.attn_norm(x), ForwardContext(cos, sin))
     assert torch.allclose(seen["inp"], h, atol=1e-6)
     assert torch.equal(seen["ffn_in"], seen["out"])
     assert torch.allclose(y, seen["out"] + blk.ffn(blk.ffn_norm(seen["out"])), atol=1e-6)
@@ -292,7 +292,7 @@ def test_3pt_paper_recipe_uses_the_authors_settings():
     from pathlib import Path
 
     from phaseloop.compare import load_recipe, plan_variants
-    from phaseloop.tokenizer import PAD
+    from phaseloop.data.tokenizer import PAD
 
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "3pt_paper.toml")
     tc = recipe.train_config(0)
@@ -314,7 +314,7 @@ def test_3pt_paper_recipe_uses_the_authors_settings():
 def test_horn_zero_sum_closed_form_equals_the_diagnostic():
     """N·H_T/T (0.0220 for N = 3, T = 1024) is the zero-sum diagnostic of the horn's
     output on any input (the injection sets the all-ones component to r(t))."""
-    from phaseloop.three_phase import horn_zero_sum
+    from phaseloop.archs.three_phase import horn_zero_sum
 
     assert round(horn_zero_sum(3, 1024), 4) == 0.0220
     horn = HornInjection(cfg3())

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from phaseloop import ConfigError, DataError, ModelConfig, build_model
-from phaseloop import sources as S
-from phaseloop import store as ST
 from phaseloop.cli import main
 from phaseloop.data import eval_windows, load_corpus
+from phaseloop.data import sources as S
+from phaseloop.data import store as ST
+from phaseloop.data.tokenizer import ByteTokenizer, load_tokenizer
+from phaseloop.data.tokenizer_train import train_tokenizer
 from phaseloop.engine import TrainConfig
-from phaseloop.tokenizer import ByteTokenizer, load_tokenizer
-from phaseloop.tokenizer_train import train_tokenizer
-from phaseloop.train import evaluate, train
+from phaseloop.lm.train import evaluate, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -161,7 +161,7 @@ def test_peak_memory_is_bounded_not_proportional(tmp_path):
     code = f"""
 import resource
 from phaseloop import sources, store
-from phaseloop.tokenizer import ByteTokenizer
+from phaseloop.data.tokenizer import ByteTokenizer
 def vmdata():
     return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmData')) * 1024
 src = sources.resolve({str(big)!r})

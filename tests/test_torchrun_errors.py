@@ -62,7 +62,7 @@ def worker(tmp_path, monkeypatch):
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", "29999")
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error-{rank}.json"))
-        monkeypatch.setattr(cli, "PEER_EXIT_DELAY_S", 0.0)
+        monkeypatch.setattr(cli.exits, "PEER_EXIT_DELAY_S", 0.0)
         return tmp_path / f"error-{rank}.json"
     return as_rank
 

@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import TINY, assert_one_line, run_cli
+
 from phaseloop import ModelConfig, build_model, registry
 from phaseloop.engine import TrainConfig, read_metrics
 from phaseloop.engine.trackers import IDS, scalars, wandb_files, wandb_history
-from phaseloop.train import train
+from phaseloop.lm.train import train
 
 CFG = ModelConfig.from_preset("3pt-tiny", max_seq_len=16)
 TIMING = ("tok_per_s", "elapsed_s")  # differ between an interrupted process and its resumption
@@ -152,7 +152,7 @@ def test_trackers_open_in_the_process_that_writes_the_run_only(tmp_path, text_fi
 
 # ------------------------------------------------------------------ the archs' own quantities
 def test_3pt_angle_drift_per_layer():
-    from phaseloop.three_phase import PhaseRotation
+    from phaseloop.archs.three_phase import PhaseRotation
 
     model = build_model(CFG)
     assert registry.diagnostics(model, {}) == {"three_phase/angle_drift/layer0": 0.0,
@@ -178,7 +178,7 @@ def test_act_ponder_mean_spread_and_max_over_every_process():
 
 @pytest.mark.parametrize("over", [{}, {"hc_res": "sinkhorn"}, {"hc_dynamic": False}, {"hc_per_layer": True}])
 def test_hyperloop_coefficients_per_loop(over):
-    from phaseloop.hyperconn import sinkhorn
+    from phaseloop.archs.hyperconn import sinkhorn
 
     model = build_model(ModelConfig.from_preset("hyperloop-tiny", max_seq_len=16, **over))
     trunk, n = model.trunk, model.cfg.n_streams

@@ -4,10 +4,9 @@ import math
 import pytest
 import torch
 
-from phaseloop import CheckpointError, ModelConfig
+from phaseloop import CheckpointError, ModelConfig, build_model
 from phaseloop.engine import TrainConfig, lr_at, make_optimizer
-from phaseloop.train import train
-from phaseloop import build_model
+from phaseloop.lm.train import train
 
 CFG = ModelConfig.from_preset("rope-tiny", max_seq_len=32)
 
@@ -60,7 +59,7 @@ def test_weight_decay_on_every_parameter_with_decay_all():
     lr * wd * θ0 below where decay="matrices" leaves it (the same Adam update)."""
     import copy
 
-    from phaseloop.three_phase import PhaseRMSNorm, PhaseRotation
+    from phaseloop.archs.three_phase import PhaseRMSNorm, PhaseRotation
 
     model = build_model(ModelConfig.from_preset("3pt-tiny")).double()
     c = tc(decay="all")
@@ -207,7 +206,7 @@ def test_resume_without_a_run_starts_it(tmp_path, text_file):
 def test_interrupted_checkpoint_swap_keeps_previous(tmp_path, text_file):
     """If the process dies between moving the old checkpoint aside and renaming the new
     one in, the old one is still found."""
-    from phaseloop.checkpoint import checkpoint_dir, load_run
+    from phaseloop.engine.checkpoint import checkpoint_dir, load_run
 
     run = tmp_path / "run"
     train(CFG, tc(steps=5), text_file, run, progress=False)
@@ -222,7 +221,7 @@ def test_checkpoint_of_an_earlier_version_loads(tmp_path):
     ``horn``) are renamed on load: the same weights come back."""
     from safetensors.torch import save_file
 
-    from phaseloop.checkpoint import load_model_state
+    from phaseloop.engine.checkpoint import load_model_state
 
     cfg = ModelConfig.from_preset("3pt-tiny", learnable_horn=True)
     torch.manual_seed(0)
@@ -251,8 +250,8 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, text_file):
 def test_evaluate_leaves_ignored_targets_out():
     """evaluate(ignore_id=k): nats, tokens and bytes over the targets != k only, equal to
     the cross-entropy of the kept targets; the run's loss_ignore_id reaches it."""
-    from phaseloop.tokenizer import ByteTokenizer
-    from phaseloop.train import evaluate
+    from phaseloop.data.tokenizer import ByteTokenizer
+    from phaseloop.lm.train import evaluate
 
     torch.manual_seed(0)
     model = build_model(ModelConfig.from_preset("rope-tiny", vocab_size=256, max_seq_len=16)).eval()

@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaseloop import ConfigError, ModelConfig, build_model
-from phaseloop.act import halting_schedule, ponder_cost
-from phaseloop.layers import Attention, Context, KVCache, ReLUFFN, RMSNorm, SwiGLU, make_norm, rope_tables
-from phaseloop.universal import CoordinateSignal, UniversalTrunk, timing_signal
-
+from phaseloop.archs.act import halting_schedule, ponder_cost
+from phaseloop.archs.universal import CoordinateSignal, UniversalTrunk, timing_signal
+from phaseloop.layers import Attention, ForwardContext, KVCache, ReLUFFN, RMSNorm, SwiGLU, make_norm, rope_tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,7 +91,7 @@ def test_gradients_accumulate_across_steps():
     tied = {n: p.grad.clone() for n, p in m.trunk.block.named_parameters()}
     m.zero_grad()
     cos, sin = rope_tables(torch.arange(10), m.cfg.head_dim, m.cfg.rope_base)
-    ctx = Context(cos=cos.double(), sin=sin.double())
+    ctx = ForwardContext(cos=cos.double(), sin=sin.double())
     x = m.embed(idx)
     pos = m.trunk.signal.position(0, 10, x.device).double()
     for t, blk in enumerate(copies):
@@ -135,7 +134,7 @@ def test_coordinate_signal_added_before_every_step():
     m(idx[:, 2:], cache=cache)  # positions 2..4 after a cached prefix
     assert len(seen) == 3
     x = m.embed(idx[:, 2:], 2)
-    ctx = Context(*rope_tables(torch.arange(2, 5), 8, m.cfg.rope_base), start_pos=2, cache=snapshot)
+    ctx = ForwardContext(*rope_tables(torch.arange(2, 5), 8, m.cfg.rope_base), start_pos=2, cache=snapshot)
     for t in range(3):
         want = x + timing_signal(torch.arange(2, 5), 32) + timing_signal(torch.tensor([t]), 32)[0]
         assert torch.allclose(seen[t], want, atol=1e-5)
@@ -174,7 +173,7 @@ def test_depth_extrapolation_runs(kw):
 
 def _ctx(T, start=0):
     cos, sin = rope_tables(torch.arange(start, start + T), 8, 10000.0)
-    return Context(cos=cos, sin=sin, start_pos=start)
+    return ForwardContext(cos=cos, sin=sin, start_pos=start)
 
 
 def test_steps_kwarg_equals_set_steps():
@@ -233,7 +232,7 @@ def test_ponder_loss_has_gradient_and_is_logged_separately():
 
 
 def test_train_logs_ponder_loss(tmp_path, text_file):
-    from phaseloop.train import TrainConfig, train
+    from phaseloop.lm.train import TrainConfig, train
 
     records = []
     train(ut(act=True, vocab_size=256), TrainConfig(steps=2, batch_size=2, seq_len=16, eval_every=2,
@@ -452,7 +451,7 @@ def test_attention_with_biases_equals_hand_formula(use_rope):
     B, T, H, K, E = 2, 6, 4, 2, 8
     x = torch.randn(B, T, 32, dtype=torch.float64)
     cos, sin = rope_tables(torch.arange(T), E, cfg.rope_base)
-    ctx = Context(cos=cos.double(), sin=sin.double())
+    ctx = ForwardContext(cos=cos.double(), sin=sin.double())
 
     def by_hand():
         q = (x @ attn.q_proj.weight.T + attn.q_proj.bias).view(B, T, H, E).transpose(1, 2)
@@ -496,7 +495,7 @@ def _t2t_act(trunk, x, ctx, threshold=0.99, max_steps=6):
     """tensor2tensor's ``adaptive_universal_transformer`` (act_type basic) transcribed
     line by line — ``ut_function`` inside ``tf.while_loop(should_continue, ...)`` — with
     phaseloop's step_preprocess (signal), sigmoid dense (halting) and layer (block).
-    Written from t2t, not from ``phaseloop.act``; tf.cast of a comparison has no
+    Written from t2t, not from ``phaseloop.archs.act``; tf.cast of a comparison has no
     gradient, as torch's. Returns (new_state, ponder_loss)."""
     pos = trunk.signal.position(0, x.shape[1], x.device)
     z = torch.zeros(x.shape[:2], dtype=x.dtype)
@@ -571,7 +570,7 @@ def test_coordinate_signal_norms_both_conventions():
     """One sinusoid has norm sqrt(d/2) (16 at d 512); position + step peaks at sqrt(2d)
     (32) where i = t and depends on i - t only; at i - t = 997 the paper's interleaved
     formula (eq. 6-7) gives 24.715, tensor2tensor's concatenated sinusoid 24.834."""
-    from phaseloop.universal_explain import coordinate_signal
+    from phaseloop.analysis.ut_explainer import coordinate_signal
 
     d = 512
     for conv in ("t2t", "paper"):
@@ -593,7 +592,7 @@ def test_coordinate_signal_norms_both_conventions():
 
 
 def test_schedule_grids():
-    from phaseloop.universal_explain import schedule_grids
+    from phaseloop.analysis.ut_explainer import schedule_grids
 
     p = torch.tensor([[0.995, 0.5, 0.2], [0.5, 0.6, 0.2], [0.5, 0.5, 0.2]], dtype=torch.float64)
     g = schedule_grids(3, 2, p)

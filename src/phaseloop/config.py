@@ -17,20 +17,13 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from . import registry
-from .errors import ConfigError
-from .validation import check_ints, check_types
-
-
-MAX_LAYERS = 1024  # distinct layers built; the deepest published models have a few hundred
-MAX_DEPTH = 4096  # layer applications per token (loops included): model.build_model checks it
-MAX_SEQ_LEN = 2**24  # positions: a T x T attention score matrix beyond it overflows torch's sizes
-MAX_INT = 2**31 - 1  # any integer field: sizes beyond it overflow the kernels' 32-bit (or torch's 64-bit) counts
-MAX_SEED = 2**63 - 1  # torch.manual_seed's range (CLI seeds, recipe seeds)
+from phaseloop import registry
+from phaseloop.errors import ConfigError
+from phaseloop.validation import MAX_DEPTH, MAX_INT, MAX_LAYERS, MAX_SEED, MAX_SEQ_LEN, check_ints, check_types  # noqa: F401
 
 
 def _fail(name: str, value: Any, why: str) -> None:
-    raise ConfigError(f"invalid config: {name}={value!r}: {why}")
+    raise ConfigError.invalid(f"{name}={value!r}: {why}")
 
 
 def fail(name: str, value: Any, why: str) -> None:
@@ -108,7 +101,7 @@ class ModelConfig:
             known = sorted([*core, *own, *foreign, *registry.layer_names()])
             close = difflib.get_close_matches(unknown[0], known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"invalid config: unknown field(s) {', '.join(unknown)}{hint}; "
+            raise ConfigError.invalid(f"unknown field(s) {', '.join(unknown)}{hint}; "
                               f"known fields: {', '.join(known)}")
         for name, value in kw.items():  # another arch's option: it would be silently ignored
             if name in foreign and value != _defaults(foreign[name])[name]:
@@ -133,7 +126,8 @@ class ModelConfig:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)  # derived: not "given"
         if self.d_ff is None:  # 4d for the ReLU FFN (Vaswani), 8/3 d for SwiGLU (same params)
-            object.__setattr__(self, "d_ff", 4 * self.d_model if self.ffn == "relu" else 32 * math.ceil(8 * self.d_model / 3 / 32))
+            object.__setattr__(self, "d_ff", 4 * self.d_model if self.ffn == "relu"
+                               else 32 * math.ceil(8 * self.d_model / 3 / 32))
         self.validate()
 
     # ------------------------------------------------------------------ option fields
@@ -163,7 +157,7 @@ class ModelConfig:
         target = self if name in self.__dataclass_fields__ else next(
             (g for g in self._groups.values() if name in g.__dataclass_fields__), None)
         if target is None:
-            raise ConfigError(f"invalid config: {name}: not a field of arch={self.arch!r} "
+            raise ConfigError.invalid(f"{name}: not a field of arch={self.arch!r} "
                               "(phaseloop archs lists its options); use replace() to change the arch")
         object.__setattr__(target, name, value)
         object.__setattr__(self, "_given", self._given | {name})
@@ -183,7 +177,7 @@ class ModelConfig:
         self.__init__(**state)
 
     @property
-    def spec(self) -> "registry.ArchSpec":
+    def spec(self) -> registry.ArchSpec:
         return registry.get_arch(self.arch)
 
     @classmethod
@@ -254,12 +248,12 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
-            raise ConfigError(f"invalid config: expected a table of fields, got {type(d).__name__}")
+            raise ConfigError.invalid(f"expected a table of fields, got {type(d).__name__}")
         return cls(**d)
 
-    def replace(self, **overrides) -> "ModelConfig":
+    def replace(self, **overrides) -> ModelConfig:
         """The config built from this one's explicit fields plus ``overrides``: values that
         were derived (d_ff, n_kv_heads, the architecture's defaults) are derived again."""
         return ModelConfig(**merged(self._explicit(), overrides))
@@ -272,7 +266,7 @@ class ModelConfig:
         return {k: v for k, v in d.items() if k in self._given or k == "arch"}
 
     @classmethod
-    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
+    def from_preset(cls, name: str, **overrides) -> ModelConfig:
         registry.arch_names()  # a plugin's presets are known once it is loaded
         if name not in PRESETS:
             close = difflib.get_close_matches(name, list(PRESETS), n=1)
@@ -298,10 +292,6 @@ def _layers_by_name(spec, kw: dict) -> dict:
     return kw
 
 
-# name -> ModelConfig fields; each architecture adds its own (ArchSpec.presets)
-PRESETS: dict[str, dict] = {}
-
-
-def register_presets(presets: dict[str, dict]) -> None:
-    """Add presets (each names its arch); an ArchSpec's ``presets`` come here too."""
-    PRESETS.update(presets)
+registry.reserve([f.name for f in fields(ModelConfig)], dir(ModelConfig))
+PRESETS = registry.PRESETS  # name -> ModelConfig fields; each architecture adds its own
+register_presets = registry.register_presets

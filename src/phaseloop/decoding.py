@@ -3,11 +3,11 @@ encoder-decoders' ``generate`` and the task runner's greedy answers."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from .layers import KVCache
+from phaseloop.layers import KVCache
 
 
 def sampling_probs(logits_BV: torch.Tensor, temperature: float, top_k: int | None = None) -> torch.Tensor:

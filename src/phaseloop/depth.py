@@ -1,5 +1,5 @@
-"""Depth at inference (issue 25) through the trunk interface: ``Trunk.set_depth`` on a
-loaded model, and the forward FLOPs per token at that depth. UT: steps (ACT: the step
+"""Depth at inference through the trunk interface: ``Trunk.set_depth`` on a loaded model
+(its FLOPs per token: ``analysis.params.flops_per_token``), and depth sampled in training. UT: steps (ACT: the step
 limit; Dehghani et al. 2019 §2.2); Looped / Hyperloop: passes of the shared middle block
 (Zeitoun et al., arXiv 2604.21254 §2); a stack has no depth to change."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 import random
 from contextlib import contextmanager
 
-from . import registry
-from .config import ModelConfig
-from .errors import ConfigError
+from phaseloop import registry
+from phaseloop.config import MAX_DEPTH
+from phaseloop.errors import ConfigError
 
 
 def set_model_depth(model, depth: int | None, extend: str | None = None) -> None:
@@ -30,29 +30,17 @@ def set_model_depth(model, depth: int | None, extend: str | None = None) -> None
     trunk.set_depth(depth) if extend is None else trunk.set_depth(depth, extend=extend)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, depth: int | None = None,
-                    extend: str | None = None) -> int | None:
-    """Forward FLOPs per token at ``seq_len`` with the trunk at ``depth``
-    (``params.measure``: counted on the meta device, where ACT runs every step, an upper
-    bound at that step limit); None where the trunk cannot trace on meta."""
-    from .params import measure
-
-    return measure(cfg, seq_len, depth, extend)["flops_per_token"]
-
-
 # ----------------------------------------------------------------------------- training for depth
 def parse_depth_range(text: str) -> tuple[int, int]:
     """``"LO:HI"`` -> (LO, HI): every depth from LO to HI inclusive, 1 <= LO <= HI <=
     config.MAX_DEPTH (``"K"`` alone is ``"K:K"``); ConfigError naming the fix otherwise."""
-    from .config import MAX_DEPTH
-
     parts = str(text).split(":") if isinstance(text, str) else []
     fix = f"write LO:HI with integers 1 <= LO <= HI <= {MAX_DEPTH}, e.g. 2:6 (UT steps / loop passes)"
     if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
-        raise ConfigError(f"invalid train config: depth_sample={text!r}: {fix}")
+        raise ConfigError.invalid(f"depth_sample={text!r}: {fix}", "train config")
     lo, hi = int(parts[0]), int(parts[-1])
     if not 1 <= lo <= hi <= MAX_DEPTH:
-        raise ConfigError(f"invalid train config: depth_sample={text!r}: out of range; {fix}")
+        raise ConfigError.invalid(f"depth_sample={text!r}: out of range; {fix}", "train config")
     return lo, hi
 
 
@@ -72,8 +60,8 @@ def check_depth_sample(model, depth_range: tuple[int, int], extend: str | None =
             set_model_depth(model, d, extend)
             getattr(model, "trunk", model).reset_depth()
         except ConfigError as e:
-            raise ConfigError(f"invalid train config: depth_sample={depth_range[0]}:{depth_range[1]}: "
-                              f"{e}") from None
+            raise ConfigError.invalid(f"depth_sample={depth_range[0]}:{depth_range[1]}: "
+                              f"{e}", "train config") from None
 
 
 @contextmanager

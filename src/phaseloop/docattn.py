@@ -1,13 +1,13 @@
-"""Attention within documents through FlexAttention (issue 28; Dong et al. 2024,
+"""Attention within documents through FlexAttention (Dong et al. 2024,
 "Flex Attention: A Programming Model for Generating Optimized Attention Kernels").
 
-A training window that holds several documents (``Context.doc_ids``, ``--doc-mask``)
+A training window that holds several documents (``ForwardContext.doc_ids``, ``--doc-mask``)
 attends causally within each document. The portable path is SDPA with a dense
 [B, 1, T, T] boolean mask (``layers.Attention._self_keys``), which rules out the fused
 causal kernels and holds a T x T mask per row. On CUDA, where torch has
 ``torch.nn.attention.flex_attention``, ``Attention`` runs ``flex_attention`` compiled
 once per process with a ``BlockMask`` built from the document ids (once per forward,
-kept on the Context): blocks that lie wholly in another document are skipped. Dropout
+kept on the ForwardContext): blocks that lie wholly in another document are skipped. Dropout
 in training (which flex_attention lacks) keeps the SDPA path.
 
 The CPU tests run this path through eager ``flex_attention`` (the same mask and call;

@@ -1,4 +1,4 @@
-"""Early exit per position at inference (issue 25): a weight-tied trunk (UT, Looped,
+"""Early exit per position at inference: a weight-tied trunk (UT, Looped,
 Hyperloop) stops refining a position once another pass would change little, or, for a UT
 trained with ACT, halts it at another threshold than the trained one.
 
@@ -32,17 +32,15 @@ off the wall clock. Stacks have no passes to skip and are refused.
 
 from __future__ import annotations
 
-import functools
-import json
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
-from .layers import compute_dtype
+from phaseloop import registry
+from phaseloop.errors import ConfigError
+from phaseloop.layers import compute_dtype
 
 PASS_RULES = ("kl", "argmax", "state")  # any weight-tied trunk without ACT
 RULES = {"kl": "EPS >= 0", "argmax": "K >= 1 passes", "state": "EPS >= 0", "act": "THRESHOLD in (0, 1]"}
@@ -104,8 +102,6 @@ class Exits:
 def set_exit(model, rule: ExitRule | None) -> None:
     """Apply ``rule`` to ``model``'s trunk from now on (None: no early exit, ACT at its
     trained threshold); one-line ConfigError where the trunk cannot exit."""
-    from . import registry
-
     trunk = model.trunk
     rules = getattr(trunk, "exit_rules", ())
     if not rules:
@@ -123,7 +119,7 @@ def set_exit(model, rule: ExitRule | None) -> None:
     trunk.exits = None if rule is None else Exits(rule, model.norm, model.head)
 
 
-def monitor(trunk, x0, ctx, n_passes: int, merge=None) -> "Monitor | None":
+def monitor(trunk, x0, ctx, n_passes: int, merge=None) -> Monitor | None:
     """The hook a trunk calls before its loop (None when no pass rule is set)."""
     exits = trunk.exits
     if exits is None or exits.rule.kind not in PASS_RULES:
@@ -183,70 +179,3 @@ class Monitor:
         kept = logp.argmax(-1) == prev.argmax(-1)
         self.same = torch.where(kept, self.same + 1, 0)
         return self.same >= eps
-
-
-# ---------------------------------------------------------------------------- accounting
-class Tally:
-    """Sums of ``exit_passes`` / ``exit_readouts`` (and ACT's steps run) over forwards."""
-
-    def __init__(self):
-        self.positions = self.passes = self.readouts = self.run = 0
-
-    def __call__(self, module, args, out) -> None:
-        s = out.stats
-        if "exit_passes" not in s:
-            return
-        n = s["exit_passes"].numel()
-        self.positions += n
-        self.passes += float(s["exit_passes"].sum())  # ACT: n_updates, a float count
-        self.readouts += int(s["exit_readouts"].sum()) if "exit_readouts" in s else 0
-        if "halting_probs" in s:  # ACT: the loop ran this many steps for every position
-            self.run += s["halting_probs"].shape[0] * n
-
-    def mean(self, what: str) -> float | None:
-        return getattr(self, what) / self.positions if self.positions else None
-
-
-@contextmanager
-def tally(model):
-    """Count the exit statistics of every forward of ``model`` inside the block."""
-    t = Tally()
-    handle = model.register_forward_hook(t)
-    try:
-        yield t
-    finally:
-        handle.remove()
-
-
-@functools.lru_cache(maxsize=16)
-def _pass_costs(cfg_json: str, seq_len: int, depth: int, extend: str | None) -> tuple:
-    """(F(depth), F(1), one pass) of a config (each a meta-device trace, ``depth.flops_per_token``),
-    traced once for a sweep's every row rather than per row."""
-    from .config import ModelConfig
-    from .depth import flops_per_token
-
-    cfg = ModelConfig.from_dict(json.loads(cfg_json))
-    full = flops_per_token(cfg, seq_len, depth, extend)
-    if full is None:
-        return None, None, None
-    one = flops_per_token(cfg, seq_len, 1, "last")
-    return full, one, flops_per_token(cfg, seq_len, 2, "last") - one
-
-
-def exit_flops(model, seq_len: int, t: Tally | None = None, extend: str | None = None) -> int | None:
-    """Forward FLOPs per token at the trunk's depth D (``trunk.passes``) with the exit
-    statistics ``t``, from ``depth.flops_per_token`` (meta device): F(D) - skipped passes x
-    (pass - its keys/values) + readouts x 2 d_model V; under ACT F(1) + (steps the loop
-    ran - 1) x pass (a halted position is still transformed while the loop runs: later
-    positions attend to it, UT §2.2). No statistics (no rule, or ``t`` None): F(D). Not
-    counted: the state rule's norms and, in a Hyperloop, the mixing of an exited position's
-    streams into its layers' input (O(n d_model) each)."""
-    cfg, D = model.cfg, model.trunk.passes
-    full, one, per_pass = _pass_costs(json.dumps(cfg.to_dict(), sort_keys=True), seq_len, D, extend)
-    if full is None or t is None or not t.positions:
-        return full
-    if t.run:
-        return round(one + (t.mean("run") - 1) * per_pass)
-    kv = model.trunk.pass_blocks * 2 * cfg.d_model * 2 * cfg.n_kv_heads * cfg.head_dim
-    readout = 2 * cfg.d_model * cfg.vocab_size
-    return round(full - (D - t.mean("passes")) * (per_pass - kv) + t.mean("readouts") * readout)

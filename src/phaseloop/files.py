@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import json
+import math
 import os
 import re
 import tempfile
+import time
+import tomllib
 from pathlib import Path
 
-from .errors import PhaseloopError
-
+from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 
@@ -27,16 +31,18 @@ def check_name(name, what: str = "--name") -> str:
     return name
 
 
-def cache_dir() -> Path:
-    """$PHASELOOP_CACHE (default ~/.cache/phaseloop): token stores, named tokenizers. Set
-    but empty is refused: it would put the cache in the working folder."""
+def cache_dir(create: bool = False) -> Path:
+    """$PHASELOOP_CACHE (default ~/.cache/phaseloop): token stores, named tokenizers,
+    downloads, compile records; made first with ``create``. Set but empty is refused: it
+    would put the cache in the working folder."""
     value = os.environ.get("PHASELOOP_CACHE")
-    if value is None:
-        return Path.home() / ".cache" / "phaseloop"
-    if not value.strip():
+    if value is not None and not value.strip():
         raise PhaseloopError("PHASELOOP_CACHE is set but empty; unset it (the cache is then "
                              "~/.cache/phaseloop) or set it to a folder")
-    return Path(value)
+    d = Path.home() / ".cache" / "phaseloop" if value is None else Path(value)
+    if create:
+        d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def why_missing(path: Path) -> str:
@@ -124,3 +130,67 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None, *,
 
     with writing(target if target is not None else path):
         save_file(tensors, os.fspath(path), metadata=metadata)
+
+
+# ---------------------------------------------------------------------------- JSON and digests
+def strict(obj):
+    """``obj`` with every non-finite float (NaN, ±inf) replaced by None: JSON has no
+    NaN, and phaseloop writes strict JSON only."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
+def dumps(obj, **kw) -> str:
+    """Strict JSON (non-finite floats as null)."""
+    return json.dumps(strict(obj), allow_nan=False, **kw)
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write_bytes(Path(path), (dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+_SHA256: dict[tuple, str] = {}  # (device, inode, size, mtime_ns, ctime_ns) -> digest, this process only
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a file (the one digest phaseloop computes of files: checkpoints, corpora,
+    tokenizers), read once per process while its inode, size and times stay the same: a
+    checkpoint verified again (--init-from's checks, then its load; a hard link
+    --keep-checkpoints made) is not read again, and any rewrite of it is. A file changed
+    in the last 2 s is always read: file times are coarser than a fast rewrite (git's
+    "racy clean" rule)."""
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in _SHA256:
+        return _SHA256[key]
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > 2_000_000_000:
+        if len(_SHA256) > 256:
+            _SHA256.clear()
+        _SHA256[key] = digest
+    return digest
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} not found; point at a run folder made by `phaseloop train`") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {e.__class__.__name__}; the file is damaged "
+                              "— restore it or start a new run") from None
+
+
+def parse_toml(text: str, source: str, error: type[PhaseloopError] = ConfigError) -> dict:
+    """The table a TOML text holds (config files, recipes); ``error`` naming ``source``,
+    the line and the fix otherwise."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{source} is not valid TOML ({e}); fix that line") from None

@@ -3,9 +3,9 @@
 defaults are the Llama-style backbone (no biases); ``norm="layer"``, ``ffn="relu"`` and
 ``bias=True`` give the original Transformer's / Universal Transformer's block.
 Architecture files reuse these; they do not copy them, and this file imports none of
-them: an architecture that changes a norm,
-the map between the sub-layers or the embedding output registers a factory for its
-config switch (``register_block_option``; 3PT does so in ``three_phase.py``).
+them: an architecture that changes a norm, the map between the sub-layers or the
+embedding output declares a ``BlockOption`` for its config switch in its option group's
+``block_options`` (3PT: ``archs/three_phase.py``).
 
 Shapes live in names: B batch, T time (new tokens), S keys (cached + new), D d_model,
 H query heads, K kv heads, E head dim.
@@ -14,42 +14,44 @@ H query heads, K kv heads, E head dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import docattn
-from .config import ModelConfig
+from phaseloop import docattn, registry
+from phaseloop.config import ModelConfig
 
 
 # ---------------------------------------------------------------------------- options
 @dataclass
 class BlockOption:
-    """Factories an architecture attaches to one boolean ``ModelConfig`` switch; each
-    returns a module or is None. ``norm(cfg)`` replaces every norm site; ``between(cfg,
-    layer_idx, n_layers)`` is the map between attention and FFN (identity otherwise);
-    ``embedding(cfg)`` is applied as ``module(x_BTD, start_pos)`` to the embedding output."""
+    """What an option group puts into the shared block and embedding under one of its
+    boolean fields (its ``block_options`` class attribute: switch -> BlockOption); each
+    factory returns a module. ``norm(cfg)`` replaces every norm site (``make_norm``);
+    ``between(cfg, layer_idx, n_layers)`` is the map between attention and FFN (identity
+    otherwise); ``embedding(cfg)`` is applied as ``module(x_BTD, start_pos)`` to the
+    embedding output."""
 
     norm: Callable[[ModelConfig], nn.Module] | None = None
     between: Callable[[ModelConfig, int, int], nn.Module] | None = None
     embedding: Callable[[ModelConfig], nn.Module] | None = None
 
 
-BLOCK_OPTIONS: dict[str, BlockOption] = {}  # ModelConfig field -> what it switches on
-
-
 def register_block_option(switch: str, **factories) -> None:
-    if switch not in ModelConfig.field_names(load=False):
-        raise ValueError(f"{switch!r} is not a ModelConfig field (register its option group first)")
-    BLOCK_OPTIONS[switch] = BlockOption(**factories)
+    """``BlockOption(**factories)`` under ``switch`` in the ``block_options`` of the option
+    group that holds the field (the same as declaring it there)."""
+    group = next((g for g in registry.all_groups(load=False) if switch in g.__dataclass_fields__), None)
+    if group is None:
+        raise ValueError(f"{switch!r} is not a field of a registered option group (register the group first)")
+    group.block_options = {**getattr(group, "block_options", {}), switch: BlockOption(**factories)}
 
 
 def option_modules(cfg: ModelConfig, kind: str, *args) -> list[tuple[str, nn.Module]]:
-    """(switch, module) for every registered option of ``kind`` that ``cfg`` switches on."""
-    return [(name, getattr(opt, kind)(cfg, *args)) for name, opt in BLOCK_OPTIONS.items()
+    """(switch, module) for every block option of ``kind`` that ``cfg`` switches on."""
+    return [(name, getattr(opt, kind)(cfg, *args)) for name, opt in registry.block_options(cfg.spec).items()
             if getattr(opt, kind) is not None and getattr(cfg, name)]
 
 
@@ -119,18 +121,6 @@ def timing_signal(positions: torch.Tensor, d: int, min_timescale: float = 1.0,
     return nn.functional.pad(sig_TD, (0, d % 2))
 
 
-def paper_timing_signal(positions: torch.Tensor, d: int) -> torch.Tensor:
-    """[len(positions), d] sinusoid as Dehghani et al. 2019 eq. 6-7 (and Vaswani et al.
-    §3.5) write it: channel 2j = sin(p / 10000^(2j/d)), channel 2j+1 = cos(same),
-    *interleaved*, in float64. phaseloop's models use ``timing_signal`` (tensor2tensor's
-    concatenated halves, frequencies log-spaced to exactly 1e4); this one is for
-    comparison (explore's coordinate-signal page: 24.715 vs 24.834 at i - t = 997)."""
-    n = (d + 1) // 2
-    inv_K = 10000.0 ** (-2 * torch.arange(n, dtype=torch.float64, device=positions.device) / d)
-    angles_TK = positions.double()[:, None] * inv_K[None, :]
-    return torch.stack([angles_TK.sin(), angles_TK.cos()], dim=-1).flatten(-2)[:, :d]
-
-
 # ---------------------------------------------------------------------------- KV cache
 @dataclass
 class KVCache:
@@ -190,14 +180,14 @@ class Memory:
     mask_B11S: torch.Tensor | None = None
     kv: dict = field(default_factory=dict)
 
-    def keys_values(self, attn: "Attention"):
+    def keys_values(self, attn: Attention):
         if id(attn) not in self.kv:
             self.kv[id(attn)] = attn.project_kv(self.x_BSD)
         return self.kv[id(attn)]
 
 
 @dataclass
-class Context:
+class ForwardContext:
     """What every block needs besides its input: RoPE tables for the new positions,
     the cache (or None) and the absolute position of the first new token."""
 
@@ -210,7 +200,7 @@ class Context:
     memory: Memory | None = None  # cross-attention source (seq2seq decoder)
     aux_losses: dict = field(default_factory=dict)  # scalar losses added to the loss (ACT ponder)
     stats: dict = field(default_factory=dict)  # tensors for analysis (ACT ponder times)
-    # documents in a training window (issue 28; no cache): each token's position in its
+    # documents in a training window (no cache): each token's position in its
     # document [B, T] (read by RoPE, the 3PT horn, the UT coordinate signal), and its
     # document's index [B, T] (attention stays within a document)
     positions: torch.Tensor | None = None
@@ -219,8 +209,8 @@ class Context:
 
     @classmethod
     def at(cls, cfg: ModelConfig, start: int, T: int, device, positions: torch.Tensor | None = None,
-           **kw) -> "Context":
-        """Context for the T new tokens at absolute positions start .. start + T - 1, or at
+           **kw) -> ForwardContext:
+        """ForwardContext for the T new tokens at absolute positions start .. start + T - 1, or at
         ``positions`` [B, T] (per row: documents restarting at 0)."""
         if positions is None:
             cos, sin = rope_tables(torch.arange(start, start + T, device=device), cfg.head_dim,
@@ -228,6 +218,9 @@ class Context:
         else:  # [B, 1, T, E]: broadcast over heads
             cos, sin = (t.unsqueeze(1) for t in rope_tables(positions, cfg.head_dim, cfg.rope_base))
         return cls(cos=cos, sin=sin, start_pos=start, positions=positions, **kw)
+
+
+Context = ForwardContext  # the name before 0.2 (plugins written against it keep working)
 
 
 # ---------------------------------------------------------------------------- modules
@@ -257,7 +250,7 @@ class Attention(nn.Module):
         k_BSKE, v_BSKE = self.kv_proj(x_BSD).view(B, S, 2, self.n_kv_heads, self.head_dim).unbind(2)
         return k_BSKE.transpose(1, 2), v_BSKE.transpose(1, 2)
 
-    def forward(self, x_BTD: torch.Tensor, ctx: Context, slot=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, ctx: ForwardContext, slot=None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BHTE = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         if self.cross:
@@ -279,7 +272,7 @@ class Attention(nn.Module):
         them: benchmarks/bench_step.py --compile pieces compiles this on the instance)."""
         return apply_rope(q_BHTE, cos_TE, sin_TE), apply_rope(k_BKTE, cos_TE, sin_TE)
 
-    def _self_keys(self, x_BTD, q_BHTE, ctx: Context, slot):
+    def _self_keys(self, x_BTD, q_BHTE, ctx: ForwardContext, slot):
         """The new tokens' queries and keys (RoPE'd), values (keys and values appended to
         the cache) and the mask."""
         T = x_BTD.shape[1]
@@ -361,16 +354,16 @@ class Block(nn.Module):
         found = option_modules(cfg, "between", layer_idx, n_layers or cfg.n_layers)
         self.between: nn.Module = _at_most_one(found, "between-sub-layer") or nn.Identity()
 
-    def attn_branch(self, x_BTD: torch.Tensor, ctx: Context, slot=None) -> torch.Tensor:
+    def attn_branch(self, x_BTD: torch.Tensor, ctx: ForwardContext, slot=None) -> torch.Tensor:
         return self.drop(self.attn(self.attn_norm(x_BTD), ctx, slot))
 
-    def cross_branch(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def cross_branch(self, x_BTD: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.drop(self.cross_attn(self.cross_norm(x_BTD), ctx))
 
     def ffn_branch(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return self.drop(self.ffn(self.ffn_norm(x_BTD)))
 
-    def forward(self, x_BTD: torch.Tensor, ctx: Context, slot=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, ctx: ForwardContext, slot=None) -> torch.Tensor:
         x_BTD = x_BTD + self.attn_branch(x_BTD, ctx, slot)
         if self.cross_attn is not None:
             x_BTD = x_BTD + self.cross_branch(x_BTD, ctx)

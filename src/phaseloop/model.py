@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .decoding import decode
-from .errors import ConfigError
-from .layers import Block, Context, KVCache, init_weights, make_norm, option_modules
-from .trunk import Trunk, reset_derived_buffers
+from phaseloop.config import MAX_DEPTH, ModelConfig
+from phaseloop.decoding import decode
+from phaseloop.errors import ConfigError
+from phaseloop.layers import Block, ForwardContext, KVCache, init_weights, make_norm, option_modules
+from phaseloop.trunk import Trunk, reset_derived_buffers
 
 
 class Stack(Trunk):
@@ -32,7 +32,7 @@ class Stack(Trunk):
         self.layers = nn.ModuleList(Block(cfg, i, cfg.n_layers, cross) for i in range(cfg.n_layers))
         self.depth = cfg.n_layers
 
-    def forward(self, x_BTD: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             x_BTD = layer(x_BTD, ctx, slot=i)
         return x_BTD
@@ -80,7 +80,7 @@ class ModelOutput:
     aux_losses: dict = field(default_factory=dict)  # e.g. ACT ponder loss, logged apart
     stats: dict = field(default_factory=dict)  # e.g. per-position ponder times
 
-    def add_loss(self, targets_BT: torch.Tensor) -> "ModelOutput":
+    def add_loss(self, targets_BT: torch.Tensor) -> ModelOutput:
         """Cross-entropy over targets (-100 ignored), plus the auxiliary losses; in fp32 at
         least (bf16 logits under autocast are promoted, float64 ones kept)."""
         logits = self.logits if self.logits.dtype == torch.float64 else self.logits.float()
@@ -108,7 +108,7 @@ class DecoderLM(nn.Module):
         """Targets equal to -100 are ignored (e.g. prompt tokens of a task). ``embeds_BTD``
         replaces the token embedding of ``idx_BT`` (pass None for ``idx_BT`` then); the
         embedding's scale and options (the 3PT horn) still apply. Windows holding several
-        documents (issue 28, no cache): ``positions_BT`` each token's position in its
+        documents (no cache): ``positions_BT`` each token's position in its
         document, ``doc_ids_BT`` its document's index (attention stays within it)."""
         src = idx_BT if embeds_BTD is None else embeds_BTD
         B, T = src.shape[:2]
@@ -119,7 +119,7 @@ class DecoderLM(nn.Module):
         for name, t in (("positions_BT", positions_BT), ("doc_ids_BT", doc_ids_BT)):
             if t is not None and tuple(t.shape) != (B, T):
                 raise ConfigError(f"{name} has shape {tuple(t.shape)}; it must be [batch, tokens] = {(B, T)}")
-        ctx = Context.at(self.cfg, start, T, src.device, positions_BT, cache=cache, doc_ids=doc_ids_BT)
+        ctx = ForwardContext.at(self.cfg, start, T, src.device, positions_BT, cache=cache, doc_ids=doc_ids_BT)
         x_BTD = self.trunk(self.embed(idx_BT, start, tok_BTD=embeds_BTD, positions_BT=positions_BT), ctx)
         logits_BTV = self.head(self.norm(x_BTD))
         if cache is not None:
@@ -146,14 +146,13 @@ class DecoderLM(nn.Module):
             self.train(was_training)
 
 
-def _check_depth(model: "DecoderLM") -> "DecoderLM":
+def _check_depth(model: DecoderLM) -> DecoderLM:
     """Refuse a trunk applying more than ``MAX_DEPTH`` layers a token (e.g. a loop run
     100,000 times) before any forward pass: counting its FLOPs alone would take minutes."""
-    from .config import MAX_DEPTH
 
     depth = getattr(model.trunk, "depth", 0)
     if isinstance(depth, int) and depth > MAX_DEPTH:
-        raise ConfigError(f"invalid config: the {model.cfg.arch} model applies {depth:,} layers a token "
+        raise ConfigError.invalid(f"the {model.cfg.arch} model applies {depth:,} layers a token "
                           f"(its layers times its loops or steps); at most {MAX_DEPTH} are supported, "
                           "as every pass runs them in turn: use fewer layers or loops")
     return model

@@ -1,7 +1,7 @@
 """The architecture registry: the one place that knows which architectures exist.
 
 An architecture is a plugin: one ``ArchSpec`` given to ``register_arch``. The built-in
-ones register on import (``rope.py``, ``three_phase.py``, ``universal.py``,
+ones register on import (``archs/``: ``rope.py``, ``three_phase.py``, ``universal.py``,
 ``hyperloop.py``); a third-party package adds an entry point to the group
 ``phaseloop.architectures`` (docs/extending.md), loaded the first time the registry is
 asked about an architecture it does not hold, or for the full list. ``ModelConfig``, the
@@ -17,11 +17,13 @@ every architecture (3PT's phase structure).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from .errors import ConfigError
+from phaseloop.errors import ConfigError
 
 ENTRY_POINT_GROUP = "phaseloop.architectures"
 
@@ -37,7 +39,7 @@ class ArchSpec:
     presets: Mapping[str, dict] = field(default_factory=dict)  # name -> fields (arch filled in)
     layers: str = "distinct layers, applied once each"  # what the layer count counts
     # the name under which this arch's layer count (ModelConfig.n_layers) is written and
-    # read; "n_layers" is accepted too (what earlier versions wrote)
+    # read; "n_layers" is accepted too (what 0.1 wrote)
     layers_name: str = "n_layers"
     paper: str = ""  # the citation, for listings
     # comparison recipes: other spellings of the arch, the "<prefix>-<scale>" preset names an
@@ -53,12 +55,18 @@ class ArchSpec:
     task_offsets: bool = False  # --paper task runs train with random position offsets (UT §4)
     default: bool = False  # the architecture of ModelConfig() (one built-in baseline)
     default_preset: str | None = None  # the preset of `phaseloop train` without --preset
-    commands: Callable | None = None  # commands(subparsers): its own subcommands (3PT: angles)
+    # its own subcommands (3PT: angles): "module:function" (or the function), called as
+    # function(subparsers) when the CLI builds its parser; the arch file imports no CLI code
+    commands: str | Callable | None = None
     # diagnostics(model, stats) -> {name: float}: its own quantities, logged at evaluation steps
     # (``stats``: name -> every process's tensor of the last training micro-batch's
     # ModelOutput.stats; the model's parameters whole); an option group may define the same
     # as a staticmethod ``diagnostics`` (3PT's angles, on any trunk)
     diagnostics: Callable | None = None
+    # probe(model, recording) -> {name: JSON-able}: what explore's Inside page shows of this
+    # arch (``analysis.probe.Recording``: the streams, attention, stream mixing); an option
+    # group may define the same as a staticmethod ``probe`` (3PT's stripes and angles)
+    probe: Callable | None = None
 
     @property
     def prefixes(self) -> tuple[str, ...]:
@@ -67,16 +75,31 @@ class ArchSpec:
 
 ARCHS: dict[str, ArchSpec] = {}
 COMPOSABLE: list[type] = []  # option groups every architecture carries
+# name -> ModelConfig fields (each names its arch); each ArchSpec adds its ``presets``
+PRESETS: dict[str, dict] = {}
+# ModelConfig's own field and attribute names, which no option group may reuse (config.py
+# reserves them when it defines ModelConfig, before any architecture registers)
+RESERVED: set[str] = set()
+CORE_FIELDS: set[str] = set()
 _loaded_entry_points = False
 
 
-def _check_group(cls: type, replacing: "ArchSpec | None" = None) -> None:
+def reserve(core_fields, attributes) -> None:
+    """ModelConfig's core fields and attributes (called once, by config.py)."""
+    CORE_FIELDS.update(core_fields)
+    RESERVED.update(core_fields, attributes)
+
+
+def register_presets(presets: dict[str, dict]) -> None:
+    """Add presets (each names its arch); an ArchSpec's ``presets`` come here too."""
+    PRESETS.update(presets)
+
+
+def _check_group(cls: type, replacing: ArchSpec | None = None) -> None:
     """A dataclass whose field names no other group, no ModelConfig field or attribute and no
     arch's name for its layer count holds (a spec being re-registered does not count)."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"option group {cls.__name__} must be a dataclass")
-    from .config import ModelConfig
-
     mine = {f.name for f in dataclasses.fields(cls)}
     stale = set(replacing.options) if replacing is not None else set()
     others = [*COMPOSABLE, *(g for s in ARCHS.values() for g in s.options if g not in stale)]
@@ -84,8 +107,7 @@ def _check_group(cls: type, replacing: "ArchSpec | None" = None) -> None:
         if other is not cls and mine & {f.name for f in dataclasses.fields(other)}:
             raise TypeError(f"option group {cls.__name__} reuses fields of {other.__name__}: "
                             f"{sorted(mine & {f.name for f in dataclasses.fields(other)})}")
-    clash = mine & ({f.name for f in dataclasses.fields(ModelConfig)} | set(dir(ModelConfig))
-                    | {s.layers_name for s in ARCHS.values()})
+    clash = mine & (RESERVED | {s.layers_name for s in ARCHS.values()})
     if clash:
         raise TypeError(f"option group {cls.__name__} reuses ModelConfig names {sorted(clash)}")
 
@@ -98,16 +120,18 @@ def register_options(cls: type) -> type:
     return cls
 
 
-def register_arch(spec: ArchSpec) -> ArchSpec:
-    """Register an architecture (its presets too). Re-registering a name replaces it."""
+def register_arch(spec: ArchSpec, replace: bool = False) -> ArchSpec:
+    """Register an architecture (its presets too). A name already registered is refused
+    unless ``replace=True`` (a plugin reloaded in a notebook passes it)."""
     if not spec.name.isidentifier():
         raise ValueError(f"arch name {spec.name!r} must be an identifier (letters, digits, _)")
+    if spec.name in ARCHS and not replace:
+        old = ARCHS[spec.name]
+        raise ValueError(f"arch {spec.name!r} is registered already (by {old.trunk.__module__}); pick "
+                         "another name, or pass replace=True to register_arch to replace it")
     for group in spec.options:
         _check_group(group, replacing=ARCHS.get(spec.name))
-    from .config import PRESETS, ModelConfig
-
-    known = {*(f.name for f in dataclasses.fields(ModelConfig)),
-             *(f.name for g in (*COMPOSABLE, *spec.options) for f in dataclasses.fields(g))}
+    known = {*CORE_FIELDS, *(f.name for g in (*COMPOSABLE, *spec.options) for f in dataclasses.fields(g))}
     if set(spec.defaults) - known:
         raise ValueError(f"arch {spec.name!r}: defaults for {sorted(set(spec.defaults) - known)}, "
                          "which are not fields of ModelConfig or of its option groups")
@@ -130,12 +154,13 @@ def _load_entry_points() -> None:
         try:  # a module registers on import; an ArchSpec or a function may be given instead
             obj = ep.load()
             if isinstance(obj, ArchSpec):
-                register_arch(obj)
+                if ARCHS.get(obj.name) is not obj:  # its module may have registered it already
+                    register_arch(obj)
             elif callable(obj) and not isinstance(obj, type):
                 obj()
             elif not isinstance(obj, types.ModuleType):
                 raise TypeError(f"it names a {type(obj).__name__}, not a module, an ArchSpec or a function")
-        except Exception as e:  # noqa: BLE001  a broken plugin is named, not a traceback
+        except Exception as e:
             _loaded_entry_points = False  # asked again, it fails again (never half-loaded quietly)
             raise ConfigError(f"the architecture plugin {ep.name!r} ({ep.value}) failed to load: "
                               f"{type(e).__name__}: {e}; reinstall or uninstall it") from None
@@ -146,7 +171,7 @@ def get_arch(name: str) -> ArchSpec:
     if name not in ARCHS:
         _load_entry_points()
     if name not in ARCHS:
-        raise ConfigError(f"invalid config: arch={name!r}: unknown architecture; registered: "
+        raise ConfigError.invalid(f"arch={name!r}: unknown architecture; registered: "
                           f"{', '.join(arch_names())} (a plugin registers through the entry-point "
                           f"group {ENTRY_POINT_GROUP!r}: pip install it)")
     return ARCHS[name]
@@ -220,15 +245,43 @@ def seq2seq_archs() -> dict[str, ArchSpec]:
     return {s.seq2seq_name: s for s in all_archs() if s.seq2seq is not None and s.seq2seq_name}
 
 
-def diagnostic_fns(model) -> list:
-    """The ``diagnostics`` functions of ``model``'s option groups and spec ([] for a model
-    without a ModelConfig, or an architecture that defines none)."""
+def _hooks(model, name: str) -> list:
+    """The functions named ``name`` of ``model``'s option groups (staticmethods) and of its
+    spec, in that order ([] for a model without a ModelConfig, or none defined)."""
     arch = getattr(getattr(model, "cfg", None), "arch", None)
     if not isinstance(arch, str):
         return []
     spec = get_arch(arch)
-    fns = (*(getattr(g, "diagnostics", None) for g in groups_of(spec)), spec.diagnostics)
+    fns = (*(getattr(g, name, None) for g in groups_of(spec)), getattr(spec, name))
     return [fn for fn in fns if fn is not None]
+
+
+def diagnostic_fns(model) -> list:
+    """The ``diagnostics`` functions of ``model``'s option groups and spec."""
+    return _hooks(model, "diagnostics")
+
+
+def probe_fns(model) -> list:
+    """The ``probe`` functions of ``model``'s option groups and spec."""
+    return _hooks(model, "probe")
+
+
+def block_options(spec: ArchSpec) -> dict:
+    """switch field -> ``layers.BlockOption`` of every option group ``spec`` carries: the
+    modules an option group puts into the shared block and embedding (``block_options``, a
+    class attribute of the group)."""
+    out: dict = {}
+    for g in groups_of(spec):
+        out.update(getattr(g, "block_options", {}))
+    return out
+
+
+def commands_of(spec: ArchSpec) -> Callable | None:
+    """The function adding ``spec``'s own subcommands (``ArchSpec.commands``, resolved)."""
+    if spec.commands is None or callable(spec.commands):
+        return spec.commands
+    module, _, name = spec.commands.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def diagnostics(model, stats: dict) -> dict[str, float]:

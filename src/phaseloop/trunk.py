@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .errors import ConfigError
+from phaseloop.errors import ConfigError
+from phaseloop.layers import Block
 
 
 class DerivedBuffers:
@@ -42,6 +43,9 @@ class Trunk(nn.Module):
     * ``stream_sites()``: the modules whose output is the residual stream after one layer
       application (a forward hook on each sees every application, in order): the blocks
       by default; trunks that wrap their blocks (hyper-connections) name the wrappers.
+    * ``mixing_sites()``: the modules that mix n residual streams, each with a
+      ``coefficients(streams) -> (H_pre, H_post, H_res)`` method (hyper-connections;
+      ``analysis.probe`` records them); none by default.
     * ``exit_rules``: the ``early_exit`` rules the trunk applies (its loop calls
       ``early_exit.monitor``), set by ``early_exit.set_exit`` into ``exits``;
       ``pass_blocks``: the blocks one pass applies (FLOPs of an exited position);
@@ -56,12 +60,13 @@ class Trunk(nn.Module):
     passes: int | None = None
 
     def blocks(self) -> list[nn.Module]:
-        from .layers import Block
-
         return [m for m in self.modules() if isinstance(m, Block)]
 
     def stream_sites(self) -> list[nn.Module]:
         return self.blocks()
+
+    def mixing_sites(self) -> list[nn.Module]:
+        return []
 
     def set_depth(self, n: int, extend: str | None = None) -> None:
         """``extend='last'``: where passes have their own parameters (Hyperloop's loops),

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import fields
 from typing import Any
 
-from .errors import ConfigError
+from phaseloop.errors import ConfigError
+
+MAX_LAYERS = 1024  # distinct layers built; the deepest published models have a few hundred
+MAX_DEPTH = 4096  # layer applications per token (loops included): model.build_model checks it
+MAX_SEQ_LEN = 2**24  # positions: a T x T attention score matrix beyond it overflows torch's sizes
+MAX_INT = 2**31 - 1  # any integer field: sizes beyond it overflow the kernels' 32-bit (or torch's 64-bit) counts
+MAX_SEED = 2**63 - 1  # torch.manual_seed's range (CLI seeds, recipe seeds)
 
 
 def is_int(v: Any, minimum: int) -> bool:
@@ -20,8 +27,7 @@ def check_ints(obj: Any, names, what: str, minimum: int = 1, optional: bool = Fa
             continue
         if not is_int(v, minimum):
             need = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            raise ConfigError(f"invalid {what}: {name}={v!r}: must be {need}"
-                              + (" or null" if optional else ""))
+            raise ConfigError.invalid(f"{name}={v!r}: must be {need}" + (" or null" if optional else ""), what)
 
 
 def strict_from_dict(cls, d: dict, what: str):
@@ -29,12 +35,10 @@ def strict_from_dict(cls, d: dict, what: str):
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:
-        import difflib
-
         close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"invalid {what}: unknown field(s) {', '.join(unknown)}{hint}; "
-                          f"known fields: {', '.join(sorted(known))}")
+        raise ConfigError.invalid(f"unknown field(s) {', '.join(unknown)}{hint}; "
+                                  f"known fields: {', '.join(sorted(known))}", what)
     return cls(**d)
 
 
@@ -58,7 +62,7 @@ def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | N
         return None
     if a == b and isinstance(a, bool) == isinstance(b, bool):
         return None
-    show = lambda v: "(absent)" if v is _ABSENT else repr(v)  # noqa: E731
+    show = lambda v: "(absent)" if v is _ABSENT else repr(v)
     return path, show(a), show(b)
 
 
@@ -91,5 +95,5 @@ def check_types(obj: Any, what: str) -> None:
         if not ok:
             kind = {bool: "true or false", int: "an integer", float: "a finite number",
                     str: "a string"}[base]
-            raise ConfigError(f"invalid {what}: {name}={v!r}: must be {kind}"
-                              + (" or null" if type(None) in opts else ""))
+            raise ConfigError.invalid(f"{name}={v!r}: must be {kind}" + (" or null" if type(None) in opts else ""),
+                                      what)

@@ -223,7 +223,8 @@ class GenerationTesterMixin:
                 nxt = torch.tensor([[3], [4], [5], [6]])
                 got = model(nxt, attention_mask=torch.cat([mask, mask.new_ones(4, 1)], 1),
                             cache=out.cache, use_cache=True).logits[:, -1]
-            want = self._next_logits(model, torch.cat([ids[beam_idx], nxt], 1), torch.cat([mask, mask.new_ones(4, 1)], 1))
+            want = self._next_logits(model, torch.cat([ids[beam_idx], nxt], 1),
+                                     torch.cat([mask, mask.new_ones(4, 1)], 1))
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
     def test_beam_search_low_memory_refused(self):
@@ -320,7 +321,8 @@ class GenerationTesterMixin:
             model.generation_config.bos_token_id = model.config.bos_token_id = 5
             out = self._generate(model, {}, do_sample=False)
             self.assertEqual(tuple(out.shape), (1, 1 + self.max_new_tokens))
-            self.assertTrue(torch.equal(out, self._generate(model, {"input_ids": torch.tensor([[5]])}, do_sample=False)))
+            self.assertTrue(torch.equal(out, self._generate(model, {"input_ids": torch.tensor([[5]])},
+                                                            do_sample=False)))
 
     def test_generate_methods_with_logits_to_keep(self):
         """forward keeps the last k logits (or the columns of an index tensor); generate gives the

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..config import MAX_DEPTH, MAX_INT, MAX_SEED, MAX_SEQ_LEN
-from ..errors import PhaseloopError
-from ..files import check_name
-
+from phaseloop.config import MAX_DEPTH, MAX_INT, MAX_SEED, MAX_SEQ_LEN
+from phaseloop.early_exit import parse_exit
+from phaseloop.errors import PhaseloopError
+from phaseloop.files import check_name
 
 
 def int_in(lo: int | None = None, hi: int = MAX_INT, what: str = "") -> callable:
@@ -95,7 +95,6 @@ depth_list.__name__ = "depth list"
 
 def exit_rules(text: str) -> list:
     """``RULE:V[,V...]`` (``early_exit.parse_exit``): an ExitRule per value."""
-    from ..early_exit import parse_exit
 
     try:
         return parse_exit(text)

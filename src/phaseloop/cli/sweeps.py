@@ -1,5 +1,5 @@
 """``phaseloop eval``'s sweeps over a setting of a loaded model, one evaluation per point
-and one table / JSON / plot for all (issue 25): ``--depth K[,K...]`` (the trunk's depth)
+and one table / JSON / plot for all: ``--depth K[,K...]`` (the trunk's depth)
 and ``--exit RULE:V[,V...]`` (early exit per position, ``early_exit.py``)."""
 
 from __future__ import annotations
@@ -7,16 +7,18 @@ from __future__ import annotations
 import json
 import time
 
-from .. import plots
-from ..checkpoint import run_folder
-from ..depth import flops_per_token, set_model_depth
-from ..early_exit import exit_flops, set_exit, tally
-from ..train import evaluate
+from phaseloop.analysis import plots
+from phaseloop.analysis.exits import exit_flops, tally
+from phaseloop.analysis.params import flops_per_token
+from phaseloop.depth import set_model_depth
+from phaseloop.early_exit import set_exit
+from phaseloop.engine.checkpoint import run_folder
+from phaseloop.lm.train import evaluate
 
 
 def _sweep(args, model, run_cfg, corpus, windows, seq_len, device, points, docs=None) -> list[dict]:
     """Evaluate once per point: ``apply()`` sets the model up, ``fields(tally)`` gives the
-    row's own fields (``early_exit.tally``: the exit statistics of its forwards)."""
+    row's own fields (``analysis.exits.tally``: the exit statistics of its forwards)."""
     rows = []
     for apply, fields in points:
         apply()
@@ -74,7 +76,7 @@ def eval_exits(args, model, run_cfg, corpus, windows, seq_len, device, docs=None
     """eval --exit RULE:V[,V...]: per rule and value, the mean depth a position used, the
     loss and its change from the first row (no rule: the full depth, ACT at its trained
     threshold), FLOPs per token and the share of the full depth's saved
-    (``early_exit.exit_flops``); then each rule's largest saving at <= 1 % more loss."""
+    (``analysis.exits.exit_flops``); then each rule's largest saving at <= 1 % more loss."""
     if args.depth is not None:
         set_model_depth(model, args.depth[0], args.extend_loops)
     rules = [None] + [r for group in args.exit for r in group]

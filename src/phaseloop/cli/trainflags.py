@@ -1,6 +1,6 @@
 """``phaseloop train``'s training flags, generated from ``TrainConfig``'s fields (their
 help and choices are in the fields' metadata): every field is ``--its-name`` in kebab
-case, plus the spellings of earlier versions in ``ALIASES``."""
+case, plus the older spellings in ``ALIASES``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import dataclasses
 import types
 import typing
 
-from ..engine import TrainConfig
-from ..engine.config import choices
-from .argtypes import MAX_SEED, int_in
+from phaseloop.cli.argtypes import MAX_SEED, int_in
+from phaseloop.engine import TrainConfig
+from phaseloop.engine.config import choices
 
 # ints bounded above (a step count of 2**70 is a typo, not a run); TrainConfig checks the lower bounds
 _TYPES = {int: int_in(None)}  # floats: TrainConfig refuses non-finite ones by field name

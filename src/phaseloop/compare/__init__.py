@@ -22,25 +22,36 @@ reported, as JSON), ``grid`` (one run executed and watched: its state), ``launch
 (plan, tune, launch, report; --status, --report) and ``report`` (tables, plots,
 report.md).
 
-Every (variant, seed) run goes through ``phaseloop.train.train`` into
+Every (variant, seed) run goes through ``phaseloop.lm.train.train`` into
 ``OUT/runs/<variant>-s<seed>/``; a finished run (``summary.json``) is skipped and a
 half-done one resumed from its last checkpoint. Same seed = same init RNG and the same
 data order for every variant, so the noise test pairs runs by seed.
 """
 
-from .budget import Planned, match_budget, measure, plan_variants
-from .recipe import (BUILTIN_RECIPES, KEY_ALIASES, QUICK_TOML, Recipe, RecipeError,
-                     Variant, apply_overrides, load_recipe, parse_spec, resolve_variant, slugify)
-from .grid import format_status, run_state
-from .launch import LaunchOptions
-from .report import format_table, summarize, write_report
-from .runner import comparison_status, devices_for, main_runs, report_finished, run_comparison
-from .runs import RunSpec, tuning_corpus
-from .tune import Tune
-from .stats import first_reach, paired_t_test, speedup, t_two_sided_p
+from phaseloop.compare.budget import Planned, match_budget, measure, plan_variants
+from phaseloop.compare.grid import format_status, run_state
+from phaseloop.compare.launch import LaunchOptions
+from phaseloop.compare.recipe import (
+                     BUILTIN_RECIPES,
+                     KEY_ALIASES,
+                     QUICK_TOML,
+                     Recipe,
+                     RecipeError,
+                     Variant,
+                     apply_overrides,
+                     load_recipe,
+                     parse_spec,
+                     resolve_variant,
+                     slugify,
+)
+from phaseloop.compare.report import format_table, summarize, write_report
+from phaseloop.compare.runner import comparison_status, devices_for, main_runs, report_finished, run_comparison
+from phaseloop.compare.runs import CompareRun, tuning_corpus
+from phaseloop.compare.stats import first_reach, paired_t_test, speedup, t_two_sided_p
+from phaseloop.compare.tune import Tune
 
 __all__ = ["BUILTIN_RECIPES", "KEY_ALIASES", "LaunchOptions", "QUICK_TOML", "Planned", "Recipe",
-           "RecipeError", "RunSpec", "Tune", "Variant", "apply_overrides", "comparison_status", "devices_for",
+           "RecipeError", "CompareRun", "Tune", "Variant", "apply_overrides", "comparison_status", "devices_for",
            "first_reach", "format_status", "format_table", "load_recipe", "main_runs", "match_budget", "measure",
            "paired_t_test", "parse_spec", "plan_variants", "report_finished", "resolve_variant", "run_comparison",
            "run_state", "slugify", "speedup", "summarize", "t_two_sided_p", "tuning_corpus", "write_report"]

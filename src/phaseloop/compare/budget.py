@@ -3,15 +3,15 @@ FLOPs per token or effective depth, measured on the meta device."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import lcm
-from typing import Callable
 
-from ..config import ModelConfig
-from ..errors import ConfigError
-from ..model import build_model
-from ..params import measure
-from .recipe import Recipe, RecipeError, Variant, resolve_variant
+from phaseloop.analysis.params import measure
+from phaseloop.compare.recipe import Recipe, RecipeError, Variant, resolve_variant
+from phaseloop.config import ModelConfig
+from phaseloop.errors import ConfigError
+from phaseloop.model import build_model
 
 
 @dataclass

@@ -16,10 +16,14 @@ import math
 import tempfile
 from pathlib import Path
 
-from ..config import ModelConfig
-from ..params import measure
-from .recipe import Recipe, resolve_variant
-from .runs import tuning_corpus
+from phaseloop.analysis.params import measure
+from phaseloop.compare.budget import Planned
+from phaseloop.compare.recipe import Recipe, resolve_variant
+from phaseloop.compare.runs import tuning_corpus
+from phaseloop.compare.tune import Tune, tuning_runs
+from phaseloop.config import ModelConfig
+from phaseloop.data.corpus import load_corpus
+from phaseloop.lm.train import train
 
 SHRUNK_TRAIN = dict(steps=2, batch_size=2, grad_accum=1, seq_len=16, warmup_steps=1,
                     eval_every=2, eval_windows=1, ckpt_every=2, log_every=1, device="cpu")
@@ -38,9 +42,6 @@ def shrink(cfg: ModelConfig) -> ModelConfig:
 def dry_run(recipe: Recipe, log=print, data: str = "stdlib") -> list[dict]:
     """Rows {variant, total, without_input_embedding, shrunk_total, val_loss, tuning_runs,
     tuning_val_loss} (see the module)."""
-    from ..data import load_corpus
-    from ..train import train
-    from .tune import Tune, tuning_runs
 
     rows = []
     corpus = load_corpus(data)
@@ -60,7 +61,6 @@ def dry_run(recipe: Recipe, log=print, data: str = "stdlib") -> list[dict]:
                     f"({row['without_input_embedding']:,} without the input embedding); "
                     f"shrunk to {row['shrunk_total']:,}: {tc.steps} steps, val loss {row['val_loss']:.3f}")
             if tune is not None:
-                from .budget import Planned
 
                 runs = tuning_runs(recipe, tune, Planned(v, cfg, full), tune.lr, Path("OUT"))
                 first = dataclasses.replace(runs[0].train, **SHRUNK_TRAIN)

@@ -1,10 +1,10 @@
-"""How one run of a comparison (``runs.RunSpec``: a tuning run or a reported one) is
+"""How one run of a comparison (``runs.CompareRun``: a tuning run or a reported one) is
 run and watched, whichever launcher runs it: in this process, in a worker process
 (``phaseloop.compare.worker``), under torchrun or as a Slurm array task.
 
 Run state, for ``phaseloop compare --status`` (``run_state``), read from the files:
 
-* **done**: the run is finished (``RunSpec.finished``: its folder holds ``summary.json``,
+* **done**: the run is finished (``CompareRun.finished``: its folder holds ``summary.json``,
   written last by rename, or a tuning run's ``diverged.json``);
 * **running**: ``OUT/launch/RUN.state.json`` says running and its heartbeat (the file's
   mtime, touched every ``HEARTBEAT_S`` seconds by the process training the run) is
@@ -24,14 +24,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from ..checkpoint import read_json, write_json
-from ..errors import PhaseloopError
-from .runs import DIVERGED, RunSpec
+from phaseloop.compare.runs import DIVERGED, CompareRun
+from phaseloop.engine import dist
+from phaseloop.engine.trainer import DivergedError
+from phaseloop.errors import PhaseloopError
+from phaseloop.files import read_json, write_json
+from phaseloop.lm import train as lm
 
 STALE_AFTER = 4  # heartbeats missed before a "running" run counts as failed
 STATES = ("done", "running", "pending", "failed")
@@ -46,7 +48,7 @@ def heartbeat_s() -> float:
 
 
 # ---------------------------------------------------------------------------- state
-def write_state(spec: RunSpec, state: str, **info) -> None:
+def write_state(spec: CompareRun, state: str, **info) -> None:
     """OUT/launch/RUN.state.json: what the process running ``spec`` last said."""
     job = {k: os.environ[k] for k in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID")
            if k in os.environ}
@@ -54,7 +56,7 @@ def write_state(spec: RunSpec, state: str, **info) -> None:
                                  "time": time.time(), **job, **info})
 
 
-def run_state(spec: RunSpec, now: float | None = None) -> dict:
+def run_state(spec: CompareRun, now: float | None = None) -> dict:
     """{state, step, steps, detail} of a run (the module docstring's rules)."""
     steps = spec.train.steps
     try:
@@ -95,7 +97,7 @@ class Heartbeat:
     """Marks a run running and touches its state file every ``heartbeat_s()`` seconds
     from a daemon thread, until the body ends (then: nothing; the caller says how)."""
 
-    def __init__(self, spec: RunSpec):
+    def __init__(self, spec: CompareRun):
         self.spec, self._stop = spec, threading.Event()
 
     def __enter__(self):
@@ -118,15 +120,12 @@ class Heartbeat:
 
 
 # ---------------------------------------------------------------------------- one run
-def execute(spec: RunSpec, corpus=None, *, on_step: Callable[[int, dict], None] | None = None,
+def execute(spec: CompareRun, corpus=None, *, on_step: Callable[[int, dict], None] | None = None,
             log: Callable[[str], None] | None = None, device: str | None = None) -> dict | None:
     """Train (or resume, or skip when finished) the run ``spec`` describes; its state
     file follows (rank 0 writes it). ``corpus``: the recipe's corpus, already loaded (else
     it is loaded). A tuning run that diverges is recorded (diverged.json: finished,
     scored as infinite; returns None); a reported run that diverges fails."""
-    from .. import train as lm
-    from ..engine import dist
-    from ..engine.trainer import DivergedError
 
     tc = spec.train if device is None else dataclasses.replace(spec.train, device=device)
     run_dir = spec.run_dir
@@ -156,7 +155,7 @@ def execute(spec: RunSpec, corpus=None, *, on_step: Callable[[int, dict], None] 
         if main:
             write_json(run_dir / DIVERGED, {"error": str(e)})
         dist.barrier()  # every rank sees it before deciding what is finished
-        (log or _stderr)(f"tuning run {spec.name} diverged; scored as infinite")
+        (log or dist.say)(f"tuning run {spec.name} diverged; scored as infinite")
         summary = None
     except BaseException as e:
         if main:
@@ -168,10 +167,6 @@ def execute(spec: RunSpec, corpus=None, *, on_step: Callable[[int, dict], None] 
     if main:
         spec.state_path.unlink(missing_ok=True)  # summary.json (diverged.json) says done
     return summary
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def format_status(rows: list[dict]) -> str:

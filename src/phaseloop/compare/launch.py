@@ -1,4 +1,4 @@
-"""Launchers: who runs a comparison's runs (``runs.RunSpec``: each tuning round's, then the
+"""Launchers: who runs a comparison's runs (``runs.CompareRun``: each tuning round's, then the
 reported ones; ``runner.execute`` hands each list to the chosen launcher).
 
 * ``sequential`` (the default): one after another in this process (``runner``); under
@@ -15,106 +15,19 @@ Options come from the recipe's ``[launcher]`` table, then the command line's fla
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from .grid import write_state
-from .runs import RunSpec
-
-LAUNCHERS = ("sequential", "local", "slurm")
-EXECUTORS = ("slurm", "local", "debug")  # submitit's: a real cluster, or this machine (tests)
-SLURM_KEYS = ("partition", "time", "gpus_per_task", "cpus_per_task", "account", "sbatch", "setup",
-              "executor", "array_parallelism", "wait")
-
-
-@dataclasses.dataclass
-class LaunchOptions:
-    launcher: str = "sequential"
-    jobs: int | None = None  # local: workers at once (default: GPUs / nproc_per_run, or 1 on CPU)
-    nproc_per_run: int = 1  # processes (GPUs) per run, under torchrun / Slurm tasks
-    partition: str | None = None  # slurm ...
-    time: int = 60  # minutes per task (then requeued, resuming from its checkpoint)
-    gpus_per_task: int | None = None  # GPUs per array task (= per run)
-    cpus_per_task: int | None = None
-    account: str | None = None
-    sbatch: list = dataclasses.field(default_factory=list)  # extra options, e.g. ["--qos=high"]
-    setup: list = dataclasses.field(default_factory=list)  # shell lines before srun (module load ...)
-    executor: str = "slurm"  # submitit's slurm, or local / debug on this machine
-    array_parallelism: int | None = None  # tasks running at once (default: all)
-    wait: bool = False  # slurm: wait for the array, then report (default: submit and return)
-
-    @classmethod
-    def resolve(cls, table: dict | None, flags: dict | None = None, where: str = "recipe [launcher]") -> "LaunchOptions":
-        """The recipe's ``[launcher]`` table with the given command-line ``flags`` on top
-        (None values: not given); refuses unknown keys and bad values (one line)."""
-        from .recipe import RecipeError, _check_keys
-
-        table, flags = dict(table or {}), {k: v for k, v in (flags or {}).items() if v is not None}
-        _check_keys(cls, table, where, "launcher key")
-        o = cls(**{**table, **flags})
-        bad = o._problem()
-        if bad:
-            raise RecipeError(f"{where if bad[0] in table and bad[0] not in flags else 'command line'}: {bad[1]}")
-        if o.launcher != "slurm":
-            given = [k for k in SLURM_KEYS if k in flags and flags[k] not in (False, [])]
-            if given:
-                raise RecipeError(f"--{given[0].replace('_', '-')} applies to --launcher slurm (this is "
-                                  f"--launcher {o.launcher}); add --launcher slurm or drop it")
-        if o.launcher == "sequential" and "nproc_per_run" in flags:
-            raise RecipeError("--nproc-per-run applies to --launcher local or slurm (a sequential comparison "
-                              "under torchrun spreads every run over all its processes); add --launcher local")
-        if o.launcher != "local" and "jobs" in flags:
-            raise RecipeError(f"--jobs applies to --launcher local (this is --launcher {o.launcher}); "
-                              "add --launcher local" + ("; Slurm runs one array task per run, "
-                                                        "--array-parallelism caps how many at once"
-                                                        if o.launcher == "slurm" else ""))
-        return o
-
-    def _problem(self) -> tuple[str, str] | None:
-        def whole(v, low):
-            return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-        if self.launcher not in LAUNCHERS:
-            return "launcher", f"launcher={self.launcher!r}: choose one of {', '.join(LAUNCHERS)}"
-        if self.executor not in EXECUTORS:
-            return "executor", f"executor={self.executor!r}: choose one of {', '.join(EXECUTORS)}"
-        for k, low in (("jobs", 1), ("nproc_per_run", 1), ("time", 1), ("gpus_per_task", 0),
-                       ("cpus_per_task", 1), ("array_parallelism", 1)):
-            v = getattr(self, k)
-            if (v is not None or k in ("nproc_per_run", "time")) and not whole(v, low):
-                return k, f"{k}={v!r}: must be an integer >= {low}" + (" (minutes)" if k == "time" else "")
-        for k in ("partition", "account"):
-            v = getattr(self, k)
-            if v is not None and (not isinstance(v, str) or not v or any(c.isspace() for c in v)):
-                return k, f"{k}={v!r}: must be a Slurm {k} name (no spaces)"
-        if not isinstance(self.wait, bool):
-            return "wait", f"wait={self.wait!r}: must be true or false"
-        for k in ("sbatch", "setup"):
-            v = getattr(self, k)
-            if not isinstance(v, list) or any(not isinstance(x, str) or not x.strip() for x in v):
-                return k, f"{k}={v!r}: must be a list of strings"
-        for x in self.sbatch:
-            if not x.startswith("--") or len(x) < 3 or any(c.isspace() for c in x.partition("=")[0]):
-                return "sbatch", (f"sbatch option {x!r}: write it as sbatch's long option, --KEY=VALUE or "
-                                  "--FLAG, e.g. --qos=high or --exclusive")
-        if self.gpus_per_task and self.nproc_per_run > 1 and self.gpus_per_task < self.nproc_per_run:
-            return "gpus_per_task", (f"gpus_per_task={self.gpus_per_task} for nproc_per_run={self.nproc_per_run}: "
-                                     "each process of a run needs its own GPU; ask for at least as many")
-        return None
-
-    def sbatch_parameters(self) -> dict:
-        """--KEY=VALUE options as submitit's ``additional_parameters`` (True: a bare flag)."""
-        out = {}
-        for x in self.sbatch:
-            k, sep, v = x[2:].partition("=")
-            out[k.replace("-", "_")] = v if sep else True
-        return out
+from phaseloop.compare.grid import write_state
+from phaseloop.compare.options import EXECUTORS, LAUNCHERS, SLURM_KEYS, LaunchOptions, RecipeError  # noqa: F401
+from phaseloop.compare.runs import CompareRun
+from phaseloop.errors import PhaseloopError
+from phaseloop.files import read_json
 
 
 # ---------------------------------------------------------------------------- local
@@ -129,8 +42,6 @@ def local_slots(jobs: int | None, nproc: int, device: str) -> list[dict]:
     """The environment of each worker: its own share of the cores (affinity and threads
     per process) and, on GPUs, its own ``nproc`` of them."""
     import torch
-
-    from ..errors import PhaseloopError
 
     gpus: list[str] = []
     if device != "cpu" and torch.cuda.is_available():
@@ -177,21 +88,19 @@ def _last_line(path: Path) -> str:
     return lines[-1][-200:] if lines else ""
 
 
-def run_local(specs: list[RunSpec], jobs: int | None, nproc: int, device: str,
+def run_local(specs: list[CompareRun], jobs: int | None, nproc: int, device: str,
               log: Callable[[str], None] | None = None, poll_s: float = 0.05) -> list[str]:
     """Run ``specs`` in worker processes, ``jobs`` at a time; returns the failed runs'
     names (their state files say why). Ctrl-C / SIGTERM stop every worker (each run
     stays resumable) and re-raise."""
-    import phaseloop
-
     slots = local_slots(jobs, nproc, device)
-    src = str(Path(phaseloop.__file__).resolve().parents[1])  # the workers import this phaseloop
+    src = str(Path(__file__).resolve().parents[2])  # src/: the workers import this phaseloop
     path = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
     queue, busy, failed = list(specs), {}, []
     say = log or (lambda m: None)
     if len(slots) > len(specs):
         slots = slots[:len(specs)]
-    where = lambda env: ((f"GPU {env['CUDA_VISIBLE_DEVICES']}, " if env["CUDA_VISIBLE_DEVICES"] else "")  # noqa: E731
+    where = lambda env: ((f"GPU {env['CUDA_VISIBLE_DEVICES']}, " if env["CUDA_VISIBLE_DEVICES"] else "")
                          + f"cores {env['PHASELOOP_CPUS']}, {env['PHASELOOP_THREADS']} thread(s)")
     try:
         while queue or busy:
@@ -223,7 +132,7 @@ def run_local(specs: list[RunSpec], jobs: int | None, nproc: int, device: str,
     except BaseException:
         for _, p in busy.values():
             p.send_signal(signal.SIGTERM)  # each worker stops at a step and keeps its checkpoint
-        for spec, p in busy.values():
+        for _spec, p in busy.values():
             try:
                 p.wait(60)
             except subprocess.TimeoutExpired:
@@ -233,10 +142,9 @@ def run_local(specs: list[RunSpec], jobs: int | None, nproc: int, device: str,
     return failed
 
 
-def _mark_failed(spec: RunSpec, why: str, pid: int) -> None:
+def _mark_failed(spec: CompareRun, why: str, pid: int) -> None:
     """The worker's own word stands (it wrote failed, stopped); a worker killed outright
     said nothing (or still says running): say what the launcher saw."""
-    from ..checkpoint import read_json
 
     try:
         said = read_json(spec.state_path).get("state") if spec.state_path.exists() else None

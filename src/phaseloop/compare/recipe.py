@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable
 
-from .. import registry
-from ..config import MAX_SEED, PRESETS, ModelConfig, merged
-from ..engine import TrainConfig
-from ..errors import ConfigError, PhaseloopError
-from ..files import why_missing
-from ..validation import check_types
+from phaseloop import registry
+from phaseloop.compare.options import LaunchOptions, RecipeError, Tune, check_keys, suggest
+from phaseloop.config import MAX_SEED, PRESETS, ModelConfig, merged
+from phaseloop.engine import TrainConfig
+from phaseloop.errors import ConfigError
+from phaseloop.files import parse_toml, why_missing
+from phaseloop.validation import check_types
 
 MATCH_KINDS = ("none", "params", "flops", "depth")
 MATCH_BY = ("width", "depth")
@@ -26,24 +26,6 @@ MATCH_BY = ("width", "depth")
 # validation loss is measured on. A variant's own ``train`` may set any other field.
 SHARED_TRAIN = ("seed", "steps", "batch_size", "grad_accum", "seq_len", "val_fraction",
                 "eval_every", "eval_windows", "device")
-
-
-class RecipeError(PhaseloopError):
-    """A bad comparison recipe, variant, budget or comparison folder (one line)."""
-
-
-def _check_keys(cls, table: dict, where: str, what: str) -> None:
-    """Refuse keys that are not fields of ``cls`` (typos), suggesting the closest one."""
-    known = [f.name for f in dataclasses.fields(cls)]
-    for k in table:
-        if k not in known:
-            raise RecipeError(f"{where}: unknown {what} {k!r}{_suggest(k, known)}; "
-                              f"known: {', '.join(known)}")
-
-
-def _suggest(word: str, options) -> str:
-    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # A variant names an architecture (its name or an alias, ``ArchSpec.aliases``), which
@@ -100,12 +82,12 @@ class Variant:
         return slugify(self.name)
 
     @classmethod
-    def from_item(cls, item, where: str) -> "Variant":
+    def from_item(cls, item, where: str) -> Variant:
         if isinstance(item, str):
             return cls(name=item, spec=item)
         if not isinstance(item, dict):
             raise RecipeError(f"{where}: a variant is a spec string or a table, got {item!r}")
-        _check_keys(cls, item, where, "variant key")
+        check_keys(cls, item, where, "variant key")
         if "spec" not in item:
             raise RecipeError(f"{where}: variant table needs spec = 'ARCH ...' (e.g. {_example()!r})")
         for k, what in (("set", "ModelConfig"), ("train", "TrainConfig")):
@@ -126,7 +108,7 @@ def _variant_train(table, where: str) -> dict:
     if not isinstance(table, dict):
         raise RecipeError(f"{where}: train must be a table of TrainConfig fields, e.g. "
                           "train = { lr = 3e-3, warmup_steps = 50 }")
-    _check_keys(TrainConfig, table, f"{where} train", "key")
+    check_keys(TrainConfig, table, f"{where} train", "key")
     for k in table:
         if k in SHARED_TRAIN:
             raise RecipeError(f"{where} train: {k} is shared by every variant (the budget, the seeds and "
@@ -139,7 +121,7 @@ def _check_spec_keys(v: Variant) -> None:
     known = ModelConfig.field_names()
     for k in [*parse_spec(v.spec)[2], *v.set]:
         if k not in known:
-            raise RecipeError(f"variant {v.name!r}: unknown field {k!r}{_suggest(k, known)}; "
+            raise RecipeError(f"variant {v.name!r}: unknown field {k!r}{suggest(k, known)}; "
                               f"fields: {', '.join(known)} (or {', '.join(KEY_ALIASES)})")
 
 
@@ -169,13 +151,13 @@ def resolve_variant(v: Variant, scale: str, vocab_size: int | None = None):
         names = [n for s in registry.all_archs() for n in (s.name, *s.aliases)]
         options = sorted(set(names) | set(PRESETS))
         raise RecipeError(f"{where}: unknown architecture or preset {base!r}"
-                          f"{_suggest(base, options)}; use one of {', '.join(options)} (a plugin "
+                          f"{suggest(base, options)}; use one of {', '.join(options)} (a plugin "
                           f"adds more: docs/extending.md)")
     modifiers = registry.modifiers()
     mod_overrides: dict = {}
     for m in mods:
         if m not in modifiers:
-            raise RecipeError(f"{where}: unknown modifier +{m}{_suggest(m, modifiers)}; "
+            raise RecipeError(f"{where}: unknown modifier +{m}{suggest(m, modifiers)}; "
                               f"known: {', '.join('+' + k for k in modifiers)}")
         mod_overrides.update(modifiers[m])
     d = merged(PRESETS[preset], extra, mod_overrides, overrides, v.set)
@@ -240,13 +222,13 @@ class Recipe:
                 other = getattr(v, key)
                 if other is not None and (other not in names or other == v.name):
                     raise RecipeError(f"variant {v.name!r}: {key}={other!r} names no other variant"
-                                      f"{_suggest(other, [n for n in names if n != v.name])}")
+                                      f"{suggest(other, [n for n in names if n != v.name])}")
             _check_spec_keys(v)  # a typo in a spec is named before anything that follows from it
         if self.reference is None:
             self.reference = names[0]
         if self.reference not in names:
             raise RecipeError(f"reference={self.reference!r} is not a variant"
-                              f"{_suggest(self.reference, names)}; choose one of "
+                              f"{suggest(self.reference, names)}; choose one of "
                               f"{', '.join(names)}")
         if (not isinstance(self.seeds, list) or not self.seeds
                 or any(not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= MAX_SEED for s in self.seeds)
@@ -277,8 +259,6 @@ class Recipe:
             raise RecipeError(f"eval_limit={self.eval_limit!r}: must be a positive integer (examples per task)")
         if not isinstance(self.launcher, dict):
             raise RecipeError("launcher must be a table, e.g. [launcher] launcher = \"local\", jobs = 8")
-        from .launch import LaunchOptions
-
         LaunchOptions.resolve(self.launcher)
         if "seed" in self.train:
             raise RecipeError("train.seed is set per run from seeds; use seeds = [...] instead")
@@ -292,8 +272,6 @@ class Recipe:
                 TrainConfig.from_dict({**self.train, **v.train})
             except ConfigError as e:
                 raise RecipeError(f"variant {v.name!r} train: {e}") from None
-        from .tune import Tune  # tune builds on this module
-
         self.tune = Tune.parse(self).to_dict() if self.tune else {}
 
     def variant(self, name: str) -> Variant:
@@ -310,10 +288,10 @@ class Recipe:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "recipe") -> "Recipe":
+    def from_dict(cls, d: dict, source: str = "recipe") -> Recipe:
         if not isinstance(d, dict):
             raise RecipeError(f"{source}: a recipe is a table of keys")
-        _check_keys(cls, d, source, "key")
+        check_keys(cls, d, source, "key")
         if "variants" not in d:
             raise RecipeError(f"{source}: no variants; add e.g. variants = {registry.arch_names()[:2]!r}")
         items = d["variants"]
@@ -330,21 +308,6 @@ class Recipe:
 # quick.toml beside this one. Kept equal to recipes/quick.toml by a test.
 QUICK_TOML = (resources.files(__package__) / "quick.toml").read_text()  # package data
 BUILTIN_RECIPES = {"quick": QUICK_TOML}
-
-
-def _load_toml(text: str, source: str) -> dict:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ModuleNotFoundError:
-            raise RecipeError("reading TOML recipes on Python 3.10 needs tomli (pip install "
-                              "tomli); or pass a JSON recipe") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise RecipeError(f"{source} is not valid TOML: {e}") from None
 
 
 def load_recipe(spec: str | os.PathLike | None = None) -> Recipe:
@@ -368,13 +331,13 @@ def load_recipe(spec: str | os.PathLike | None = None) -> Recipe:
                 raise RecipeError(f"{spec} is not valid JSON: {e}") from None
             d = d.get("recipe", d) if isinstance(d, dict) else d  # a stored recipe.json
         else:
-            d = _load_toml(text, spec)
+            d = parse_toml(text, spec, RecipeError)
         d = dict(d) if isinstance(d, dict) else d
         if isinstance(d, dict):
             d.setdefault("name", p.stem)
         return Recipe.from_dict(d, spec)
     if spec in BUILTIN_RECIPES:
-        return Recipe.from_dict(_load_toml(BUILTIN_RECIPES[spec], spec), spec)
+        return Recipe.from_dict(parse_toml(BUILTIN_RECIPES[spec], spec, RecipeError), spec)
     if p.is_dir() or p.is_symlink():
         why = "is a folder, not a recipe file" if p.is_dir() else why_missing(p)
         raise RecipeError(f"recipe {spec!r} {why}; pass a .toml/.json file (see recipes/)")

@@ -6,19 +6,20 @@ import json
 import os
 import platform
 import shlex
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from .. import plots
-from ..checkpoint import read_json, write_json
-from ..files import atomic_write_bytes
-from ..engine import resolve_device, software_versions
-from ..params import format_count
-from .budget import Planned, describe_match
-from .recipe import Recipe, RecipeError
-from .stats import first_reach, mean_curve, mean_std, paired_t_test, read_curves, speedup
+from phaseloop.analysis import plots
+from phaseloop.analysis.params import format_count
+from phaseloop.compare import tune
+from phaseloop.compare.budget import Planned, describe_match
+from phaseloop.compare.recipe import Recipe, RecipeError
+from phaseloop.compare.stats import first_reach, mean_curve, mean_std, paired_t_test, read_curves, speedup
+from phaseloop.engine import resolve_device, software_versions
+from phaseloop.files import atomic_write_bytes, read_json, write_json
+from phaseloop.hf.harness import scores
 
 
 def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
@@ -94,7 +95,6 @@ def lm_eval_scores(run_dir: Path) -> dict:
     path = run_dir / "lm_eval" / "results.json"
     if not path.exists():
         return {}
-    from ..hf.harness import scores
 
     return scores(read_json(path))
 
@@ -212,7 +212,6 @@ def write_report(out: Path, recipe: Recipe, plan: list[Planned], data: dict,
                  command: str | None = None, log: Callable[[str], None] | None = None,
                  tuning: dict | None = None) -> dict:
     """summary.json, report.md and the plots (``tuning``: ``tune.run_tuning``'s results)."""
-    from . import tune
 
     s = summarize(out, recipe, plan)
     s["tuning"] = tuning or {}

@@ -1,4 +1,4 @@
-"""Running a comparison: its runs as descriptions (``runs.RunSpec``) — the tuning rounds
+"""Running a comparison: its runs as descriptions (``runs.CompareRun``) — the tuning rounds
 (``tune``, when the recipe has [tune]), then every (variant, seed) run — each list handed
 to one executor (``execute``) that gives what is not finished to the launcher
 (``launch``: this process one after another, local worker processes, or Slurm); then the
@@ -7,38 +7,34 @@ report. ``--status`` and ``--report`` walk the same runs from what is on disk.""
 from __future__ import annotations
 
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from ..checkpoint import read_json, write_json
-from ..files import check_out_dir
-from ..validation import first_difference
-from ..data import load_corpus
-from ..depth import check_depth_sample, parse_depth_range
-from ..model import build_model
-from ..errors import PhaseloopError
-from ..engine import dist, resolve_device
-from ..engine.trainer import PeerFailed
-from .budget import Planned, plan_variants
-from .grid import execute as execute_one, run_state
-from .launch import LaunchOptions, run_local
-from .recipe import Recipe, RecipeError, resolve_variant, slugify
-from .report import write_report
-from .runs import RunSpec, RunsPending, recipe_data, share_compiles
-from .tune import run_tuning
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+from phaseloop.compare.budget import Planned, plan_variants
+from phaseloop.compare.grid import execute as execute_one
+from phaseloop.compare.grid import run_state
+from phaseloop.compare.launch import LaunchOptions, run_local
+from phaseloop.compare.recipe import Recipe, RecipeError, resolve_variant, slugify
+from phaseloop.compare.report import write_report
+from phaseloop.compare.runs import CompareRun, RunsPending, recipe_data, share_compiles
+from phaseloop.compare.tune import run_tuning
+from phaseloop.data.corpus import load_corpus
+from phaseloop.depth import check_depth_sample, parse_depth_range
+from phaseloop.engine import dist, resolve_device
+from phaseloop.engine.run import RESUMABLE_CHANGES
+from phaseloop.engine.trainer import PeerFailed
+from phaseloop.errors import PhaseloopError
+from phaseloop.files import check_out_dir, read_json, write_json
+from phaseloop.hf.harness import lm_eval_run, resolved_tasks
+from phaseloop.model import build_model
+from phaseloop.validation import first_difference
 
 
 def _compared(recipe: dict) -> dict:
     """A stored recipe without what a rerun may change: the train settings a run may change
     on resume (device, compile...) and the ``[launcher]`` (where runs go, not what they are)."""
-    from ..engine.run import RESUMABLE_CHANGES
 
     train = {k: v for k, v in recipe.get("train", {}).items() if k not in RESUMABLE_CHANGES}
     return {**{k: v for k, v in recipe.items() if k != "launcher"}, "train": train}
@@ -102,7 +98,6 @@ def check_eval_tasks(recipe: Recipe) -> None:
     its data absent) before anything trains or is written. (A --dry-run does not: it
     checks the variants where lm-eval and the data may be absent, as in CI.)"""
     if recipe.eval_tasks:
-        from ..hf.harness import resolved_tasks
 
         with resolved_tasks(recipe.eval_tasks):
             pass
@@ -115,18 +110,17 @@ def _lm_eval(recipe: Recipe, run_dir: Path, device: str, log) -> None:
     done = run_dir / "lm_eval" / "results.json"
     if done.exists() and sorted(read_json(done).get("results", {})) == sorted(recipe.eval_tasks):
         return
-    from ..hf.harness import lm_eval_run
 
     if log:
         log(f"lm-eval {','.join(recipe.eval_tasks)} on {run_dir.name}")
     lm_eval_run(run_dir, recipe.eval_tasks, limit=recipe.eval_limit, device=device)
 
 
-def main_runs(recipe: Recipe, plan: list[Planned], out: Path, tuned: dict) -> list[RunSpec]:
+def main_runs(recipe: Recipe, plan: list[Planned], out: Path, tuned: dict) -> list[CompareRun]:
     """The reported runs, seed-major (every variant of seed 0, then seed 1, ...), so an
     interrupted comparison already holds complete pairs; each at [train], then its own
     settings, then its tuned point (``tuned``: {variant: {lr: ...}})."""
-    return [RunSpec(f"{p.variant.slug}-s{seed}", p.name, seed, p.cfg,
+    return [CompareRun(f"{p.variant.slug}-s{seed}", p.name, seed, p.cfg,
                     recipe.train_config(seed, p.variant, **tuned.get(p.name, {})), out, recipe_data(recipe))
             for seed in recipe.seeds for p in plan]
 
@@ -135,7 +129,7 @@ def _chosen(tuning: dict) -> dict:
     return {k: r["chosen"] for k, r in tuning.items()}
 
 
-def execute(runs: list[RunSpec], launch: LaunchOptions, corpus, device: str, *, progress: bool = False,
+def execute(runs: list[CompareRun], launch: LaunchOptions, corpus, device: str, *, progress: bool = False,
             on_step=None, log=None, title: str = "") -> None:
     """Run the runs not finished yet through the launcher (a half-done one resumes from
     its last checkpoint; one another process is running is left to it). Returns when all
@@ -162,7 +156,7 @@ def execute(runs: list[RunSpec], launch: LaunchOptions, corpus, device: str, *, 
     elif launch.launcher == "local":
         failed = run_local(todo, launch.jobs, launch.nproc_per_run, device, log)
     else:
-        from . import slurm
+        from phaseloop.compare import slurm  # submitit: an optional extra
 
         held = slurm.still_queued(todo, launch, log)
         todo = [r for r in todo if r.name not in held]
@@ -183,7 +177,7 @@ def execute(runs: list[RunSpec], launch: LaunchOptions, corpus, device: str, *, 
         raise RunsPending(left, runs[0].tuning)
 
 
-def _run_sequential(todo: list[RunSpec], runs: list[RunSpec], corpus, device: str, progress: bool,
+def _run_sequential(todo: list[CompareRun], runs: list[CompareRun], corpus, device: str, progress: bool,
                     on_step, log, title: str) -> None:
     """``todo`` in this process, one after another (under torchrun: across all ranks),
     with one progress bar over ``runs``."""
@@ -237,7 +231,7 @@ def _prepare(recipe: Recipe, log, eval_tasks: bool = True):
 
 def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True,
                    on_step: Callable[[str, int, dict], None] | None = None,
-                   log: Callable[[str], None] | None = _stderr,
+                   log: Callable[[str], None] | None = dist.say,
                    command: str | None = None, launch: LaunchOptions | None = None) -> dict:
     """Tune (when the recipe has [tune]), train every (variant, seed) run not yet
     finished (``main_runs``), then write the report.
@@ -256,8 +250,8 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     if launch.launcher != "sequential" and w.size > 1:
         raise RecipeError(f"--launcher {launch.launcher} starts its own processes; run it without torchrun "
                           "(--nproc-per-run K runs each run under torchrun)")
-    if launch.launcher == "slurm":
-        from . import slurm  # noqa: F401 (a missing submitit is refused before anything is written)
+    if launch.launcher == "slurm":  # submitit, an optional extra: refused before anything is written
+        from phaseloop.compare import slurm  # noqa: F401
     corpus, plan = _prepare(recipe, log)
     device = devices_for(recipe.train["device"])[0]
     resolve_device(device)
@@ -266,7 +260,7 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     with dist.main_first():  # rank 0 stores the recipe; the others then find it there
         _claim_folder(out, recipe)
 
-    def run(runs: list[RunSpec]) -> None:
+    def run(runs: list[CompareRun]) -> None:
         execute(runs, launch, corpus, device, progress=progress, on_step=on_step, log=log, title=recipe.name)
 
     try:
@@ -299,15 +293,16 @@ def stored_recipe(out: Path) -> Recipe:
     return Recipe.from_dict(read_json(out / "recipe.json").get("recipe"), str(out / "recipe.json"))
 
 
-def runs_on_disk(recipe: Recipe, plan: list[Planned], out: Path) -> tuple[list[RunSpec], dict | None, list[RunSpec]]:
+def runs_on_disk(recipe: Recipe, plan: list[Planned],
+                 out: Path) -> tuple[list[CompareRun], dict | None, list[CompareRun]]:
     """(the tuning runs of every round reached so far, the tuning results or None while
     tuning is unfinished, the reported runs): ``run_tuning`` walked over what is on disk,
     training nothing. While tuning is unfinished the reported runs' tuned point is not
     known yet: they are described at [train]'s (their folder and steps are what --status
     reads)."""
-    seen: dict[str, RunSpec] = {}
+    seen: dict[str, CompareRun] = {}
 
-    def look(runs: list[RunSpec]) -> None:
+    def look(runs: list[CompareRun]) -> None:
         seen.update((r.name, r) for r in runs)
         left = [r.name for r in runs if not r.finished]
         if left:
@@ -334,7 +329,7 @@ def comparison_status(out_dir: str | Path) -> list[dict]:
 
 
 def report_finished(recipe: Recipe, out_dir: str | Path, command: str | None = None,
-                    log: Callable[[str], None] | None = _stderr) -> dict:
+                    log: Callable[[str], None] | None = dist.say) -> dict:
     """The report from the runs finished so far (``--report``), whatever is still running;
     with [tune], once tuning has finished (its choice decides what the reported runs are)."""
     out = Path(out_dir)

@@ -13,18 +13,20 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import checkpoint_dir, read_json, verify_checkpoint, write_json
-from ..config import ModelConfig
-from ..data import Corpus
-from ..engine import TrainConfig
-from ..errors import CheckpointError
+from phaseloop.config import ModelConfig
+from phaseloop.data.corpus import Corpus, load_corpus
+from phaseloop.engine import TrainConfig, compiling, dist
+from phaseloop.engine.checkpoint import checkpoint_dir, verify_checkpoint
+from phaseloop.errors import CheckpointError
+from phaseloop.files import read_json, write_json
+from phaseloop.models import build_model
 
 DIVERGED = "diverged.json"  # a tuning run stopped by a non-finite loss: scored as infinite
 LAUNCH = "launch"  # OUT/launch/: run descriptions, run state, worker logs
 
 
 @dataclass(frozen=True)
-class RunSpec:
+class CompareRun:
     name: str  # e.g. "rope-s0" (in OUT/runs/) or "tune/rope/lr0.002-s100" (its path in OUT)
     variant: str
     seed: int
@@ -77,8 +79,6 @@ class RunSpec:
         """The data this run reads (``loaded``: the recipe's corpus, else loaded here):
         the reported corpus, or for a tuning run its tuning slice."""
         if loaded is None:
-            from ..data import load_corpus
-            from ..engine import dist
 
             with dist.main_first():  # rank 0 builds the token store, then the others read it
                 loaded = load_corpus(self.data["spec"], self.data["tokenizer"], text_column=self.data["text_column"],
@@ -97,7 +97,7 @@ class RunSpec:
         return self.spec_path
 
     @classmethod
-    def load(cls, path: str | Path) -> "RunSpec":
+    def load(cls, path: str | Path) -> CompareRun:
         d = read_json(Path(path))
         keys = ("name", "variant", "seed", "model", "train", "out", "data", "tuning")
         if not isinstance(d, dict) or not set(keys) <= set(d) <= {*keys, "compile_share"} \
@@ -109,15 +109,13 @@ class RunSpec:
                    d.get("compile_share", 1))
 
 
-def share_compiles(runs: list[RunSpec]) -> list[RunSpec]:
+def share_compiles(runs: list[CompareRun]) -> list[CompareRun]:
     """``runs`` with ``compile_share`` set: how many of them, from each on, compile the same
     blocks (under ``--compile auto`` the first compiles, the others load it from the cache)."""
-    from ..engine import compiling
-    from ..models import build_model
 
     try:
         n = compiling.shares([(r.name, lambda r=r: build_model(r.cfg), r.train) for r in runs])
-    except Exception:  # noqa: BLE001 - only an estimate's input: the run itself says what is wrong
+    except Exception:
         return runs
     return [dataclasses.replace(r, compile_share=n[r.name]) for r in runs]
 

@@ -7,20 +7,21 @@ result). With ``nproc_per_run`` K > 1 a task is K Slurm tasks on one node, joine
 one torch.distributed world through submitit's ``TorchDistributedEnvironment``.
 
 submitit pickles what it submits (its protocol); the pickle holds only the path of the
-run's JSON description (``runs.RunSpec``), which every task reads again.
+run's JSON description (``runs.CompareRun``), which every task reads again.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from ..checkpoint import read_json, write_json
-from ..errors import PhaseloopError
-from .grid import write_state
-from .runs import RunSpec
-from .launch import LaunchOptions
+from phaseloop.compare.grid import execute, write_state
+from phaseloop.compare.launch import LaunchOptions
+from phaseloop.compare.runs import CompareRun
+from phaseloop.engine import dist
+from phaseloop.errors import PhaseloopError
+from phaseloop.files import read_json, write_json
 
 
 def require():
@@ -42,10 +43,8 @@ class RunTask(submitit.helpers.Checkpointable):
         self.spec_path = str(spec_path)
 
     def __call__(self) -> str:
-        from ..engine import dist
-        from .grid import execute
 
-        spec = RunSpec.load(self.spec_path)
+        spec = CompareRun.load(self.spec_path)
         env = submitit.JobEnvironment()
         if env.num_tasks > 1:  # a torch.distributed world of this task's processes
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
@@ -59,7 +58,7 @@ class RunTask(submitit.helpers.Checkpointable):
     def checkpoint(self, *args, **kwargs):
         """Preempted or out of time: the run is pending again (its checkpoint stays)."""
         if submitit.JobEnvironment().global_rank == 0:
-            write_state(RunSpec.load(self.spec_path), "requeued")
+            write_state(CompareRun.load(self.spec_path), "requeued")
         return super().checkpoint(*args, **kwargs)
 
 
@@ -83,7 +82,7 @@ def executor(opts: LaunchOptions, folder: Path, name: str):
     return ex
 
 
-def submit(specs: list[RunSpec], opts: LaunchOptions, out: Path, name: str) -> list:
+def submit(specs: list[CompareRun], opts: LaunchOptions, out: Path, name: str) -> list:
     """Submit ``specs`` as one job array; returns submitit's jobs (one per run). On a
     cluster each run's ``RUN.job.json`` records its task, so a relaunch leaves it alone
     while Slurm holds it (``still_queued``)."""
@@ -100,7 +99,7 @@ ALIVE = ("PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFI
          "RESIZING", "SUSPENDED", "PREEMPTED", "SIGNALING", "STAGE_OUT", "UNKNOWN")
 
 
-def still_queued(specs: list[RunSpec], opts: LaunchOptions, log: Callable[[str], None] | None = None) -> set[str]:
+def still_queued(specs: list[CompareRun], opts: LaunchOptions, log: Callable[[str], None] | None = None) -> set[str]:
     """The runs among ``specs`` whose recorded Slurm task the scheduler still holds (sacct,
     through submitit): submitting them again would put two writers in one run folder.
     A task sacct cannot tell about (UNKNOWN) counts as held; cancelling it (scancel)
@@ -123,7 +122,7 @@ def still_queued(specs: list[RunSpec], opts: LaunchOptions, log: Callable[[str],
     return held
 
 
-def wait(jobs: list, specs: list[RunSpec], log: Callable[[str], None] | None = None) -> list[str]:
+def wait(jobs: list, specs: list[CompareRun], log: Callable[[str], None] | None = None) -> list[str]:
     """Wait for every task; returns the failed runs' names."""
     failed = []
     for job, spec in zip(jobs, specs):

@@ -16,100 +16,15 @@ runs, so an interrupted tuning resumes where it stopped.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from ..checkpoint import read_json
-from ..config import MAX_SEED
-from ..engine import TrainConfig
-from ..errors import ConfigError
-from .runs import DIVERGED, RunSpec, recipe_data
-from .recipe import Recipe, RecipeError, _check_keys
-
-AXES = ("lr", "warmup_steps", "weight_decay")  # the grid's axes; the rate alone grows at the edges
-SHORT = {"lr": "lr", "warmup_steps": "w", "weight_decay": "wd"}
-MAX_EXTEND = 10
-
-
-@dataclass
-class Tune:
-    lr: list = field(default_factory=list)  # at least 2 distinct rates (sorted)
-    seeds: list = field(default_factory=list)  # tuning seeds, none of the recipe's seeds
-    warmup_steps: list = field(default_factory=list)  # empty: [train]'s (or the variant's)
-    weight_decay: list = field(default_factory=list)
-    steps: int | None = None  # a tuning run's steps (default: [train]'s)
-    extend: int = 2  # at most this many edge extensions of the rate grid, per variant
-
-    @classmethod
-    def parse(cls, recipe: Recipe) -> "Tune":
-        """The recipe's [tune] table, checked: one RecipeError naming the key and the fix."""
-        d = recipe.tune
-        if not isinstance(d, dict):
-            raise RecipeError("[tune] must be a table, e.g. [tune] lr = [1e-3, 2e-3, 4e-3] seeds = [100]")
-        _check_keys(cls, d, "[tune]", "key")
-        t = cls(**d)
-        if (not isinstance(t.lr, list) or len(t.lr) < 2 or len(set(t.lr)) != len(t.lr)
-                or any(not _number(x) or not x > 0 for x in t.lr)):
-            raise RecipeError(f"[tune] lr={t.lr!r}: must be a list of at least 2 distinct positive rates, "
-                              "e.g. lr = [1e-3, 2e-3, 4e-3]")
-        t.lr = sorted(float(x) for x in t.lr)
-        if (not isinstance(t.seeds, list) or not t.seeds or len(set(t.seeds)) != len(t.seeds)
-                or any(not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= MAX_SEED for s in t.seeds)):
-            raise RecipeError(f"[tune] seeds={t.seeds!r}: must be a non-empty list of distinct integers, "
-                              f"none of the reported seeds {recipe.seeds}, e.g. seeds = [100]")
-        shared = sorted(set(t.seeds) & set(recipe.seeds))
-        if shared:
-            raise RecipeError(f"[tune] seeds {shared} are also reported seeds {recipe.seeds}: tuning on the "
-                              f"seeds it reports would bias the comparison; use others, e.g. seeds = "
-                              f"[{max(recipe.seeds) + 100}]")
-        for k, lo, hi, kind in (("warmup_steps", 0, None, int), ("weight_decay", 0, 1, float)):
-            xs = getattr(t, k)
-            if (not isinstance(xs, list) or len(set(xs)) != len(xs)
-                    or any(not (_number(x) if kind is float else isinstance(x, int) and not isinstance(x, bool))
-                           or x < lo or (hi is not None and x > hi) for x in xs)):
-                rng = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
-                raise RecipeError(f"[tune] {k}={xs!r}: must be a list of distinct {kind.__name__}s {rng}, "
-                                  f"e.g. {k} = {[25, 50] if kind is int else [0.0, 0.1]}")
-            setattr(t, k, sorted(kind(x) for x in xs))
-        if t.steps is not None and (not isinstance(t.steps, int) or isinstance(t.steps, bool) or t.steps < 1):
-            raise RecipeError(f"[tune] steps={t.steps!r}: must be a positive integer (default: [train] steps)")
-        if not isinstance(t.extend, int) or isinstance(t.extend, bool) or not 0 <= t.extend <= MAX_EXTEND:
-            raise RecipeError(f"[tune] extend={t.extend!r}: must be an integer from 0 to {MAX_EXTEND} "
-                              "(edge extensions of the rate grid per variant)")
-        for v in recipe.variants:
-            both = [k for k in t.axes() if k in v.train]
-            if both:
-                raise RecipeError(f"variant {v.name!r} sets train.{both[0]} and [tune] tunes {both[0]}; "
-                                  "drop one of them")
-            for point in t.grid(t.lr):
-                try:
-                    t.train_config(recipe, v, point, t.seeds[0])
-                except ConfigError as e:
-                    raise RecipeError(f"[tune] point {point} of variant {v.name!r}: {e}") from None
-        return t
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def axes(self) -> list[str]:
-        return [k for k in AXES if k == "lr" or getattr(self, k)]
-
-    def grid(self, lrs: list[float]) -> list[dict]:
-        """Every point of the grid at rates ``lrs``: {axis: value}, rate-major."""
-        values = [lrs] + [getattr(self, k) for k in self.axes()[1:]]
-        return [dict(zip(self.axes(), combo)) for combo in itertools.product(*values)]
-
-    def train_config(self, recipe: Recipe, variant, point: dict, seed: int) -> TrainConfig:
-        tc = recipe.train_config(seed, variant, **point)
-        return tc.replace(steps=self.steps) if self.steps is not None else tc
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+from phaseloop.analysis import plots
+from phaseloop.compare.options import AXES, SHORT, RecipeError, Tune  # noqa: F401
+from phaseloop.compare.recipe import Recipe
+from phaseloop.compare.runs import DIVERGED, CompareRun, recipe_data
+from phaseloop.files import read_json
 
 
 def _round(x: float) -> float:
@@ -120,7 +35,7 @@ def point_name(point: dict) -> str:
     return "-".join(f"{SHORT[k]}{v:g}" for k, v in point.items())
 
 
-def score(runs: list[RunSpec]) -> dict:
+def score(runs: list[CompareRun]) -> dict:
     """A grid point's tuning runs -> {losses per seed (None: diverged), mean, std}."""
     losses = {}
     for r in runs:
@@ -151,14 +66,14 @@ def grow(lrs: list[float], way: str) -> list[float]:
     return [_round(lrs[0] * lrs[0] / lrs[1])] + lrs
 
 
-def tuning_runs(recipe: Recipe, tune: Tune, planned, lrs: list[float], out: Path) -> list[RunSpec]:
+def tuning_runs(recipe: Recipe, tune: Tune, planned, lrs: list[float], out: Path) -> list[CompareRun]:
     v = planned.variant
-    return [RunSpec(f"tune/{v.slug}/{point_name(pt)}-s{seed}", v.name, seed, planned.cfg,
+    return [CompareRun(f"tune/{v.slug}/{point_name(pt)}-s{seed}", v.name, seed, planned.cfg,
                     tune.train_config(recipe, v, pt, seed), out, recipe_data(recipe), tuning=True)
             for pt in tune.grid(lrs) for seed in tune.seeds]
 
 
-def run_tuning(recipe: Recipe, plan: list, out: Path, execute: Callable[[list[RunSpec]], None],
+def run_tuning(recipe: Recipe, plan: list, out: Path, execute: Callable[[list[CompareRun]], None],
                log: Callable[[str], None] | None = None) -> dict:
     """Train every variant's grid (growing at the edges), round by round; returns
     {variant: {grid, points, chosen, extensions, max_extensions, on_edge}}. ``execute``
@@ -220,7 +135,8 @@ def report_lines(results: dict) -> list[str]:
                     + (f" ± {row['std']:.4f}" if row["std"] is not None else ""))
             mark = "**chosen**" if pt == r["chosen"] else ""
             md.append("| " + " | ".join(f"{pt[k]:g}" for k in axes) + f" | {loss} | {mark} |")
-        md += ["", "Chosen: " + ", ".join(f"{k} = {x:g}" for k, x in r["chosen"].items()) + f"; grid extended {r['extensions']} of at most "
+        md += ["", "Chosen: " + ", ".join(f"{k} = {x:g}" for k, x in r["chosen"].items())
+               + f"; grid extended {r['extensions']} of at most "
                f"{r['max_extensions']} times" + (" -- **the choice is still on the grid's edge**: widen "
                                                  "[tune] lr or raise extend." if r["on_edge"] else "."), ""]
     return md
@@ -229,7 +145,6 @@ def report_lines(results: dict) -> list[str]:
 def plot(out: Path, results: dict, fname: str = "tuning_loss_vs_lr.png") -> str:
     """Tuning loss against the rate, one line per variant (the best over the other axes
     at each rate), the chosen rate starred."""
-    from .. import plots
 
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))

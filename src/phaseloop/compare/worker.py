@@ -1,5 +1,5 @@
 """``python -m phaseloop.compare.worker SPEC.json``: one run of a comparison
-(``runs.RunSpec``, a tuning run or a reported one) in its own process, as the local
+(``runs.CompareRun``, a tuning run or a reported one) in its own process, as the local
 launcher starts it (alone, or under torchrun with ``--nproc-per-run``). It keeps to the
 cores the launcher gave it (PHASELOOP_CPUS, PHASELOOP_THREADS) and exits as the command
 line does: 0 done (a diverged tuning run too: it is finished, scored as infinite), 2 bad
@@ -11,6 +11,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+
+from phaseloop.compare.grid import execute
+from phaseloop.compare.runs import CompareRun
+from phaseloop.engine import dist
+from phaseloop.engine.trainer import DivergedError, PeerFailed
+from phaseloop.errors import PhaseloopError, raise_terminated, was_terminated
 
 
 def _pin() -> None:
@@ -24,29 +30,16 @@ def _pin() -> None:
         torch.set_num_threads(int(threads))
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM: the trainer stops at a step, keeping its checkpoint."""
-
-
-def _terminated(signum, frame):
-    raise _Terminated()
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m phaseloop.compare.worker SPEC.json", file=sys.stderr)
         return 2
-    from ..engine import dist
-    from ..engine.trainer import DivergedError, PeerFailed
-    from ..errors import PhaseloopError
-    from .grid import execute
-    from .runs import RunSpec
 
-    signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         _pin()
-        spec = RunSpec.load(argv[0])
+        spec = CompareRun.load(argv[0])
         dist.init(spec.train.device)
         s = execute(spec)
         if dist.world().main:
@@ -62,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phaseloop: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        term = isinstance(e, _Terminated) or isinstance(e.__context__, _Terminated)
+        term = was_terminated(e)
         print(f"phaseloop: {'terminated' if term else 'interrupted'}; the run resumes from its checkpoint",
               file=sys.stderr)
         return 143 if term else 130

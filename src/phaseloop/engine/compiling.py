@@ -1,4 +1,4 @@
-"""Compilation of a training run, applied from outside the model (issue 30).
+"""Compilation of a training run, applied from outside the model.
 
 Modes (``TrainConfig.compile``):
 
@@ -33,13 +33,15 @@ re-run from the same batch and random state), never a crash.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from phaseloop.engine import compile_cache, dist
+from phaseloop.errors import PhaseloopError
+from phaseloop.layers import Block
 
 MODES = ("off", "block", "model", "auto")
 PROBE = 5  # eager steps auto times before deciding (the first is warm-up, not timed)
@@ -49,80 +51,10 @@ MEASURE = 8  # compiled steps auto times after the first, to record the saving i
 # (docs/performance.md): whole runs at the main job's settings gained 12 % (rope-small)
 # and 20 % (hyperloop-small) training throughput, interleaved steps 12-26 %; a block
 # never compiled took 8-10 s (12-15 s when inductor's first-use toolchain checks run
-# too), a warm load 1.5-2.2 s. The CUDA figures are guesses (no GPU was lent).
+# too), a warm load 1.5-2.2 s. The CUDA figures are estimates, not measurements.
 SAVING = {"cpu": 0.10, "cuda": 0.25}
 COLD_S = {"cpu": 12.0, "cuda": 60.0}
 LOAD_S = {"cpu": 2.0, "cuda": 5.0}
-
-
-def cache_root():
-    from ..files import cache_dir
-
-    return cache_dir() / "compile"
-
-
-def use_cache() -> None:
-    """Point inductor's on-disk caches into phaseloop's cache folder (unless the user set
-    one). Inductor writes its default folder into TORCHINDUCTOR_CACHE_DIR the first time
-    anything asks for it, so that value counts as unset."""
-    root = cache_root() / f"torch-{torch.__version__}"
-    now = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if now is None or os.path.abspath(now) == os.path.abspath(_inductor_default_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
-    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
-    if backend() == "inductor":
-        trust_vec_isa()
-
-
-def _inductor_default_dir() -> str:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # moved: only a value the user set explicitly is then kept
-        return ""
-    return default_cache_dir()
-
-
-def trust_vec_isa() -> None:
-    """Inductor checks each vector ISA the CPU advertises by building a test library and
-    loading it in a child Python, in every process: 0.9 s of a warm run's first step on
-    the 2-core CPU. Once the checks passed for this torch, compiler, Python and CPU
-    (``records.json``), later processes tell inductor (``config.cpp.vec_isa_ok``); the
-    first one checks before it compiles and sets it too, so every process compiles under
-    the same inductor settings (they are part of its cache keys). Where a check fails,
-    or elsewhere than x86-64 Linux, inductor keeps checking for itself."""
-    import platform
-
-    import torch._inductor.config as ic
-
-    if ic.cpp.vec_isa_ok is not None or sys.platform != "linux" or platform.machine() != "x86_64":
-        return  # the user decided (TORCHINDUCTOR_VEC_ISA_OK), or not the case measured
-    from torch._inductor import cpu_vec_isa
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        flags = sorted(cpu_vec_isa.x86_isa_checker())
-        flagged = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
-        parts = [torch.__version__, sys.executable, get_cpp_compiler(), os.environ.get("ATEN_CPU_CAPABILITY", ""),
-                 *flags, *map(str, flagged)]
-    except Exception:  # noqa: BLE001 - inductor's internals moved: leave its checks alone
-        return
-    key = "vec_isa:" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
-    ok = _read_records().get(key)
-    if not isinstance(ok, bool):
-        ok = bool(flagged) and all(_isa_builds(isa) for isa in flagged)  # inductor's own checks, once
-        _write_record(key, ok)
-    if ok:
-        ic.cpp.vec_isa_ok = True
-
-
-def _isa_builds(isa) -> bool:
-    return bool(isa)  # inductor's check: build a test library with the ISA's flags, load it in a child
-
-
-def backend() -> str:
-    """torch.compile's backend: inductor, or $PHASELOOP_COMPILE_BACKEND (aot_eager / eager
-    capture the same graphs without code generation: to isolate an inductor problem)."""
-    return os.environ.get("PHASELOOP_COMPILE_BACKEND") or "inductor"
 
 
 def targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -130,7 +62,6 @@ def targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
     trunk = getattr(model, "trunk", None)
     if trunk is not None and hasattr(trunk, "compile_targets"):
         return trunk.compile_targets()
-    from ..layers import Block
 
     return [(m, "forward") for m in model.modules() if isinstance(m, Block)]
 
@@ -149,7 +80,7 @@ def compile_blocks(model: nn.Module) -> Callable[[], None]:
         if name in module.__dict__ and getattr(module.__dict__[name], "_phaseloop_compiled", False):
             continue
         eager = getattr(module, name)
-        compiled = torch.compile(eager, backend=backend())
+        compiled = torch.compile(eager, backend=compile_cache.backend())
 
         def call(*args, _eager=eager, _compiled=compiled, **kwargs):
             # training steps only: an evaluation (no grad, eval mode) would cost a second
@@ -196,63 +127,6 @@ def shares(runs: list[tuple[str, Callable[[], nn.Module], object]]) -> dict[str,
     return {name: sum(k == key for _, k in keys[i:]) for i, (name, key) in enumerate(keys)}
 
 
-RECORD_KEYS = ("compile_s", "load_s")
-SAVINGS_KEPT = 8  # the saving is the median of the last runs' measurements: one run's is noisy
-
-
-def _records_path():
-    return cache_root() / "records.json"
-
-
-def _read_records() -> dict:
-    try:
-        data = json.loads(_records_path().read_text())
-    except (OSError, ValueError):
-        return {}  # no record (or an unreadable one: it is only an estimate's input)
-    return data if isinstance(data, dict) else {}
-
-
-def read_record(key: str) -> dict:
-    """What runs on this machine measured for ``key``: compile_s (a cold compile), load_s
-    (a warm load), saving (the fraction of an eager step it saved: the median of the last
-    ``SAVINGS_KEPT`` runs' measurements); only those measured."""
-    v = _read_records().get(key)
-    if isinstance(v, (int, float)) and not isinstance(v, bool):  # records before the saving was kept
-        return {"compile_s": float(v)}
-    if not isinstance(v, dict):
-        return {}
-    out = {k: float(v[k]) for k in RECORD_KEYS if _number(v.get(k))}
-    savings = [float(x) for x in v.get("savings", []) if _number(x)] if isinstance(v.get("savings"), list) else []
-    return {**out, "savings": savings, "saving": _median(savings)} if savings else out
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
-
-
-def update_record(key: str, saving: float | None = None, **seconds: float) -> None:
-    """Set a cold compile's or a warm load's seconds; add a measured ``saving``."""
-    rec = read_record(key)
-    savings = rec.pop("savings", [])
-    rec.pop("saving", None)
-    rec.update({k: round(float(v), 4) for k, v in seconds.items()})
-    if saving is not None:
-        savings = [*savings, round(float(saving), 4)][-SAVINGS_KEPT:]
-    _write_record(key, {**rec, **({"savings": savings} if savings else {})})
-
-
-def _write_record(key: str, value) -> None:
-    from ..files import atomic_write_bytes
-
-    data = _read_records()
-    data[key] = value
-    try:
-        _records_path().parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(_records_path(), json.dumps(data, indent=1, sort_keys=True).encode())
-    except OSError:
-        pass  # a read-only cache costs only the estimate
-
-
 def decide(step_s: float, steps_left: int, device: torch.device, record: dict | None = None,
            share: int = 1, here: bool = False) -> tuple[str, str]:
     """auto's choice and the one line saying why. ``record``: ``read_record``'s; ``share``:
@@ -275,10 +149,6 @@ def decide(step_s: float, steps_left: int, device: torch.device, record: dict | 
                   f"{step_s * 1e3:.1f} ms at {saving:.1%} ({'measured' if 'saving' in record else 'estimated'})"
                   + (f" x {runs} runs" if runs > 1 else "")
                   + f" {'>' if gain > cost else '<='} {cost:.1f} s to compile, {where})")
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
 
 
 def _cache_counts() -> tuple[int, int, int]:
@@ -342,12 +212,12 @@ class RunCompiler:
         """The (parallelised) forward the steps call; ``model`` mode compiles it."""
         self.eager_fwd = self.fwd = fwd
         if self.mode == "model":
-            use_cache()
-            self.fwd = torch.compile(fwd, backend=backend())
+            compile_cache.use_cache()
+            self.fwd = torch.compile(fwd, backend=compile_cache.backend())
             self.pending = True
 
     def _apply_block(self) -> None:
-        use_cache()
+        compile_cache.use_cache()
         self.undo = compile_blocks(self.model)
         self.pending = True
 
@@ -360,8 +230,6 @@ class RunCompiler:
         and random state, so the eager re-run takes the same batch)."""
         import time
 
-        from ..errors import PhaseloopError
-
         saved = snapshot() if self.pending else None
         cache = _cache_counts() if self.pending else None
         t0 = time.perf_counter()
@@ -369,7 +237,7 @@ class RunCompiler:
             rec = run_step(self.fwd)
         except (PhaseloopError, KeyboardInterrupt):
             raise
-        except Exception as e:  # noqa: BLE001 - any failure of the first compiled step
+        except Exception as e:
             if not self.pending:
                 raise
             restore(saved)
@@ -396,23 +264,22 @@ class RunCompiler:
         elif self.compiled is not None:
             self.compiled.append(seconds)
             if len(self.compiled) == MEASURE:
-                self._record(saving=1.0 - _median(self.compiled) / self._eager_s())
+                self._record(saving=1.0 - compile_cache.median(self.compiled) / self._eager_s())
                 self.compiled = None
         return rec
 
     def _eager_s(self) -> float:
         """The median eager probe step (auto), else 0 (an eager step was never timed)."""
-        return _median(self.times[1:]) if len(self.times) > 1 else 0.0
+        return compile_cache.median(self.times[1:]) if len(self.times) > 1 else 0.0
 
     def _record(self, **values: float) -> None:
         if self.main:
-            update_record(self._key(), **values)
+            compile_cache.update_record(self._key(), **values)
 
     def _decide(self, steps_left: int) -> None:
-        from . import dist
 
         key = shape_key(self.model, self.key_extra, self.device, "block")
-        mode, line = decide(self._eager_s(), steps_left, self.device, read_record(key), self.share,
+        mode, line = decide(self._eager_s(), steps_left, self.device, compile_cache.read_record(key), self.share,
                             here=key in _COMPILED_HERE)
         if dist.world().size > 1:  # every rank must compile alike: the majority's choice
             votes = float(dist.all_sum(1.0 if mode == "block" else 0.0)[0])

@@ -10,8 +10,11 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from ..validation import check_ints, check_types, strict_from_dict
+from phaseloop.depth import parse_depth_range
+from phaseloop.engine.optim import OPTIMIZERS, SCHEDULES
+from phaseloop.engine.trackers import names as tracker_names
+from phaseloop.errors import ConfigError
+from phaseloop.validation import check_ints, check_types, strict_from_dict
 
 
 def _f(default, help: str, choices=None):
@@ -20,14 +23,10 @@ def _f(default, help: str, choices=None):
 
 
 def _optimizers() -> tuple[str, ...]:
-    from .optim import OPTIMIZERS
-
     return tuple(OPTIMIZERS)
 
 
 def _schedules() -> tuple[str, ...]:
-    from .optim import SCHEDULES
-
     return tuple(SCHEDULES)
 
 
@@ -38,7 +37,7 @@ class TrainConfig:
     on every parameter), linear warmup then cosine to ``min_lr_ratio * lr``, gradient-norm
     clipping, ``grad_accum`` micro-batches of ``batch_size`` per step; ``optimizer`` and
     ``schedule`` name others (``engine.optim``'s registries). ``seq_len``, ``eval_windows``
-    and ``val_fraction`` shape the windows of a corpus (``phaseloop.train``); task runs
+    and ``val_fraction`` shape the windows of a corpus (``phaseloop.lm.train``); task runs
     leave them at their defaults."""
 
     steps: int = _f(600, "optimizer steps")
@@ -77,13 +76,13 @@ class TrainConfig:
     checkpoint_activations: bool = _f(False, "recompute each block's activations in backward "
                                       "(less memory, ~1/3 more compute)")
     peak_tflops: float | None = _f(None, "peak TFLOP/s of one device, for MFU (default: known GPUs' bf16 peak)")
-    # windows holding several documents (issue 28; LM runs: data.Documents)
+    # windows holding several documents (LM runs: data.Documents)
     doc_mask: bool = _f(False, "attention only within a document (a window may span several)")
     doc_positions: bool = _f(False, "positions restart at 0 at each document start (RoPE, the 3PT "
                              "horn and the UT coordinate signal read them)")
     # the 3PT author's CrossEntropyLoss(ignore_index=pad_id); (inputs, targets) batches of LM runs
     loss_ignore_id: int | None = _f(None, "leave targets equal to this id (e.g. the pad id) out of the loss")
-    # training for depth (issue 25): engine.trainer runs each step under depth.sampled_depth
+    # training for depth: engine.trainer runs each step under depth.sampled_depth
     depth_sample: str | None = _f(None, "LO:HI: run each training step at a depth drawn uniformly from "
                                   "LO..HI (UT steps, ACT: the step limit; loop passes), a function of seed "
                                   "and step; evaluation runs at the trained depth")
@@ -109,53 +108,50 @@ class TrainConfig:
         check_ints(self, ("loss_ignore_id",), what, minimum=0, optional=True)
         check_ints(self, ("warmup_steps", "seed", "skip_nonfinite"), what, minimum=0)
         check_ints(self, ("keep_checkpoints",), what)
-        from .trackers import names as tracker_names
-
         tracker_names(self.log_to)
         if self.init_from is not None and not self.init_from:
-            raise ConfigError("invalid train config: init_from='': name a run folder or checkpoint folder")
+            raise ConfigError.invalid("init_from='': name a run folder or checkpoint folder", "train config")
         if self.allow_new_tokenizer and self.init_from is None:
-            raise ConfigError("invalid train config: allow_new_tokenizer applies with init_from; add "
-                              "--init-from RUN or drop it")
+            raise ConfigError.invalid("allow_new_tokenizer applies with init_from; add "
+                              "--init-from RUN or drop it", "train config")
         if not self.lr > 0:
-            raise ConfigError(f"invalid train config: lr={self.lr!r}: must be > 0")
+            raise ConfigError.invalid(f"lr={self.lr!r}: must be > 0", "train config")
         for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2", "decay_fraction"):
             if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"invalid train config: {name}={getattr(self, name)!r}: must be in [0, 1]")
+                raise ConfigError.invalid(f"{name}={getattr(self, name)!r}: must be in [0, 1]", "train config")
         if not 0 < self.val_fraction < 1:
-            raise ConfigError(f"invalid train config: val_fraction={self.val_fraction!r}: must be in (0, 1)")
+            raise ConfigError.invalid(f"val_fraction={self.val_fraction!r}: must be in (0, 1)", "train config")
         if not self.grad_clip > 0:
-            raise ConfigError(f"invalid train config: grad_clip={self.grad_clip!r}: must be > 0")
+            raise ConfigError.invalid(f"grad_clip={self.grad_clip!r}: must be > 0", "train config")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ConfigError(f"invalid train config: peak_tflops={self.peak_tflops!r}: must be > 0")
+            raise ConfigError.invalid(f"peak_tflops={self.peak_tflops!r}: must be > 0", "train config")
         for f in dataclasses.fields(self):
             allowed = choices(f.name)  # None: an optional field left unset (check_types refuses the rest)
             if allowed is not None and getattr(self, f.name) is not None and getattr(self, f.name) not in allowed:
-                raise ConfigError(f"invalid train config: {f.name}={getattr(self, f.name)!r}: choose "
-                                  f"{_one_of(allowed)} ({f.metadata['help']})")
+                raise ConfigError.invalid(f"{f.name}={getattr(self, f.name)!r}: choose "
+                                  f"{_one_of(allowed)} ({f.metadata['help']})", "train config")
         if self.schedule == "cosine" and self.decay_fraction != 0.2:
-            raise ConfigError(f"invalid train config: decay_fraction={self.decay_fraction!r}: has no effect "
-                              f"with schedule={self.schedule!r}; drop it or set schedule=wsd (--schedule wsd)")
+            raise ConfigError.invalid(f"decay_fraction={self.decay_fraction!r}: has no effect "
+                              f"with schedule={self.schedule!r}; drop it or set schedule=wsd (--schedule wsd)",
+                              "train config")
         if self.depth_sample is not None:
-            from ..depth import parse_depth_range
-
             parse_depth_range(self.depth_sample)
         elif self.extend_loops is not None:
-            raise ConfigError(f"invalid train config: extend_loops={self.extend_loops!r}: applies with "
-                              "depth_sample; set depth_sample=LO:HI (--depth-sample) or drop it")
+            raise ConfigError.invalid(f"extend_loops={self.extend_loops!r}: applies with "
+                              "depth_sample; set depth_sample=LO:HI (--depth-sample) or drop it", "train config")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
-            raise ConfigError(f"invalid train config: device={self.device!r}: use auto, cpu or cuda[:N]")
+            raise ConfigError.invalid(f"device={self.device!r}: use auto, cpu or cuda[:N]", "train config")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        if isinstance(d.get("compile"), bool):  # runs before issue 30: compile was on/off (whole model)
+    def from_dict(cls, d: dict) -> TrainConfig:
+        if isinstance(d.get("compile"), bool):  # runs of 0.1 wrote compile as true/false (the whole model)
             d = {**d, "compile": "model" if d["compile"] else "off"}
         return strict_from_dict(cls, d, "train config")
 
-    def replace(self, **overrides) -> "TrainConfig":
+    def replace(self, **overrides) -> TrainConfig:
         return TrainConfig.from_dict({**self.to_dict(), **overrides})
 
 

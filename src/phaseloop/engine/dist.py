@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from phaseloop.layers import Block
+from phaseloop.trunk import Trunk
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,13 @@ class World:
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+
+def say(msg: str) -> None:
+    """One line on stderr, from rank 0 only in a torchrun world (every rank meets the same
+    news at about the same moment)."""
+    if world().main:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def launched() -> bool:
@@ -146,7 +157,6 @@ def unsharded(model: nn.Module):
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The model's transformer blocks, each once however often a trunk applies it."""
-    from ..layers import Block
 
     return [m for m in model.modules() if isinstance(m, Block)]
 
@@ -166,8 +176,6 @@ def parallelize(model: nn.Module, how: str, device: torch.device, varying_depth:
         ids = [device.index] if device.type == "cuda" else None
         return DDP(model, device_ids=ids, find_unused_parameters=varying_depth)
     from torch.distributed.fsdp import fully_shard
-
-    from ..trunk import Trunk
 
     for m in model.modules():  # a data-dependent depth (ACT's early exit) would differ by rank
         if isinstance(m, Trunk):
@@ -200,8 +208,7 @@ def full_state(model: nn.Module, optimizer, how: str) -> tuple[dict, dict | None
     collective under FSDP2: every rank calls it."""
     if world().size == 1 or how != "fsdp":
         return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd = get_model_state_dict(model, options=opts)

@@ -23,8 +23,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..checkpoint import CKPT, MANIFEST, TMP_PREFIX, read_json, verify_checkpoint
-from .run import read_metrics
+from phaseloop.engine.checkpoint import CKPT, MANIFEST, TMP_PREFIX, verify_checkpoint
+from phaseloop.engine.run import read_metrics
+from phaseloop.files import read_json
 
 BEST = "best"
 _BEST_OLD = ".best.old"

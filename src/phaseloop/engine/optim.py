@@ -7,12 +7,16 @@ import math
 import platform
 import resource
 import sys
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import ConfigError
-from .config import TrainConfig
+from phaseloop._version import __version__
+from phaseloop.errors import ConfigError
+
+if TYPE_CHECKING:  # the config names these registries; the functions take one
+    from phaseloop.engine.config import TrainConfig
 
 
 def cosine(step: int, tc: TrainConfig) -> float:
@@ -84,7 +88,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"invalid train config: device={name!r}: no CUDA device here; use --device cpu")
+        raise ConfigError.invalid(f"device={name!r}: no CUDA device here; use --device cpu", "train config")
     if name.startswith("cuda"):  # TF32 for the fp32 matmuls autocast leaves (Ampere and later)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -106,8 +110,6 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def software_versions() -> dict:
-    from .. import __version__
-
     return {"phaseloop": __version__, "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform()}
 

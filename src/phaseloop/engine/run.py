@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from ..checkpoint import (MANIFEST, TMP_PREFIX, checkpoint_dir, dumps, read_json, read_run_config, remove_orphans,
-                          write_json)
-from ..errors import CheckpointError, PhaseloopError
-from ..files import atomic_write_bytes, check_out_dir
+from phaseloop.config import ModelConfig
+from phaseloop.engine.checkpoint import MANIFEST, TMP_PREFIX, checkpoint_dir, read_run_config, remove_orphans
+from phaseloop.engine.config import TrainConfig
+from phaseloop.errors import CheckpointError, PhaseloopError
+from phaseloop.files import atomic_write_bytes, check_out_dir, dumps, read_json, write_json
 
 # keys that may change between a run and its resumption (where it runs, not what; and
 # the budget of skipped non-finite steps, so a diverged run can be resumed with one)
@@ -34,8 +35,6 @@ def _normalised(section: str, saved: dict) -> dict:
     """A saved section as this version writes it: a field added later is absent from an
     older run's config.json and means its default (the old behaviour), and a model config
     is rebuilt (an older version wrote every architecture's fields)."""
-    from ..config import ModelConfig
-    from .config import TrainConfig
 
     if section == "model":
         try:
@@ -136,7 +135,7 @@ class RunFolder:
 
     @classmethod
     def open(cls, path: str | Path, run_cfg: dict, resume: bool = False,
-             log: Callable[[str], None] | None = None) -> "RunFolder":
+             log: Callable[[str], None] | None = None) -> RunFolder:
         path = Path(path)
         check_out_dir(path)
         if (path / "config.json").exists():

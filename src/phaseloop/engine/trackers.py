@@ -22,8 +22,8 @@ import struct
 import time
 from pathlib import Path
 
-from ..errors import CheckpointError, ConfigError, PhaseloopError
-from ..files import atomic_write_bytes
+from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError
+from phaseloop.files import atomic_write_bytes
 
 EXTRA = "track"  # pyproject.toml's optional extra holding every tracker's package
 IDS = "trackers.json"  # the run's tracker run ids (the W&B run id)
@@ -34,10 +34,11 @@ def names(log_to: str | None) -> list[str]:
     out = [n.strip() for n in (log_to or "").split(",") if n.strip()]
     for n in out:
         if n not in TRACKERS:
-            raise ConfigError(f"invalid train config: log_to={log_to!r}: unknown tracker {n!r}; choose "
-                              f"from {', '.join(TRACKERS)}, comma-separated (e.g. --log-to tensorboard,wandb)")
+            raise ConfigError.invalid(f"log_to={log_to!r}: unknown tracker {n!r}; choose "
+                              f"from {', '.join(TRACKERS)}, comma-separated (e.g. --log-to tensorboard,wandb)",
+                              "train config")
     if len(set(out)) < len(out):
-        raise ConfigError(f"invalid train config: log_to={log_to!r}: a tracker is named twice; name each once")
+        raise ConfigError.invalid(f"log_to={log_to!r}: a tracker is named twice; name each once", "train config")
     return out
 
 
@@ -124,13 +125,13 @@ class Trackers:
         self.trackers = trackers or []
 
     @classmethod
-    def open(cls, log_to: str | None, run_dir: Path, step: int, config: dict) -> "Trackers":
+    def open(cls, log_to: str | None, run_dir: Path, step: int, config: dict) -> Trackers:
         check(log_to)
         opened = []
         for n in names(log_to):
             try:
                 opened.append(TRACKERS[n](Path(run_dir), step, config))
-            except Exception as e:  # noqa: BLE001  e.g. W&B online without a network or a login
+            except Exception as e:
                 cls(opened).close()
                 if isinstance(e, PhaseloopError):
                     raise

@@ -1,4 +1,4 @@
-"""The one training loop: LM runs (``phaseloop.train``), task runs (``tasks``) and the
+"""The one training loop: LM runs (``phaseloop.lm.train``), task runs (``tasks``) and the
 comparison runner all go through ``Trainer``.
 
 The Trainer owns the three things a resumable (and, later, distributed) run must agree
@@ -13,22 +13,32 @@ an evaluation.
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from ..checkpoint import (data_state, load_model_state, load_trainer_state, optimizer_state,
-                          remove_orphans, rng_states, save_checkpoint)
-from ..depth import check_depth_sample, parse_depth_range, sampled_depth
-from .. import registry
-from ..errors import ConfigError, PhaseloopError
-from . import compiling, dist
-from .config import TrainConfig
-from .keep import Keeper
-from .trackers import Trackers, check as check_trackers
-from .optim import autocast, check_memory, lr_at, make_optimizer, peak_memory_mb, resolve_device
-from .run import RunFolder
+from phaseloop import registry
+from phaseloop.depth import check_depth_sample, parse_depth_range, sampled_depth
+from phaseloop.engine import compiling, dist
+from phaseloop.engine.checkpoint import (
+    data_state,
+    load_model_state,
+    load_trainer_state,
+    optimizer_state,
+    remove_orphans,
+    rng_states,
+    save_checkpoint,
+)
+from phaseloop.engine.config import TrainConfig
+from phaseloop.engine.initfrom import load_init
+from phaseloop.engine.keep import Keeper
+from phaseloop.engine.optim import autocast, check_memory, lr_at, make_optimizer, peak_memory_mb, resolve_device
+from phaseloop.engine.run import RunFolder
+from phaseloop.engine.trackers import Trackers
+from phaseloop.engine.trackers import check as check_trackers
+from phaseloop.errors import ConfigError, PhaseloopError
 
 
 class DivergedError(PhaseloopError):
@@ -65,9 +75,9 @@ def ignore_targets(batch, ignore_id: int | None):
         return batch
     if not (isinstance(batch, (tuple, list)) and len(batch) in (2, 3)
             and all(isinstance(t, torch.Tensor) for t in batch[:2])):
-        raise ConfigError(f"invalid train config: loss_ignore_id={ignore_id}: applies to the (inputs, "
+        raise ConfigError.invalid(f"loss_ignore_id={ignore_id}: applies to the (inputs, "
                           "targets) batches of LM runs, not this run's; drop it (task runs mark "
-                          "padding -100 already)")
+                          "padding -100 already)", "train config")
     x, y, *rest = batch  # rest: an LM batch's document inputs (data.Documents)
     return (x, y.masked_fill(y == ignore_id, -100), *rest)
 
@@ -119,7 +129,7 @@ class Trainer:
             raise AttributeError(f"Trainer.{name} exists once setup() has run (fit() runs it)")
         raise AttributeError(name)
 
-    def setup(self) -> "Trainer":
+    def setup(self) -> Trainer:
         """Build the model (seeded, checked against the device's memory first), place and
         parallelise it, make the optimiser, restore a checkpoint being resumed and start
         the run folder. Runs once; ``fit`` calls it."""
@@ -140,7 +150,6 @@ class Trainer:
         ckpt = run.checkpoint if run is not None else None
         restored = self._restore_model(ckpt) if ckpt is not None else None
         if restored is None and tc.init_from is not None:  # a new run from another run's weights
-            from ..initfrom import load_init
 
             load_init(self.model, tc.init_from)
         if tc.checkpoint_activations:  # before FSDP2 wraps the blocks, as torchtitan does
@@ -222,7 +231,8 @@ class Trainer:
             save_checkpoint(self.run.path, model_state, optim_state, self.step, self.batches.state(),
                             {"elapsed": self.elapsed, "tokens": self.tokens, "skipped": self.skipped,
                              "world_size": self.world.size,
-                             **({"compile": self.compiler.chosen} if self.compiler.chosen else {})}, rng=rng, config=self.run.config)
+                             **({"compile": self.compiler.chosen} if self.compiler.chosen else {})},
+                            rng=rng, config=self.run.config)
             self.keeper.saved(self.step)
         dist.barrier()
         self.saved = self.step

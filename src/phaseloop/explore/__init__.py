@@ -1,4 +1,4 @@
-"""`phaseloop explore`: a local web app over the library (issue 26).
+"""`phaseloop explore`: a local web app over the library.
 
 Every number a page shows comes from an endpoint under ``/api/`` that calls phaseloop's
 own functions (``params``, ``act``, ``tasks.parity_demo``, the trained model): the pages
@@ -19,6 +19,6 @@ Needs the ``explore`` extra (starlette, uvicorn, jinja2, plotly).
 
 def show(paths=(), page: str = "/", width="100%", height: int = 800):
     """The explore page ``page`` for ``paths``, inline in a notebook (``notebook.show``)."""
-    from .notebook import show as _show
+    from phaseloop.explore.notebook import show as _show
 
     return _show(paths, page, width, height)

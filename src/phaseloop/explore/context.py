@@ -1,4 +1,4 @@
-"""What an explore server may read, and how its inputs are checked (issue 26, "Safe").
+"""What an explore server may read, and how its inputs are checked.
 
 Only the folders named on the command line are served, each under a short name; a
 request names a folder by that name plus a relative path, and ``..``, absolute paths and
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable
+from typing import Any
 
-from ..errors import PhaseloopError
+from phaseloop.errors import PhaseloopError
 
 
 class BadInput(PhaseloopError, ValueError):
@@ -40,8 +41,25 @@ def number(params, name: str, kind: type = int, *, default=None, lo=None, hi=Non
     return value
 
 
+def choice(params, name: str, options, default: str) -> str:
+    """``params[name]`` if it is one of ``options`` (else BadInput naming them)."""
+    value = params.get(name) or default
+    if value not in options:
+        raise BadInput(f"{name} must be one of {', '.join(map(str, options))}, got {str(value)[:40]!r}")
+    return value
+
+
+def flag(params, name: str, default: bool = False) -> bool:
+    raw = str(params.get(name, "")).lower()
+    if raw in ("", "none"):
+        return default
+    if raw not in ("1", "0", "true", "false", "on", "off"):
+        raise BadInput(f"{name} must be true or false, got {raw[:20]!r}")
+    return raw in ("1", "true", "on")
+
+
 @dataclass
-class Context:
+class ServerContext:
     """The served folders (name -> resolved path) and a bounded cache of loaded models."""
 
     roots: dict[str, Path] = field(default_factory=dict)
@@ -51,7 +69,7 @@ class Context:
     model_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def from_paths(cls, paths: list[str | Path]) -> "Context":
+    def from_paths(cls, paths: list[str | Path]) -> ServerContext:
         roots: dict[str, Path] = {}
         for p in paths:
             path = Path(p)

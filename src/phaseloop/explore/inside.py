@@ -1,5 +1,5 @@
-"""Explore's "Inside a trained model" page (issue 26): a served run and a prompt (typed,
-or one of its validation windows) through ``phaseloop.probe``. Prompts are bounded by
+"""Explore's "Inside a trained model" page: a served run and a prompt (typed,
+or one of its validation windows) through ``phaseloop.analysis.probe``. Prompts are bounded by
 the model's max_seq_len, one evaluation runs at a time (``ctx.model_lock``), models and
 the latest analyses sit in bounded caches; the endpoints only call probe's functions."""
 
@@ -8,14 +8,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from pathlib import Path
 
+import torch
 from starlette.routing import Route
 
-from .. import probe
-from ..checkpoint import checkpoint_dir, load_run, run_tokenizer
-from . import rundata
-from .app import api, page
-from .context import BadInput, Context, number
-from .runs import target
+from phaseloop.analysis import probe
+from phaseloop.data.corpus import eval_windows
+from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_corpus, run_tokenizer
+from phaseloop.explore import rundata
+from phaseloop.explore.context import BadInput, ServerContext, number
+from phaseloop.explore.runs import target
+from phaseloop.explore.web import api, page
 
 PAGES = [{"group": "Inside a trained model", "title": "Inside a run", "url": "/inside"}]
 ANALYSES = 4  # analyses kept (a page asks several endpoints about the same prompt)
@@ -23,11 +25,19 @@ TOP = 10  # next tokens listed
 MAX_DEPTH_SWEEP = 16
 
 
+def validation_windows(run_dir, run_cfg: dict, seq_len: int, n_windows: int = 8) -> list[torch.Tensor]:
+    """[seq_len + 1] ids each: the ``n_windows`` evenly spaced validation windows of the
+    run's own data (``data.eval_windows``, as evaluation reads them)."""
+    corpus = run_corpus(run_dir, run_cfg)
+    _, val = corpus.split(run_cfg.get("train", {}).get("val_fraction", 0.1), seq_len + 1)
+    return list(eval_windows(val, seq_len, n_windows))
+
+
 class Inside:
     """The state of the inside endpoints: loaded models (in ``ctx``'s bounded cache) and
     the latest analyses (LRU)."""
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: ServerContext):
         self.ctx = ctx
         self.analyses: OrderedDict = OrderedDict()
         self.windows: OrderedDict = OrderedDict()  # loaded key -> the run's validation windows
@@ -52,7 +62,7 @@ class Inside:
         if params.get("window") not in (None, ""):
             k = number(params, "window", int, lo=0, hi=7)
             if key not in self.windows:  # the corpus is read once per loaded run
-                self.windows[key] = probe.validation_windows(run, run_cfg, L - 1)  # L tokens each
+                self.windows[key] = validation_windows(run, run_cfg, L - 1)  # L tokens each
                 while len(self.windows) > ANALYSES:
                     self.windows.popitem(last=False)
             self.windows.move_to_end(key)
@@ -80,10 +90,10 @@ def _tokens(tok, ids) -> list[str]:
     return [tok.decode([i]) for i in ids]
 
 
-def routes(ctx: Context) -> list:
+def routes(ctx: ServerContext) -> list:
     inside = Inside(ctx)
 
-    def runs(ctx: Context, params: dict) -> dict:
+    def runs(ctx: ServerContext, params: dict) -> dict:
         out = []
         for root, base in ctx.roots.items():
             for k, rel in rundata.find(base):
@@ -91,14 +101,14 @@ def routes(ctx: Context) -> list:
                     out.append({"root": root, "path": rel, "name": f"{root}/{rel}" if rel else root})
         return {"runs": out}
 
-    def analyze(ctx: Context, params: dict) -> dict:
+    def analyze(ctx: ServerContext, params: dict) -> dict:
         run, model, tok, ids, a = inside.analysis(params)
         cfg = model.cfg
         return {**a.summary(), "tokens": _tokens(tok, ids), "arch": cfg.arch, "max_seq_len": cfg.max_seq_len,
                 "vocab_size": cfg.vocab_size, "dynamic_depth": bool(model.trunk.dynamic_depth),
                 "n_phases": getattr(cfg, "n_phases", 1)}
 
-    def attention(ctx: Context, params: dict) -> dict:
+    def attention(ctx: ServerContext, params: dict) -> dict:
         run, model, tok, ids, a = inside.analysis(params)
         if not a.attention:
             raise BadInput("this model has no self-attention to draw")
@@ -107,7 +117,7 @@ def routes(ctx: Context) -> list:
         head = number(params, "head", int, default=0, lo=0, hi=p_HTT.shape[0] - 1)
         return {"site": name, "head": head, "weights": p_HTT[head], "tokens": _tokens(tok, ids)}
 
-    def next_token(ctx: Context, params: dict) -> dict:
+    def next_token(ctx: ServerContext, params: dict) -> dict:
         run, model, tok, ids, a = inside.analysis(params)
         pos = number(params, "pos", int, default=len(ids) - 1, lo=0, hi=len(ids) - 1)
         temperature = number(params, "temperature", float, default=1.0, lo=0.01, hi=100.0)
@@ -119,7 +129,7 @@ def routes(ctx: Context) -> list:
         return {"pos": pos, "context_token": tok.decode([ids[pos].item()]), "temperature": temperature,
                 "top_k": top_k, "tokens": rows, "actual": None if actual is None else tok.decode([actual])}
 
-    def depth(ctx: Context, params: dict) -> dict:
+    def depth(ctx: ServerContext, params: dict) -> dict:
         run, model, tok, ids, a = inside.analysis(params)
         if not model.trunk.dynamic_depth:
             raise BadInput(f"a {model.cfg.arch} model has a fixed depth: no loss against depth to draw")

@@ -1,4 +1,4 @@
-"""Explore: the Learn pages (issue 26) — the Universal Transformer section by section,
+"""Explore: the Learn pages — the Universal Transformer section by section,
 Three-Phase and Hyperloop — each a template under ``templates/learn/`` whose numbers come
 from an ``/api/learn/...`` endpoint calling phaseloop's own functions:
 
@@ -7,35 +7,17 @@ from an ``/api/learn/...`` endpoint calling phaseloop's own functions:
 - ``learn_results.py``  UT §7 (the paper's tables beside phaseloop's claim-run results) and
   §8's self-check
 
-This module holds the input helpers they share, the page list and the routes.
+This module holds the page list and the routes (the input helpers are ``context``'s).
 """
 
 from __future__ import annotations
 
 from starlette.routing import Route
 
-from .app import api, page
-from .context import BadInput
+from phaseloop.explore import learn_more, learn_results, learn_ut
+from phaseloop.explore.web import api, page
 
-
-def choice(params, name: str, options, default: str) -> str:
-    """``params[name]`` if it is one of ``options`` (else BadInput naming them)."""
-    value = params.get(name) or default
-    if value not in options:
-        raise BadInput(f"{name} must be one of {', '.join(map(str, options))}, got {str(value)[:40]!r}")
-    return value
-
-
-def flag(params, name: str, default: bool = False) -> bool:
-    raw = str(params.get(name, "")).lower()
-    if raw in ("", "none"):
-        return default
-    if raw not in ("1", "0", "true", "false", "on", "off"):
-        raise BadInput(f"{name} must be true or false, got {raw[:20]!r}")
-    return raw in ("1", "true", "on")
-
-
-# (url tail, title, template) in reading order; stable URLs (issue 26). The nav sorts groups
+# (url tail, title, template) in reading order; stable URLs. The nav sorts groups
 # by name (Jinja's groupby, case-insensitive): "the Universal" before "Three-Phase".
 UT_PAGES = [
     ("schedules", "1 · Four schedules", "schedules.html"),
@@ -57,7 +39,6 @@ PAGES: list[dict] = (
 
 def endpoints() -> dict:
     """``/api/learn/...`` path -> ``fn(ctx, params)``."""
-    from . import learn_more, learn_results, learn_ut
 
     return {**learn_ut.ENDPOINTS, **learn_more.ENDPOINTS, **learn_results.ENDPOINTS}
 

@@ -9,13 +9,11 @@ import functools
 
 import torch
 
-from ..config import ModelConfig
-from ..hyperconn import HyperConnection, copy_streams
-from ..params import breakdown
-from ..three_phase import (HornInjection, PhaseRotation, horn_zero_sum, phase_offsets,
-                           zero_sum_diagnostic)
-from .context import number
-from .learn import choice
+from phaseloop.analysis.params import breakdown
+from phaseloop.archs.hyperconn import HyperConnection, copy_streams
+from phaseloop.archs.three_phase import HornInjection, PhaseRotation, horn_zero_sum, phase_offsets, zero_sum_diagnostic
+from phaseloop.config import ModelConfig
+from phaseloop.explore.context import choice, number
 
 # --------------------------------------------------------------------------- 3PT
 
@@ -39,7 +37,7 @@ def wheel(ctx, params) -> dict:
         y = rot(torch.tensor([x0, x1] * n, dtype=torch.float64)[None, None])[0, 0]
     return {"n": n, "theta": theta, "offsets": phase_offsets(n, torch.float64),
             "angles": rot.angles(torch.float64)[:, 0], "input": [x0, x1],
-            "output": y.view(n, 2), "init_angles": [PhaseRotation.init_angle(l, 12) for l in range(12)]}
+            "output": y.view(n, 2), "init_angles": [PhaseRotation.init_angle(layer_idx, 12) for layer_idx in range(12)]}
 
 
 def horn(ctx, params) -> dict:

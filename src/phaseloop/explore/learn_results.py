@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from .context import BadInput
+from phaseloop.explore.context import BadInput
 
 # Dehghani et al. 2019, quoted (the explainer's §7-§8; /work/shared/specs/explainer.md)
 PAPER = {

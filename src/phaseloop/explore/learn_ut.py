@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import torch
 
-from .. import accounting, act
-from ..tasks import parity_demo as pd
-from ..universal_explain import SIGNALS, coordinate_signal, schedule_grids
-from .context import BadInput, number
-from .learn import choice, flag
+from phaseloop.analysis import accounting
+from phaseloop.analysis.ut_explainer import SIGNALS, coordinate_signal, schedule_grids
+from phaseloop.archs import act
+from phaseloop.explore.context import BadInput, choice, flag, number
+from phaseloop.tasks import parity_demo as pd
 
 MAX_STEPS, MAX_POSITIONS = 24, 32  # ACT tables typed into a page
 

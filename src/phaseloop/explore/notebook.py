@@ -1,4 +1,4 @@
-"""explore inside a notebook (issue 26): serve in a background thread, show a page inline.
+"""explore inside a notebook: serve in a background thread, show a page inline.
 
     from phaseloop.explore import show
     show("runs/quick", page="/learn/ut/act")      # an IPython IFrame of that page
@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ..errors import PhaseloopError
+from phaseloop.errors import PhaseloopError
 
 _SERVERS: dict[tuple, tuple] = {}  # folders -> (uvicorn.Server, thread, base URL)
 _LOCK = threading.Lock()
@@ -24,14 +24,15 @@ def serve_background(paths=(), host: str = "127.0.0.1", port: int = 0, timeout: 
     with _LOCK:
         if key in _SERVERS and _SERVERS[key][1].is_alive():
             return _SERVERS[key][2]
-        from .app import _missing, create_app, free_port
-        from .context import Context
+        from phaseloop.explore.app import create_app
+        from phaseloop.explore.context import ServerContext
+        from phaseloop.explore.web import free_port, missing_extra
 
         try:
             import uvicorn
         except ImportError as e:
-            _missing(e)
-        app = create_app(Context.from_paths(list(paths)))
+            missing_extra(e)
+        app = create_app(ServerContext.from_paths(list(paths)))
         port = free_port(host, port)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True, name="phaseloop-explore")

@@ -1,4 +1,4 @@
-"""Run and comparison folders for explore's Runs pages (issue 26, "Runs"); no web here.
+"""Run and comparison folders for explore's Runs pages; no web here.
 
 * ``MetricsTail``: a run's metrics.jsonl read incrementally (each poll parses only the
   bytes appended since the last; a last line without its newline is a record being
@@ -16,7 +16,9 @@ import json
 import os
 from pathlib import Path
 
-from ..checkpoint import read_json
+from phaseloop.analysis.params import format_count
+from phaseloop.compare.report import _fmt, _speed, _verdict
+from phaseloop.files import read_json
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "tok_per_s", "elapsed_s")
 EVAL_KEYS = ("val_loss", "val_bpb", "val_ppl", "elapsed_s")
@@ -36,7 +38,7 @@ class MetricsTail:
         self.train = {k: [] for k in ("step",) + TRAIN_KEYS}
         self.eval = {k: [] for k in ("step",) + EVAL_KEYS}
 
-    def update(self) -> "MetricsTail":
+    def update(self) -> MetricsTail:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -177,8 +179,6 @@ def run_info(path: Path) -> dict:
 def comparison(path: Path) -> dict:
     """A comparison's table (report.py's own cell formats), per-seed final losses and
     plots, from the summary.json its report wrote; before it is written, its runs only."""
-    from ..compare.report import _fmt, _speed, _verdict
-    from ..params import format_count
 
     recipe = read_json(path / "recipe.json").get("recipe", {})
     runs = [rel for k, rel in find(path) if k == "run"]

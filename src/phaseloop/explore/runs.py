@@ -1,4 +1,4 @@
-"""Explore's Runs pages (issue 26, "Runs"): the served runs and comparisons, loss / BPB
+"""Explore's Runs pages: the served runs and comparisons, loss / BPB
 curves that follow a training run (the page polls ``/api/runs/curves``, which reads only
 what was appended to metrics.jsonl since the last poll and downsamples), several runs
 overlaid, a comparison's table and plots. The data side is ``rundata`` (no web there)."""
@@ -12,16 +12,16 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
-from ..errors import PhaseloopError
-from . import rundata
-from .app import api, json_response, page
-from .context import BadInput, Context, number
+from phaseloop.errors import PhaseloopError
+from phaseloop.explore import rundata
+from phaseloop.explore.context import BadInput, ServerContext, number
+from phaseloop.explore.web import api, json_response, page
 
 PAGES = [{"group": "Runs", "title": "Runs and curves", "url": "/runs"}]
 MAX_TAILS = 256  # metrics files followed at once (each holds its columns in memory)
 
 
-def target(ctx: Context, params: dict, want: str | None = None) -> Path:
+def target(ctx: ServerContext, params: dict, want: str | None = None) -> Path:
     """The served folder ``root``/``path`` (safely resolved), a run or comparison."""
     root, rel = params.get("root"), params.get("path", "") or ""
     if not root:
@@ -33,7 +33,7 @@ def target(ctx: Context, params: dict, want: str | None = None) -> Path:
     return path
 
 
-def listing(ctx: Context, params: dict) -> dict:
+def listing(ctx: ServerContext, params: dict) -> dict:
     items = []
     for root, base in ctx.roots.items():
         for k, rel in rundata.find(base):
@@ -44,10 +44,10 @@ def listing(ctx: Context, params: dict) -> dict:
     return {"items": items}
 
 
-def routes(ctx: Context) -> list:
+def routes(ctx: ServerContext) -> list:
     tails: OrderedDict = OrderedDict()
 
-    def curves(ctx: Context, params: dict) -> dict:
+    def curves(ctx: ServerContext, params: dict) -> dict:
         path = target(ctx, params, "run")
         max_points = number(params, "max_points", int, default=1000, lo=10, hi=100_000)
         tail = tails.pop(path, None) or rundata.MetricsTail(path / "metrics.jsonl")
@@ -56,7 +56,7 @@ def routes(ctx: Context) -> list:
             tails.popitem(last=False)
         return {**tail.update().curves(max_points), **rundata.run_info(path)}
 
-    def comparison(ctx: Context, params: dict) -> dict:
+    def comparison(ctx: ServerContext, params: dict) -> dict:
         return rundata.comparison(target(ctx, params, "comparison"))
 
     async def plot(request: Request) -> Response:

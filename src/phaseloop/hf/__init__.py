@@ -1,10 +1,11 @@
 """Hugging Face integration (the ``hf`` extra: ``pip install 'phaseloop[hf]'``).
 
-* ``PhaseloopConfig`` / ``PhaseloopForCausalLM`` (``modeling.py``): every phaseloop
-  architecture as a ``transformers`` causal LM, wrapping the same ``DecoderLM``;
+* ``PhaseloopConfig`` (``configuration.py``) / ``PhaseloopForCausalLM`` (``modeling.py``):
+  every phaseloop architecture as a ``transformers`` causal LM, wrapping the same
+  ``DecoderLM``; the run's tokenizer as a ``PreTrainedTokenizerFast`` (``tokenizer.py``);
 * ``from_run`` / ``export_run`` (``export.py``): a run as an in-memory model + tokenizer,
   or a ``save_pretrained`` folder that ``AutoModelForCausalLM.from_pretrained`` loads;
-* ``lm_eval_run`` (``lm_eval.py``): lm-evaluation-harness on a run, with local LAMBADA
+* ``lm_eval_run`` (``harness.py``): lm-evaluation-harness on a run, with local LAMBADA
   and WikiText-2 tasks.
 
 ``import phaseloop`` registers the classes with ``AutoConfig`` / ``AutoModelForCausalLM``
@@ -19,7 +20,7 @@ import importlib.util
 import sys
 import warnings
 
-from ..errors import ConfigError
+from phaseloop.errors import ConfigError
 
 EXTRA = "pip install 'phaseloop[hf]'"
 
@@ -37,7 +38,7 @@ def register() -> None:
     (its ``import transformers`` fires the hook), it leaves that to the module."""
     if f"{__name__}.modeling" in sys.modules:
         return
-    from . import modeling  # noqa: F401
+    from phaseloop.hf import modeling  # noqa: F401
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -58,7 +59,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             try:
                 register()
             except Exception as e:  # never break the user's import of transformers
-                warnings.warn(f"phaseloop could not register its transformers classes: {e}")
+                warnings.warn(f"phaseloop could not register its transformers classes: {e}", stacklevel=2)
 
         spec.loader.exec_module = exec_then_register
         return spec
@@ -69,7 +70,7 @@ def register_when_imported() -> None:
         try:
             register()
         except Exception as e:
-            warnings.warn(f"phaseloop could not register its transformers classes: {e}")
+            warnings.warn(f"phaseloop could not register its transformers classes: {e}", stacklevel=2)
     elif importlib.util.find_spec("transformers") is not None and \
             not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
@@ -78,10 +79,10 @@ def register_when_imported() -> None:
 def __getattr__(name: str):
     if name in ("PhaseloopConfig", "PhaseloopForCausalLM", "PhaseloopCache"):
         require()
-        from . import modeling
+        from phaseloop.hf import modeling
         return getattr(modeling, name)
     if name in ("from_run", "export_run"):
         require()
-        from . import export
+        from phaseloop.hf import export
         return getattr(export, name)
     raise AttributeError(name)

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import (checkpoint_dir, dumps, file_sha256, load_run, read_json, run_folder,
-                          run_tokenizer)
-from ..depth import set_model_depth
-from ..errors import CheckpointError, PhaseloopError
-from ..files import check_out_dir, writing
-from .modeling import PhaseloopForCausalLM
-from .tokenizer import hf_tokenizer
+from phaseloop.depth import set_model_depth
+from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_folder, run_tokenizer
+from phaseloop.errors import CheckpointError, PhaseloopError
+from phaseloop.files import check_out_dir, dumps, read_json, writing
+from phaseloop.files import sha256_file as file_sha256
+from phaseloop.hf.modeling import PhaseloopForCausalLM
+from phaseloop.hf.tokenizer import hf_tokenizer
+from phaseloop.quant.io import load_quantized_state_dict
 
 REMOTE_CODE = {
     "configuration_phaseloop.py": "PhaseloopConfig",
@@ -42,7 +43,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def _quantized_weights(model, path: Path) -> dict:
     """Load a ``phaseloop quantize`` output into ``model`` (dequantised: the function the
     quantised model computes) and return what to record about it."""
-    from ..quant.io import load_quantized_state_dict
 
     if not path.is_file():
         raise PhaseloopError(f"--quantized {path}: no such file; pass the quant-*.safetensors "
@@ -172,8 +172,9 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
             hf.save_pretrained(tmp)
         fast.save_pretrained(tmp)
         for name, cls in REMOTE_CODE.items():
+            module = "configuration" if cls == "PhaseloopConfig" else "modeling"
             (tmp / name).write_text(f'"""phaseloop\'s {cls} for trust_remote_code=True (needs '
-                                    f'`pip install phaseloop`)."""\n\nfrom phaseloop.hf.modeling '
+                                    f'`pip install phaseloop`)."""\n\nfrom phaseloop.hf.{module} '
                                     f'import {cls}  # noqa: F401\n')
         (tmp / "phaseloop.json").write_text(dumps({
             "run": str(run_dir.resolve()), "checkpoint_sha256": file_sha256(ckpt / "model.safetensors"),

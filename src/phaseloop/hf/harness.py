@@ -26,10 +26,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..checkpoint import dumps, run_folder
-from ..errors import ConfigError, PhaseloopError
-from ..files import atomic_write_bytes
-from . import require
+from phaseloop.data.sources import _articles
+from phaseloop.engine import resolve_device
+from phaseloop.engine.checkpoint import run_folder
+from phaseloop.errors import ConfigError, PhaseloopError
+from phaseloop.files import atomic_write_bytes, dumps, why_missing
+from phaseloop.hf import require
+from phaseloop.hf.export import from_run
+from phaseloop.hf.tokenizer import prefix_token_id
 
 LOCAL_TASKS = {
     "lambada_local": ("lambada/lambada_test.jsonl", """\
@@ -78,7 +82,8 @@ metadata:
 """),
 }
 # lm-eval's own WikiText functions, imported beside the YAML that names them
-_WIKITEXT_PY = "from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa: F401\n"
+_WIKITEXT_PY = ("from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer"
+                "  # noqa: F401\n")
 
 
 def data_dir(given: str | None = None) -> Path | None:
@@ -88,7 +93,6 @@ def data_dir(given: str | None = None) -> Path | None:
 
 def write_local_tasks(dest: Path, data: Path | None, wanted: list[str]) -> None:
     """Write the YAML of every local task in ``wanted`` into ``dest``."""
-    from ..sources import _articles
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in wanted:
@@ -114,7 +118,6 @@ def _check_include_path(include_path: str | Path | None) -> None:
     cannot read (it would skip that file silently and then call its task unknown)."""
     if include_path is None:
         return
-    from ..files import why_missing
 
     path = Path(include_path)
     if not path.exists():
@@ -181,15 +184,11 @@ def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None =
     from lm_eval.models.huggingface import HFLM
     from lm_eval.utils import make_table
 
-    from .export import from_run
-    from ..engine import resolve_device
-
     run_dir = run_folder(run)
     dev = resolve_device(device)
     out = run_dir / "lm_eval"
     # the tasks are resolved (and refused: empty, unknown, broken YAML) before the model loads
     with resolved_tasks(tasks, include_path=include_path, data=data) as (manager, local):
-        from .tokenizer import prefix_token_id
 
         hf, fast, run_cfg, tok = from_run(run, dev, dtype, depth=depth, extend_loops=extend_loops)
         lm = HFLM(pretrained=hf, tokenizer=fast, backend="causal", batch_size=batch_size,

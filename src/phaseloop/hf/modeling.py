@@ -1,6 +1,6 @@
 """``transformers`` classes around phaseloop's own model (no second implementation).
 
-``PhaseloopConfig`` carries the whole ``ModelConfig`` (``config.phaseloop``);
+``PhaseloopConfig`` (``configuration.py``) carries the whole ``ModelConfig``;
 ``PhaseloopForCausalLM`` holds the same ``DecoderLM`` as ``model`` and returns its
 logits, so the weights, the equations and the KV cache are phaseloop's.
 
@@ -28,84 +28,15 @@ What transformers asks of a model and these models cannot mean the same way
 from __future__ import annotations
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig,
-                          PreTrainedModel)
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .. import registry
-from ..config import ModelConfig
-from ..errors import ConfigError
-from ..layers import KVCache
-from ..model import DecoderLM
-from ..trunk import DerivedBuffers
-
-
-# transformers' names for ModelConfig fields; num_hidden_layers is the arch's layer field
-# (ArchSpec.layers_name). Properties over ``config.phaseloop``: one source of truth.
-TOP_LEVEL = {"vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_layers": None,
-             "num_attention_heads": "n_heads", "max_position_embeddings": "max_seq_len"}
-TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def _field(cfg: dict, name: str) -> str:
-    if TOP_LEVEL[name] is not None:
-        return TOP_LEVEL[name]
-    return registry.get_arch(cfg["arch"]).layers_name
-
-
-class PhaseloopConfig(PretrainedConfig):
-    """``phaseloop``: the whole ``ModelConfig`` (its ``to_dict``), the source of truth.
-    ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` and
-    ``max_position_embeddings`` read and write it (a value the architecture refuses
-    raises ``ConfigError``); passed to ``__init__`` (or ``from_pretrained``) they
-    override its fields. ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: None by
-    default (phaseloop models train on raw text, with no special tokens)."""
-
-    model_type = "phaseloop"
-
-    def __init__(self, phaseloop: dict | None = None, bos_token_id: int | None = None,
-                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-                 phaseloop_depth: int | None = None, phaseloop_extend_loops: str | None = None,
-                 **kwargs):
-        d = ModelConfig.from_dict(phaseloop or {}).to_dict()
-        # depth at inference (issue 25; ``Trunk.set_depth``): None = the trained depth
-        if phaseloop_depth is not None or phaseloop_extend_loops is not None:
-            self.phaseloop_depth, self.phaseloop_extend_loops = phaseloop_depth, phaseloop_extend_loops
-        top = {k: kwargs.pop(k) for k in TOP_LEVEL if k in kwargs}
-        for k, v in top.items():
-            d[_field(d, k)] = v
-        cfg = ModelConfig.from_dict(d)
-        self.phaseloop = cfg.to_dict()
-        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
-        kwargs.setdefault("tie_word_embeddings", cfg.tie_embeddings)
-        self.use_cache = kwargs.pop("use_cache", True)
-        super().__init__(**kwargs)
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return ModelConfig.from_dict(self.phaseloop)
-
-    def to_dict(self) -> dict:
-        """With the usual names (other tools read config.json: lm-eval's max length)."""
-        out = super().to_dict()
-        out.update({k: getattr(self, k) for k in TOP_LEVEL})
-        return out
-
-
-def _top_level(name: str) -> property:
-    def get(self):
-        return self.phaseloop[_field(self.phaseloop, name)]
-
-    def set(self, value):
-        d = dict(self.phaseloop)
-        d[_field(d, name)] = value
-        self.phaseloop = ModelConfig.from_dict(d).to_dict()  # refuses what the arch refuses
-
-    return property(get, set, doc=f"``phaseloop``'s field for transformers' {name}")
-
-
-for _name in TOP_LEVEL:
-    setattr(PhaseloopConfig, _name, _top_level(_name))
+from phaseloop.depth import set_model_depth
+from phaseloop.errors import ConfigError
+from phaseloop.hf.configuration import PhaseloopConfig
+from phaseloop.layers import KVCache
+from phaseloop.model import DecoderLM
+from phaseloop.trunk import DerivedBuffers
 
 
 class PhaseloopCache:
@@ -129,7 +60,7 @@ class PhaseloopCache:
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row r continues from row beam_idx[r] (always a row of its group)."""
-        for pad, (rows, kv) in self.groups.items():
+        for _pad, (rows, kv) in self.groups.items():
             where = {int(r): i for i, r in enumerate(rows.tolist())}
             local = torch.tensor([where[int(s)] for s in beam_idx[rows].tolist()], device=rows.device)
             kv.select_rows(local)
@@ -183,13 +114,12 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def apply_depth(self) -> None:
         """Run the trunk at ``config.phaseloop_depth`` (set by ``export --depth``)."""
         if getattr(self.config, "phaseloop_depth", None) is not None:
-            from ..depth import set_model_depth
 
             set_model_depth(self.model, self.config.phaseloop_depth,
                             getattr(self.config, "phaseloop_extend_loops", None))
 
     @classmethod
-    def from_decoder(cls, model: DecoderLM) -> "PhaseloopForCausalLM":
+    def from_decoder(cls, model: DecoderLM) -> PhaseloopForCausalLM:
         """Wrap an existing DecoderLM (its weights, no copy) in eval mode."""
         with torch.device("meta"):  # the placeholder DecoderLM allocates nothing
             hf = cls(PhaseloopConfig(phaseloop=model.cfg.to_dict()))

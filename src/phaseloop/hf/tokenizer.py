@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerFast
 
-from ..tokenizer import ByteTokenizer, Tokenizer, _gpt2_byte_decoder
+from phaseloop.data.tokenizer import ByteTokenizer, Tokenizer, _gpt2_byte_decoder
 
 
 def byte_level_tokenizer():
     """``tokenizers.Tokenizer`` equal to ``ByteTokenizer``: id = byte value."""
-    from tokenizers import Tokenizer as _T, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as _T
+    from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {char: byte for char, byte in _gpt2_byte_decoder().items()}
     tok = _T(models.BPE(vocab=vocab, merges=[]))

@@ -11,13 +11,21 @@ the Hessians pooled over loop passes), ``targets`` (which Linears), ``apply``
 ``run`` (quantise a trained run: ``phaseloop quantize``).
 """
 
-from .apply import quantize_model
-from .core import (QUANT_ATTR, SUPPORTED_BITS, QuantizedWeight, dequantize, pack_int4, packed_bytes,
-                   quantize_rtn, unpack_int4)
-from .gptq import collect_hessians, gptq_quantize
-from .io import load_quantized_state_dict, quantized_state_dict, save_quantized
-from .run import quantize_run
-from .targets import default_skip
+from phaseloop.quant.apply import quantize_model
+from phaseloop.quant.core import (
+                   QUANT_ATTR,
+                   SUPPORTED_BITS,
+                   QuantizedWeight,
+                   dequantize,
+                   pack_int4,
+                   packed_bytes,
+                   quantize_rtn,
+                   unpack_int4,
+)
+from phaseloop.quant.gptq import collect_hessians, gptq_quantize
+from phaseloop.quant.io import load_quantized_state_dict, quantized_state_dict, save_quantized
+from phaseloop.quant.run import quantize_run
+from phaseloop.quant.targets import default_skip
 
 __all__ = [
     "SUPPORTED_BITS", "QUANT_ATTR", "QuantizedWeight",

@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
 
-from ..errors import ConfigError
-from .core import QUANT_ATTR, QuantizedWeight, check_bits, packed_bytes, quantize_rtn
-from .gptq import call_order, collect_hessians, gptq_quantize
-from .targets import select_linears, default_skip
+from phaseloop.errors import ConfigError
+from phaseloop.quant.core import QUANT_ATTR, QuantizedWeight, check_bits, packed_bytes, quantize_rtn
+from phaseloop.quant.gptq import call_order, collect_hessians, gptq_quantize
+from phaseloop.quant.targets import default_skip, select_linears
+
 
 def _param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -83,7 +84,7 @@ def quantize_model(model: nn.Module, bits: int, group_size: int | None = 128, me
               "layers": {}, "per_row_fallback": [], "skipped_shared": shared, "gptq_rtn_fallback": []}
 
     # unique weights: the first name is canonical, the others share its result
-    groups: "OrderedDict[int, list[str]]" = OrderedDict()
+    groups: OrderedDict[int, list[str]] = OrderedDict()
     for name, mod in targets.items():
         groups.setdefault(id(mod.weight), []).append(name)
 
@@ -122,7 +123,8 @@ def quantize_model(model: nn.Module, bits: int, group_size: int | None = 128, me
                     H, cnt = hessians[name], counts[name]
                 info.update(cnt)
                 if cnt["rows"] == 0:
-                    warnings.warn(f"quantize_model: {name!r} was never called on the calibration data; using RTN")
+                    warnings.warn(f"quantize_model: {name!r} was never called on the calibration data; using RTN",
+                                  stacklevel=2)
                     report["gptq_rtn_fallback"].append(name)
                     q, s, z = quantize_rtn(W, bits, g, sym=sym, scale_dtype=scale_dtype)
                 else:
@@ -172,7 +174,7 @@ def _import_torchao():
 def _quantize_torchao(model, targets, groups, bits, eff_group, sym, report):
     IntxWeightOnlyConfig, quantize_, PerAxis, PerGroup, MappingType = _import_torchao()
     q_before = q_after = 0
-    for key, names in groups.items():
+    for _key, names in groups.items():
         if len(names) > 1:
             raise ConfigError(f"method='torchao' cannot quantise a weight shared by several modules ({names}); "
                               "use method='rtn' or 'gptq'")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from phaseloop.errors import ConfigError
 
 SUPPORTED_BITS = (4, 8)
 QUANT_ATTR = "phaseloop_qweight"

@@ -22,14 +22,14 @@ layers that run before it have been quantised (one calibration pass per layer).
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn as nn
 
-from ..errors import ConfigError
-from .core import check_bits, check_weight, qparams, quant_codes, resolve_group_size
-from .targets import select_linears, default_skip
+from phaseloop.errors import ConfigError
+from phaseloop.quant.core import check_bits, check_weight, qparams, quant_codes, resolve_group_size
+from phaseloop.quant.targets import default_skip, select_linears
 
 # --------------------------------------------------------------------------- GPTQ
 
@@ -47,7 +47,8 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
     out_f, in_f = weight.shape
     g = resolve_group_size(group_size, in_f)
     if H.shape != (in_f, in_f):
-        raise ConfigError(f"H must be [{in_f}, {in_f}] for a weight of shape {tuple(weight.shape)}, got {tuple(H.shape)}")
+        raise ConfigError(f"H must be [{in_f}, {in_f}] for a weight of shape {tuple(weight.shape)}, "
+                          f"got {tuple(H.shape)}")
     if not (damp >= 0):
         raise ConfigError(f"damp must be >= 0, got {damp!r}")
     if not isinstance(block_size, int) or block_size < 1:
@@ -163,7 +164,7 @@ def collect_hessians(model: nn.Module, calib_batches: Iterable, modules=None, *,
             acc.add(inputs[0])
         return hook
 
-    for name, mod in targets.items():
+    for _name, mod in targets.items():
         key = id(mod.weight)
         if key not in accs:
             accs[key] = _HessianAccumulator(mod.in_features, mod.weight.device)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
 
-from ..errors import CheckpointError, ConfigError
-from .core import QUANT_ATTR, QuantizedWeight
+from phaseloop.errors import CheckpointError, ConfigError
+from phaseloop.files import save_safetensors
+from phaseloop.quant.core import QUANT_ATTR, QuantizedWeight
 
 _FORMAT = "phaseloop.quant.v1"
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -62,7 +63,6 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, metadata: Mapping[
                    *, target: str | os.PathLike | None = None) -> None:
     """Write :func:`quantized_state_dict` of ``model`` to a safetensors file (a write error,
     a full disk, as an ``OSError`` naming ``target``, default ``path``)."""
-    from ..files import save_safetensors
     meta = {"format": _FORMAT}
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
     save_safetensors(quantized_state_dict(model), path, metadata=meta, target=target)

@@ -9,15 +9,15 @@ import contextlib
 import os
 from pathlib import Path
 
-from ..checkpoint import load_run, run_folder, write_json
-from ..data import TrainBatches, run_corpus
-from ..engine import resolve_device
-from ..engine.optim import check_forward_memory
-from ..errors import PhaseloopError
-from ..files import check_out_dir
-from ..train import eval_set, evaluate
-from .apply import quantize_model
-from .io import save_quantized
+from phaseloop.data.corpus import TrainBatches
+from phaseloop.engine import resolve_device
+from phaseloop.engine.checkpoint import load_run, run_corpus, run_folder
+from phaseloop.engine.optim import check_forward_memory
+from phaseloop.errors import PhaseloopError
+from phaseloop.files import check_out_dir, write_json
+from phaseloop.lm.train import eval_set, evaluate
+from phaseloop.quant.apply import quantize_model
+from phaseloop.quant.io import save_quantized
 
 
 def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str = "rtn", *,

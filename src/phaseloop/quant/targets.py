@@ -4,11 +4,12 @@ weights shared with a module that is not a target are left alone."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch.nn as nn
 
-from ..errors import ConfigError
+from phaseloop.errors import ConfigError
+
 
 def default_skip(name: str, module: nn.Module) -> bool:
     """Default: keep embeddings and the output head in full precision (names containing 'embed' or 'head')."""

@@ -1,8 +1,9 @@
 """Task data, metrics and demos: algorithmic tasks (copy, reverse, addition, prefix
 parity), user JSONL data, bAbI QA, and the hand-set prefix-parity scan demo."""
 
-from ._errors import TaskDataError, TaskDataNotFound
-from .algorithmic import (
+from phaseloop.analysis.stats import mean_std
+from phaseloop.tasks._errors import TaskDataError, TaskDataNotFound
+from phaseloop.tasks.algorithmic import (
     BITS,
     DIGITS,
     PAPER_TEST_LENGTHS,
@@ -10,7 +11,6 @@ from .algorithmic import (
     TASKS,
     TEST_LENGTHS,
     TRAIN_LENGTHS,
-    CharVocab,
     Example,
     TaskSpec,
     make_examples,
@@ -18,7 +18,7 @@ from .algorithmic import (
     position_offsets,
     prefix_parity,
 )
-from .babi import (
+from phaseloop.tasks.babi import (
     BabiExample,
     babi_files,
     failed_tasks,
@@ -30,9 +30,9 @@ from .babi import (
     ponder_by_supporting,
     task_error,
 )
-from .jsonl import load_jsonl, save_jsonl
-from .metrics import char_accuracy, mean_std, per_length_metrics, sequence_accuracy
-from .parity_demo import (
+from phaseloop.tasks.jsonl import load_jsonl, save_jsonl
+from phaseloop.tasks.metrics import char_accuracy, per_length_metrics, sequence_accuracy
+from phaseloop.tasks.parity_demo import (
     ScanTrace,
     render_demo,
     run_fixed_stack,
@@ -42,6 +42,7 @@ from .parity_demo import (
     steps_needed,
     steps_needed_without_signal,
 )
+from phaseloop.tasks.vocab import CharVocab
 
 __all__ = [
     "TaskDataError",

@@ -7,7 +7,7 @@ and the matching builtin (so callers may also catch ``ValueError`` /
 
 from __future__ import annotations
 
-from ..errors import DataError
+from phaseloop.errors import DataError
 
 
 class TaskDataError(DataError, ValueError):

@@ -21,10 +21,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..tokenizer import EOS, PAD, SEP
-from ._errors import TaskDataError, TaskDataNotFound
-from .metrics import mean_std
+from phaseloop.analysis.stats import mean_std
+from phaseloop.data.tokenizer import EOS, PAD, SEP
+from phaseloop.errors import ConfigError
+from phaseloop.tasks._errors import TaskDataError, TaskDataNotFound
 
 N_TASKS = 20
 SPLITS = ("train", "test")
@@ -275,7 +275,7 @@ def ponder_by_supporting(
     groups: dict[int, list[float]] = {}
     for v, ex in zip(ponder_times, examples):
         groups.setdefault(ex.n_supporting, []).append(_as_scalar(v))
-    return {k: mean_std(vs) for k, vs in sorted(groups.items())}
+    return {k: mean_std(vs, ddof=0) for k, vs in sorted(groups.items())}
 
 
 class WordVocab:
@@ -283,7 +283,7 @@ class WordVocab:
     punctuation marks are tokens; the special ids match ``CharVocab`` (PAD 0, EOS 1,
     SEP 2). ``decode`` joins tokens with spaces."""
 
-    PAD, EOS, SEP = PAD, EOS, SEP  # phaseloop.tokenizer: one convention everywhere
+    PAD, EOS, SEP = PAD, EOS, SEP  # phaseloop.data.tokenizer: one convention everywhere
     SPECIALS = ("<pad>", "<eos>", "<sep>")
     _TOKEN = re.compile(r"\w+|[^\w\s]")
 
@@ -296,7 +296,7 @@ class WordVocab:
         return cls._TOKEN.findall(text.lower())
 
     @classmethod
-    def for_texts(cls, texts) -> "WordVocab":
+    def for_texts(cls, texts) -> WordVocab:
         return cls(sorted({w for t in texts for w in cls.tokenize(t)}))
 
     def __len__(self) -> int:

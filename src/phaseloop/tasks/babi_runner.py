@@ -8,17 +8,26 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..checkpoint import write_json
-from ..config import ModelConfig
-from ..engine import TrainConfig
-from ..errors import ConfigError
-from .algorithmic import Example
-from .babi import N_TASKS as N_BABI_TASKS, BabiExample, WordVocab, failed_tasks, format_example, load_babi, ponder_by_supporting, task_error
-from .metrics import mean_std
-from .models import encode_pairs, is_seq2seq
-from .positions import check_positions, positions_needed
-from .report import model_label
-from .runner import _jsonable, _prepare_out, _step_log, check_test_depths, run_examples
+from phaseloop.analysis.stats import mean_std
+from phaseloop.config import ModelConfig
+from phaseloop.engine import TrainConfig
+from phaseloop.errors import ConfigError
+from phaseloop.files import write_json
+from phaseloop.tasks.algorithmic import Example
+from phaseloop.tasks.babi import N_TASKS as N_BABI_TASKS
+from phaseloop.tasks.babi import (
+    BabiExample,
+    WordVocab,
+    failed_tasks,
+    format_example,
+    load_babi,
+    ponder_by_supporting,
+    task_error,
+)
+from phaseloop.tasks.positions import check_positions, positions_needed
+from phaseloop.tasks.report import model_label
+from phaseloop.tasks.runner import _jsonable, _prepare_out, _step_log, check_test_depths, run_examples
+from phaseloop.tasks.task_model import encode_pairs, is_seq2seq
 
 
 def babi_pairs(examples: Sequence[BabiExample], max_sentences: int | None) -> list[Example]:
@@ -110,9 +119,9 @@ def _babi_errors(errors: dict[int, float]) -> dict:
 
 def _babi_summary(per_seed: Sequence[dict], tasks: Sequence[int]) -> dict:
     """Error per task, failed tasks and mean error: mean and std over seeds."""
-    return {"errors": {t: mean_std(r["errors"][t] for r in per_seed) for t in tasks},
-            "failed": mean_std(len(r["failed"]) for r in per_seed),
-            "mean_error": mean_std(r["mean_error"] for r in per_seed)}
+    return {"errors": {t: mean_std((r["errors"][t] for r in per_seed), ddof=0) for t in tasks},
+            "failed": mean_std((len(r["failed"]) for r in per_seed), ddof=0),
+            "mean_error": mean_std((r["mean_error"] for r in per_seed), ddof=0)}
 
 
 def run_babi_seeds(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: TrainConfig,
@@ -143,13 +152,13 @@ def run_babi_seeds(model_cfg: ModelConfig, data_dir, tasks: Sequence[int], tc: T
     for t in tasks:
         for key, src in (("ponder", "ponder_by_supporting"), ("answer_ponder", "answer_ponder_by_supporting")):
             if t in per_seed[0][src]:
-                summary[key][t] = {k: tuple(mean_std(r[src][t][k][i] for r in per_seed) for i in (0, 1))
+                summary[key][t] = {k: tuple(mean_std((r[src][t][k][i] for r in per_seed), ddof=0) for i in (0, 1))
                                    for k in per_seed[0][src][t]}
     if test_depths:
         summary["per_depth"] = {d: _babi_summary([r["per_depth"][d] for r in per_seed], tasks) for d in test_depths}
-    result = {"tasks": list(tasks), "arch": arch or model_cfg.arch, "label": label, "joint": joint, "seeds": list(seeds),
-              "max_sentences": max_sentences, "data_dir": str(data_dir), "train_config": tc.to_dict(),
-              "summary": summary, "per_seed": per_seed}
+    result = {"tasks": list(tasks), "arch": arch or model_cfg.arch, "label": label, "joint": joint,
+              "seeds": list(seeds), "max_sentences": max_sentences, "data_dir": str(data_dir),
+              "train_config": tc.to_dict(), "summary": summary, "per_seed": per_seed}
     if out is not None:
         write_json(out / "metrics.json", _jsonable(result))
     return result

@@ -18,10 +18,10 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ._errors import TaskDataError, TaskDataNotFound
-from ..tokenizer import EOS
-from ..files import why_missing
-from .algorithmic import Example
+from phaseloop.data.tokenizer import EOS
+from phaseloop.files import why_missing
+from phaseloop.tasks._errors import TaskDataError, TaskDataNotFound
+from phaseloop.tasks.algorithmic import Example
 
 REQUIRED_KEYS = ("input", "target")
 _SHAPE = 'one JSON object per line, like {"input": "abc", "target": "cba"}'
@@ -119,7 +119,7 @@ __all__ = ["load_jsonl", "save_jsonl"]
 
 
 class TokenizerVocab:
-    """A corpus tokenizer (``phaseloop.tokenizer``) as a task vocabulary: its ids shifted
+    """A corpus tokenizer (``phaseloop.data.tokenizer``) as a task vocabulary: its ids shifted
     past the task specials (PAD 0, EOS 1, SEP 2), for JSONL tasks in a learned vocabulary."""
 
     SPECIALS = ("<pad>", "<eos>", "<sep>")

@@ -14,8 +14,7 @@ Sequence accuracy is the fraction of predictions exactly equal to their targets.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 
 def _check(preds: Sequence[str], targets: Sequence[str]) -> None:
@@ -72,15 +71,4 @@ def per_length_metrics(examples: Sequence, preds: Sequence[str]) -> dict[int, di
     }
 
 
-def mean_std(values: Iterable[float]) -> tuple[float, float]:
-    """``(mean, population standard deviation)``; one value gives std 0.0.
-    Raises ``ValueError`` for no values."""
-    vals = [float(v) for v in values]
-    if not vals:
-        raise ValueError("mean_std needs at least one value")
-    m = math.fsum(vals) / len(vals)
-    var = math.fsum((v - m) ** 2 for v in vals) / len(vals)
-    return m, math.sqrt(var)
-
-
-__all__ = ["char_accuracy", "sequence_accuracy", "per_length_metrics", "mean_std"]
+__all__ = ["char_accuracy", "sequence_accuracy", "per_length_metrics"]

@@ -50,8 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
-
+from phaseloop.errors import ConfigError
 
 # --------------------------------------------------------------------------- helpers
 

@@ -5,12 +5,12 @@ example before anything trains, naming it and the fix."""
 from __future__ import annotations
 
 import json
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from ..config import ModelConfig
-from ..errors import ConfigError
-from .algorithmic import Example
-from .models import Pair
+from phaseloop.config import ModelConfig
+from phaseloop.errors import ConfigError
+from phaseloop.tasks.algorithmic import Example
+from phaseloop.tasks.task_model import Pair
 
 _FIXED_LEN = "_task_fixed_max_seq_len"  # a plain attribute of a ModelConfig, not a field
 

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .algorithmic import Example
-from .metrics import mean_std, per_length_metrics
+from phaseloop.analysis.stats import mean_std
+from phaseloop.tasks.algorithmic import Example
+from phaseloop.tasks.metrics import per_length_metrics
 
 
 def model_label(model_cfg, arch: str | None = None) -> str:
@@ -42,7 +43,7 @@ def length_metrics(examples: Sequence[Example], preds: Sequence[str],
     if ponder and ponder[0] is not None:
         for L in res:
             vals = torch.cat([p for ex, p in zip(examples, ponder) if ex.length == L])
-            res[L]["ponder_mean"], res[L]["ponder_std"] = mean_std(vals.tolist())
+            res[L]["ponder_mean"], res[L]["ponder_std"] = mean_std(vals.tolist(), ddof=0)
     return res
 
 
@@ -55,10 +56,10 @@ def summarize_seeds(results: Sequence[dict]) -> dict:
     for L in lengths:
         row = {"n": results[0]["per_length"][L]["n"]}
         for k in keys:
-            row[k], row[k + "_seed_std"] = mean_std(r["per_length"][L][k] for r in results)
+            row[k], row[k + "_seed_std"] = mean_std((r["per_length"][L][k] for r in results), ddof=0)
         out["per_length"][L] = row
     for k in ("char_acc", "seq_acc", "final_loss"):
-        out[k], out[k + "_seed_std"] = mean_std(r[k] for r in results)
+        out[k], out[k + "_seed_std"] = mean_std((r[k] for r in results), ddof=0)
     return out
 
 

@@ -1,7 +1,7 @@
 """Train and evaluate a model on task examples (Dehghani et al. 2019, "Universal
 Transformers": §3.1 bAbI, §3.4 algorithmic tasks; a user's JSONL file works the same way).
 
-Every model trains through the one engine (``tasks.models.train_pairs``), so a task run
+Every model trains through the one engine (``tasks.task_model.train_pairs``), so a task run
 with an output folder has what an LM run has: per seed (and per bAbI task) a run folder
 ``OUT/seed-<s>[/task-<t>]`` with config.json, metrics.jsonl, checkpoints and
 summary.json, resumable with ``resume=True`` (a finished seed is reloaded from its last
@@ -30,21 +30,30 @@ from pathlib import Path
 
 import torch
 
-from .. import plots
-from ..checkpoint import write_json
-from .. import registry
-from ..config import PRESETS, ModelConfig
-from ..depth import set_model_depth
-from ..engine import RunFolder, TrainConfig, read_metrics, software_versions
-from ..errors import CheckpointError, ConfigError
-from ..tokenizer import load_tokenizer
-from .algorithmic import TASKS, CharVocab, Example, TaskSpec, parse_lengths
-from .jsonl import TokenizerVocab, load_jsonl
-from .metrics import char_accuracy, sequence_accuracy
-from .models import (Pair, build_task_model, decode_pairs, encode_pairs, is_seq2seq, task_model_class,
-                     train_pairs)
-from .positions import check_positions, fix_max_seq_len, positions_needed
-from .report import length_metrics, length_span, model_label, summarize_seeds
+from phaseloop import registry
+from phaseloop.analysis import plots
+from phaseloop.config import PRESETS, ModelConfig
+from phaseloop.data.tokenizer import load_tokenizer
+from phaseloop.depth import set_model_depth
+from phaseloop.engine import RunFolder, TrainConfig, read_metrics, software_versions
+from phaseloop.errors import CheckpointError, ConfigError
+from phaseloop.files import write_json
+from phaseloop.tasks.algorithmic import TASKS, Example, TaskSpec, parse_lengths
+from phaseloop.tasks.jsonl import TokenizerVocab, load_jsonl
+from phaseloop.tasks.metrics import char_accuracy, sequence_accuracy
+from phaseloop.tasks.positions import check_positions, fix_max_seq_len, positions_needed
+from phaseloop.tasks.report import length_metrics, length_span, model_label, summarize_seeds
+from phaseloop.tasks.task_model import (
+    Pair,
+    build_task_model,
+    decode_pairs,
+    encode_pairs,
+    is_seq2seq,
+    task_model_class,
+    train_pairs,
+)
+from phaseloop.tasks.vocab import CharVocab
+
 
 # ----------------------------------------------------------------------------- one model
 def fit_model_config(model_cfg: ModelConfig, vocab_size: int, max_len: int) -> ModelConfig:
@@ -314,7 +323,3 @@ def _jsonable(obj):
 
 # ----------------------------------------------------------------------------- bAbI
 
-
-# bAbI (UT §3.1): tasks/babi_runner.py
-from .babi_runner import (babi_pairs, check_babi_tasks, run_babi,  # noqa: E402,F401  (re-exported)
-                          run_babi_seeds)

@@ -1,4 +1,4 @@
-// Inside a trained model: every number from /api/inside/* (phaseloop.probe).
+// Inside a trained model: every number from /api/inside/* (phaseloop.analysis.probe).
 "use strict";
 
 const $ = (id) => document.getElementById(id);

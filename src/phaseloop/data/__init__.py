@@ -1,0 +1,17 @@
+"""Corpora and tokenizers: where text comes from (``sources``), how it is tokenised
+(``tokenizer``, ``tokenizer_train``), kept on disk (``store``) and cut into training and
+evaluation windows (``corpus``). Nothing here knows a model."""
+
+from phaseloop.data.corpus import (
+                                   Corpus,
+                                   Documents,
+                                   TrainBatches,
+                                   corpus_args,
+                                   eval_starts,
+                                   eval_windows,
+                                   load_corpus,
+                                   separator_id,
+)
+
+__all__ = ["Corpus", "Documents", "TrainBatches", "corpus_args", "eval_starts", "eval_windows", "load_corpus",
+           "separator_id"]

@@ -1,0 +1,123 @@
+"""What every explore page module uses: the Starlette imports (a missing extra is one
+line), JSON answers (``api``: bad input is a 400 with the message), page endpoints
+(``page``: a Jinja2 template in the base layout) and the listening socket."""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import json
+import math
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from phaseloop.errors import PhaseloopError
+from phaseloop.explore.context import BadInput, ServerContext
+
+HERE = Path(__file__).resolve().parent
+
+
+def missing_extra(e: ImportError):
+    raise PhaseloopError(f"phaseloop explore needs the explore extra ({e.name} is missing): "
+                         "pip install 'phaseloop[explore]'") from None
+
+
+try:  # the app (app.py) is built from these too
+    from starlette.applications import Starlette  # noqa: F401
+    from starlette.requests import Request
+    from starlette.responses import FileResponse, Response  # noqa: F401
+    from starlette.routing import Mount, Route  # noqa: F401
+    from starlette.staticfiles import StaticFiles  # noqa: F401
+    from starlette.templating import Jinja2Templates
+except ImportError as e:  # pragma: no cover - exercised by the missing-extra test
+    missing_extra(e)
+
+templates = Jinja2Templates(directory=str(HERE / "templates"))
+
+
+def _finite(value: Any) -> Any:
+    """JSON-safe: NaN / inf become None (JSON has no such numbers), tensors become lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _finite(value.tolist())
+    return value
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(json.dumps(_finite(data), allow_nan=False), status_code=status,
+                    media_type="application/json")
+
+
+def api(fn: Callable[[ServerContext, dict], Any]):
+    """An endpoint from ``fn(ctx, params) -> JSON-able``; bad input is a 400 with the message."""
+
+    @functools.wraps(fn)
+    async def endpoint(request: Request) -> Response:
+        ctx: ServerContext = request.app.state.ctx
+        params = dict(request.query_params)
+        if request.method == "POST":
+            try:
+                body = await request.json()
+            except ValueError:
+                return json_response({"error": "the request body must be JSON"}, 400)
+            if not isinstance(body, dict):
+                return json_response({"error": "the request body must be a JSON object"}, 400)
+            params.update(body)
+        params.update(request.path_params)
+        try:
+            return json_response(fn(ctx, params))
+        except (BadInput, PhaseloopError, ValueError) as e:
+            return json_response({"error": str(e).splitlines()[0] if str(e) else type(e).__name__},
+                                 400)
+
+    return endpoint
+
+
+def page(template: str, title: str, **extra):
+    """A page endpoint rendering ``template`` inside the base layout."""
+
+    async def endpoint(request: Request) -> Response:
+        ctx: ServerContext = request.app.state.ctx
+        return templates.TemplateResponse(request, template, {
+            "title": title, "nav": request.app.state.nav,
+            "nav_groups": request.app.state.nav_groups, "roots": list(ctx.roots),
+            "params": dict(request.path_params), **extra})
+
+    return endpoint
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``port`` on ``host`` if it is free, else (or for 0) to a free one the
+    OS picks; the server listens on this very socket, so no other process can take the port
+    between choosing it and serving."""
+    for want in ([port, 0] if port else [0]):
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            s.bind((host, want))
+        except OSError:
+            s.close()
+            continue
+        return s
+    raise PhaseloopError(f"explore: cannot listen on {host}; pass --host 127.0.0.1")
+
+
+def free_port(host: str, port: int) -> int:
+    """``port`` if it can be bound on ``host``, else (or for 0) a free one (bound, then released)."""
+    with bound_socket(host, port) as s:
+        return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
