@@ -32,17 +32,17 @@ from phaseloop.compare.budget import Planned, match_budget, measure, plan_varian
 from phaseloop.compare.grid import format_status, run_state
 from phaseloop.compare.launch import LaunchOptions
 from phaseloop.compare.recipe import (
-                     BUILTIN_RECIPES,
-                     KEY_ALIASES,
-                     QUICK_TOML,
-                     Recipe,
-                     RecipeError,
-                     Variant,
-                     apply_overrides,
-                     load_recipe,
-                     parse_spec,
-                     resolve_variant,
-                     slugify,
+    BUILTIN_RECIPES,
+    KEY_ALIASES,
+    QUICK_TOML,
+    Recipe,
+    RecipeError,
+    Variant,
+    apply_overrides,
+    load_recipe,
+    parse_spec,
+    resolve_variant,
+    slugify,
 )
 from phaseloop.compare.report import format_table, summarize, write_report
 from phaseloop.compare.runner import comparison_status, devices_for, main_runs, report_finished, run_comparison

@@ -3,15 +3,16 @@
 evaluation windows (``corpus``). Nothing here knows a model."""
 
 from phaseloop.data.corpus import (
-                                   Corpus,
-                                   Documents,
-                                   TrainBatches,
-                                   corpus_args,
-                                   eval_starts,
-                                   eval_windows,
-                                   load_corpus,
-                                   separator_id,
+    Corpus,
+    Documents,
+    TrainBatches,
+    corpus_args,
+    eval_starts,
+    eval_windows,
+    load_corpus,
+    separator_id,
 )
+from phaseloop.data.sources import SHAKESPEARE_SHA256, Source, resolve, stdlib_files
 
 __all__ = ["Corpus", "Documents", "TrainBatches", "corpus_args", "eval_starts", "eval_windows", "load_corpus",
-           "separator_id"]
+           "separator_id", "SHAKESPEARE_SHA256", "Source", "resolve", "stdlib_files"]

@@ -18,11 +18,10 @@ import numpy as np
 import torch
 
 from phaseloop.data import store as token_store
-from phaseloop.data.sources import SHAKESPEARE_SHA256, Source, resolve, stdlib_files  # noqa: F401
+from phaseloop.data.sources import Source, resolve
 from phaseloop.data.tokenizer import Tokenizer, load_tokenizer
 from phaseloop.data.tokenizer import describe as describe_tokenizer
 from phaseloop.errors import CheckpointError, DataError
-from phaseloop.files import atomic_write_bytes  # noqa: F401  (re-exported: older imports)
 
 
 @dataclass

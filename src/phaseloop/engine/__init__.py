@@ -4,14 +4,14 @@
 from phaseloop.engine import dist
 from phaseloop.engine.config import TrainConfig
 from phaseloop.engine.optim import (
-                    OPTIMIZERS,
-                    SCHEDULES,
-                    autocast,
-                    lr_at,
-                    make_optimizer,
-                    peak_memory_mb,
-                    resolve_device,
-                    software_versions,
+    OPTIMIZERS,
+    SCHEDULES,
+    autocast,
+    lr_at,
+    make_optimizer,
+    peak_memory_mb,
+    resolve_device,
+    software_versions,
 )
 from phaseloop.engine.run import RunFolder, read_metrics
 from phaseloop.engine.trainer import Batches, Trainer

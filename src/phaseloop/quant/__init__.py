@@ -13,14 +13,14 @@ the Hessians pooled over loop passes), ``targets`` (which Linears), ``apply``
 
 from phaseloop.quant.apply import quantize_model
 from phaseloop.quant.core import (
-                   QUANT_ATTR,
-                   SUPPORTED_BITS,
-                   QuantizedWeight,
-                   dequantize,
-                   pack_int4,
-                   packed_bytes,
-                   quantize_rtn,
-                   unpack_int4,
+    QUANT_ATTR,
+    SUPPORTED_BITS,
+    QuantizedWeight,
+    dequantize,
+    pack_int4,
+    packed_bytes,
+    quantize_rtn,
+    unpack_int4,
 )
 from phaseloop.quant.gptq import collect_hessians, gptq_quantize
 from phaseloop.quant.io import load_quantized_state_dict, quantized_state_dict, save_quantized
