@@ -11,10 +11,10 @@ import torch
 
 from phaseloop import PRESETS, ModelConfig, build_model, registry
 from phaseloop.decoding import join_rows, keep_rows, not_joinable, padded_rows, sampling_probs
-from phaseloop.early_exit import parse_exit
+from phaseloop.early_exit import parse_exit, set_exit
 from phaseloop.layers import KVCache
 from phaseloop.serve.engine import Engine
-from phaseloop.serve.options import Settings
+from phaseloop.serve.options import Settings, applied
 from phaseloop.serve.sequence import Sampling, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,7 +36,6 @@ def _model(name: str, over: dict, dtype=torch.float64):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     if rule:
-        from phaseloop.early_exit import set_exit
         set_exit(model, parse_exit(rule)[0])
     return model
 
@@ -171,8 +170,6 @@ def test_loop_groups_requests_by_settings():
             time.sleep(0.005)
     finally:
         eng.stop()
-    from phaseloop.serve.options import applied
-
     for s in seqs:
         with applied(model, s.settings):
             want = model.generate(torch.tensor([s.prompt]), 6, temperature=0)[0, len(s.prompt):].tolist()

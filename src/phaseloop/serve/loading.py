@@ -34,7 +34,8 @@ class Served:
     render: Callable[[list[dict]], str] | None = None  # messages -> prompt text (the chat template)
     twin: torch.nn.Module | None = None  # the model on the meta device: per-request options are checked on it
     defaults: Settings = Settings()
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # shown in /v1/models: no paths
+    path: Path | None = None
 
 
 def is_export(path: Path) -> bool:
@@ -143,4 +144,4 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
         twin = None
     info.update(arch=model.cfg.arch, depth=getattr(model.trunk, "depth", None), dtype=dtype)
     return Served(model, name or path.resolve().name, encode, decode, eos_id, render, twin,
-                  defaults or Settings(), info)
+                  defaults or Settings(), info, path)

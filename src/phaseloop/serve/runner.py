@@ -71,12 +71,13 @@ def _uvicorn():
 
 
 def run(served: Served, cfg: Config) -> int:
-    """Serve until Ctrl-C (or SIGTERM)."""
+    """Serve until Ctrl-C (or SIGTERM: the command then exits 143, as every command does)."""
     uvicorn = _uvicorn()
     sock = bound_socket(cfg.host, cfg.port, fallback=False)
     server = build(served, cfg)
     for line in warnings(cfg):
         print(line, file=sys.stderr)
+    sock.listen(2048)  # connections made from now on wait for uvicorn in the backlog
     url = url_of(cfg.host, sock.getsockname()[1])
     print(f"phaseloop serve: {served.name} at {url}/v1 (Ctrl-C to stop)", flush=True)
     web = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", access_log=False))
