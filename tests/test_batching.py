@@ -121,11 +121,12 @@ def test_nucleus_is_the_smallest_set_reaching_top_p():
     assert int((k > 0).sum(-1).max()) <= 3  # top-k first, then the nucleus within it
 
 
-def _loop(model, prompts, sampling, max_batch, settings=Settings(), stagger=False, max_new=6):
+def _loop(model, prompts, sampling, max_batch, settings=None, stagger=False, max_new=6):
     """Tokens the serve decode loop gives each prompt (``stagger``: submitted one by one)."""
     eng = Engine(model, max_batch=max_batch, max_queue=64).start()
     try:
-        seqs = [Sequence(p, max_new, sampling, settings, lambda ids: "", lambda ev: None) for p in prompts]
+        seqs = [Sequence(p, max_new, sampling, settings or Settings(), lambda ids: "", lambda ev: None)
+                for p in prompts]
         for s in seqs:
             eng.submit([s])
             if stagger:

@@ -126,7 +126,8 @@ def test_errors_are_the_openai_exception_types(client, server):
 
 
 BAD = [({}, "prompt"), ({"prompt": 3}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [[1, 2], 3]}, "prompt"),
-       ({"prompt": [1, 999]}, "prompt"), ({"prompt": [True]}, "prompt"), ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+       ({"prompt": [1, 999]}, "prompt"), ({"prompt": [True]}, "prompt"),
+       ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
        ({"prompt": "x", "max_tokens": "9"}, "max_tokens"), ({"prompt": "x", "max_tokens": 1e9}, "max_tokens"),
        ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "n": 99}, "n"), ({"prompt": "x", "stop": ["a"] * 5}, "stop"),
        ({"prompt": "x", "stop": [""]}, "stop"), ({"prompt": "x", "logprobs": 99}, "logprobs"),
@@ -137,7 +138,8 @@ BAD = [({}, "prompt"), ({"prompt": 3}, "prompt"), ({"prompt": []}, "prompt"), ({
        ({"prompt": "x", "echo": 1}, "echo"), ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
        ({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": "x", "best_of": 3}, "best_of"),
        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"), ({"prompt": "x", "model": 5}, "model"),
-       ({"prompt": "x", "phaseloop": "deep"}, "phaseloop"), ({"prompt": "x", "phaseloop": {"depth": 0}}, "phaseloop.depth"),
+       ({"prompt": "x", "phaseloop": "deep"}, "phaseloop"),
+       ({"prompt": "x", "phaseloop": {"depth": 0}}, "phaseloop.depth"),
        ({"prompt": "x", "phaseloop": {"depth": 2}}, "phaseloop.depth"),
        ({"prompt": "x", "phaseloop": {"exit": "kl:x"}}, "phaseloop.exit"),
        ({"prompt": "x", "phaseloop": {"exit": "kl:1e-2"}}, "phaseloop.exit"),
