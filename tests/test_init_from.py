@@ -97,7 +97,7 @@ def test_the_tokenizer_must_be_the_same_unless_allowed_with_the_same_vocabulary(
     from phaseloop.data.tokenizer_train import train_tokenizer
 
     toks = {name: train_tokenizer(str(REPO / "src" / "phaseloop" / f), "bpe", size, tmp_path / name, progress=False)
-            for name, f, size in (("a", "train.py", 300), ("b", "config.py", 300), ("c", "train.py", 320))}
+            for name, f, size in (("a", "lm/train.py", 300), ("b", "config.py", 300), ("c", "lm/train.py", 320))}
     assert toks["a"].vocab_size == toks["b"].vocab_size != toks["c"].vocab_size
     src = tmp_path / "src"
     common = ["train", *TINY, "--steps", "1", "--seq-len", "16", "--data", text_file]

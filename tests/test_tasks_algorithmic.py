@@ -15,7 +15,6 @@ from phaseloop.tasks import (
     char_accuracy,
     load_jsonl,
     make_examples,
-    mean_std,
     parse_lengths,
     per_length_metrics,
     position_offsets,
@@ -214,10 +213,19 @@ def test_per_length_metrics_and_mean_std():
     assert list(m) == [2, 3]
     assert m[2] == {"char_acc": pytest.approx(3 / 4), "seq_acc": 0.5, "n": 2}
     assert m[3] == {"char_acc": 1.0, "seq_acc": 1.0, "n": 1}
-    assert mean_std([1, 2, 3, 4]) == (pytest.approx(2.5), pytest.approx(1.118033988749895))
-    assert mean_std([7]) == (7.0, 0.0)
-    with pytest.raises(ValueError):
-        mean_std([])
+
+
+def test_mean_std_population_for_task_metrics_sample_for_seeds():
+    """One mean_std (analysis.stats): the population std task metrics report (ddof=0: one
+    value -> 0.0) and the sample std over seeds comparisons report (ddof=1: one value ->
+    None); values that are None are left out; no values -> (None, None)."""
+    from phaseloop.analysis.stats import mean_std
+
+    assert mean_std([1, 2, 3, 4], ddof=0) == (pytest.approx(2.5), pytest.approx(1.118033988749895))
+    assert mean_std([1, 2, 3, 4]) == (pytest.approx(2.5), pytest.approx(1.2909944487358056))
+    assert mean_std([7], ddof=0) == (7.0, 0.0) and mean_std([7]) == (7.0, None)
+    assert mean_std([1, None, 3]) == (2.0, pytest.approx(2 ** 0.5))
+    assert mean_std([]) == mean_std([None]) == (None, None)
 
 
 # ----------------------------------------------------------------- JSONL

@@ -9,7 +9,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from starlette.routing import Route
 
 from phaseloop.analysis import probe
 from phaseloop.data.corpus import eval_windows
@@ -17,7 +16,7 @@ from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_corpus, ru
 from phaseloop.explore import rundata
 from phaseloop.explore.context import BadInput, ServerContext, number
 from phaseloop.explore.runs import target
-from phaseloop.explore.web import api, page
+from phaseloop.explore.web import Route, api, page
 
 PAGES = [{"group": "Inside a trained model", "title": "Inside a run", "url": "/inside"}]
 ANALYSES = 4  # analyses kept (a page asks several endpoints about the same prompt)

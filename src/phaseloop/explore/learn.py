@@ -12,10 +12,8 @@ This module holds the page list and the routes (the input helpers are ``context`
 
 from __future__ import annotations
 
-from starlette.routing import Route
-
 from phaseloop.explore import learn_more, learn_results, learn_ut
-from phaseloop.explore.web import api, page
+from phaseloop.explore.web import Route, api, page
 
 # (url tail, title, template) in reading order; stable URLs. The nav sorts groups
 # by name (Jinja's groupby, case-insensitive): "the Universal" before "Three-Phase".

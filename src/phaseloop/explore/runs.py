@@ -8,14 +8,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from pathlib import Path
 
-from starlette.requests import Request
-from starlette.responses import FileResponse, Response
-from starlette.routing import Route
-
 from phaseloop.errors import PhaseloopError
 from phaseloop.explore import rundata
 from phaseloop.explore.context import BadInput, ServerContext, number
-from phaseloop.explore.web import api, json_response, page
+from phaseloop.explore.web import FileResponse, Request, Response, Route, api, json_response, page
 
 PAGES = [{"group": "Runs", "title": "Runs and curves", "url": "/runs"}]
 MAX_TAILS = 256  # metrics files followed at once (each holds its columns in memory)

@@ -1,7 +1,6 @@
 """Task data, metrics and demos: algorithmic tasks (copy, reverse, addition, prefix
 parity), user JSONL data, bAbI QA, and the hand-set prefix-parity scan demo."""
 
-from phaseloop.analysis.stats import mean_std
 from phaseloop.tasks._errors import TaskDataError, TaskDataNotFound
 from phaseloop.tasks.algorithmic import (
     BITS,
@@ -74,7 +73,6 @@ __all__ = [
     "load_jsonl",
     "save_jsonl",
     "char_accuracy",
-    "mean_std",
     "per_length_metrics",
     "sequence_accuracy",
     "ScanTrace",
