@@ -118,3 +118,14 @@ def test_bench_grid_runs(capsys):
     assert bench_grid.main(["--steps", "2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "2 workers x 1 thread" in out and "wall-clock ratio sequential / local" in out
+
+
+def test_bench_serve_runs(capsys, one_thread):
+    pytest.importorskip("starlette")
+    pytest.importorskip("httpx")
+    import bench_serve
+
+    assert bench_serve.main(["--models", "tiny", "--clients", "1,2", "--requests", "1", "--max-tokens", "3",
+                             "--rounds", "1", "--max-batch", "4", "--threads", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 4 and all(line.split("|")[8].strip() == "0" for line in rows)  # 0 errors

@@ -126,10 +126,13 @@ def timing_signal(positions: torch.Tensor, d: int, min_timescale: float = 1.0,
 class KVCache:
     """Keys/values per *slot*. A slot is one application of an attention layer: layer i
     of a plain stack, or (layer, pass) of a weight-shared block, so looped and universal
-    trunks keep one entry per pass. ``pos`` is the absolute position of the next token."""
+    trunks keep one entry per pass. ``pos`` is the absolute position of the next token, or
+    with ``pad`` (rows of a continuous batch, ``decoding.join_rows``) the next column: row
+    b's first ``pad[b]`` columns are padding, column j holds its position j - pad[b]."""
 
     entries: dict = field(default_factory=dict)
     pos: int = 0
+    pad: torch.Tensor | None = None  # [B] leading padding columns per row; None: no padding
     # positions to preallocate per slot: keys/values are then written in place into one
     # buffer (``entries`` holds views of its filled part) instead of grown by torch.cat;
     # None: grown. A slot that outgrows it doubles its buffer.
@@ -161,6 +164,7 @@ class KVCache:
 
     def select_rows(self, idx_R: torch.Tensor) -> None:
         """Keep rows ``idx_R`` of every entry, in that order (beam search reorders)."""
+        self.pad = None if self.pad is None else self.pad.index_select(0, idx_R)
         self.buffers = {s: tuple(t.index_select(0, idx_R) for t in buf) for s, buf in self.buffers.items()}
         for slot, entry in self.entries.items():
             if slot in self.buffers:
@@ -196,7 +200,9 @@ class ForwardContext:
     start_pos: int = 0
     cache: KVCache | None = None
     causal: bool = True  # False: bidirectional self-attention (seq2seq encoder)
-    key_mask: torch.Tensor | None = None  # bidirectional only: bool [B, 1, 1, S], True = attend
+    # bool [B, 1, 1|T, S], True = attend: the bidirectional encoder's key mask, or the causal
+    # mask of left-padded cached rows (KVCache.pad: DecoderLM.forward builds it)
+    key_mask: torch.Tensor | None = None
     memory: Memory | None = None  # cross-attention source (seq2seq decoder)
     aux_losses: dict = field(default_factory=dict)  # scalar losses added to the loss (ACT ponder)
     stats: dict = field(default_factory=dict)  # tensors for analysis (ACT ponder times)
@@ -286,8 +292,8 @@ class Attention(nn.Module):
         # is_causal on the new tokens alone (T = 1 included): a plain bool, also when a
         # compiled graph sees T as a symbol
         mask, causal = None, ctx.causal and past == 0
-        if not ctx.causal:
-            mask = ctx.key_mask
+        if not ctx.causal or ctx.key_mask is not None:
+            mask, causal = ctx.key_mask, False
         elif ctx.doc_ids is not None and docattn.wanted(q_BHTE, self.dropout if self.training else 0.0):
             mask, causal = DOC_FLEX, False
         elif ctx.doc_ids is not None:  # causal within each document: [B, 1, T, T]

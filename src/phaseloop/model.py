@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaseloop.config import MAX_DEPTH, ModelConfig
-from phaseloop.decoding import decode
+from phaseloop.decoding import decode, padded_rows
 from phaseloop.errors import ConfigError
 from phaseloop.layers import Block, ForwardContext, KVCache, init_weights, make_norm, option_modules
 from phaseloop.trunk import Trunk, reset_derived_buffers
@@ -68,7 +68,8 @@ class TokenEmbedding(nn.Module):
                 x_BTD = option(x_BTD, start_pos, positions_BT=positions_BT)
             else:
                 raise ConfigError(f"the embedding option {name!r} reads no per-token positions, so "
-                                  "documents cannot restart its positions; drop --doc-positions")
+                                  "documents cannot restart its positions (drop --doc-positions), "
+                                  "nor left-padded rows share a batch")
         return self.drop(x_BTD)
 
 
@@ -109,7 +110,8 @@ class DecoderLM(nn.Module):
         replaces the token embedding of ``idx_BT`` (pass None for ``idx_BT`` then); the
         embedding's scale and options (the 3PT horn) still apply. Windows holding several
         documents (no cache): ``positions_BT`` each token's position in its
-        document, ``doc_ids_BT`` its document's index (attention stays within it)."""
+        document, ``doc_ids_BT`` its document's index (attention stays within it). A cache
+        with left-padded rows (``KVCache.pad``) sets each row's positions and mask itself."""
         src = idx_BT if embeds_BTD is None else embeds_BTD
         B, T = src.shape[:2]
         start = cache.pos if cache is not None else 0
@@ -119,7 +121,11 @@ class DecoderLM(nn.Module):
         for name, t in (("positions_BT", positions_BT), ("doc_ids_BT", doc_ids_BT)):
             if t is not None and tuple(t.shape) != (B, T):
                 raise ConfigError(f"{name} has shape {tuple(t.shape)}; it must be [batch, tokens] = {(B, T)}")
-        ctx = ForwardContext.at(self.cfg, start, T, src.device, positions_BT, cache=cache, doc_ids=doc_ids_BT)
+        key_mask = None
+        if cache is not None and cache.pad is not None:
+            positions_BT, key_mask = padded_rows(cache, T, src.device)
+        ctx = ForwardContext.at(self.cfg, start, T, src.device, positions_BT, cache=cache, doc_ids=doc_ids_BT,
+                                key_mask=key_mask)
         x_BTD = self.trunk(self.embed(idx_BT, start, tok_BTD=embeds_BTD, positions_BT=positions_BT), ctx)
         logits_BTV = self.head(self.norm(x_BTD))
         if cache is not None:

@@ -19,7 +19,7 @@ import sys
 from safetensors import SafetensorError
 
 from phaseloop import _startup, registry
-from phaseloop.cli import compare_cmd, info_cmds, run_cmds, ship_cmds, task_cmd, tool_cmds, train_cmd
+from phaseloop.cli import compare_cmd, info_cmds, run_cmds, serve_cmd, ship_cmds, task_cmd, tool_cmds, train_cmd
 from phaseloop.cli.exits import fail, interrupted
 from phaseloop.cli.options import Parser, on_a_run  # noqa: F401  (on_a_run: plugins' commands use it)
 from phaseloop.engine import dist
@@ -29,7 +29,7 @@ from phaseloop.files import as_os_error
 
 DISTRIBUTED = ("train", "compare")  # the commands that run across torchrun's processes
 # the order of `phaseloop --help`
-COMMANDS = (train_cmd, run_cmds, info_cmds, compare_cmd, task_cmd, ship_cmds, tool_cmds)
+COMMANDS = (train_cmd, run_cmds, info_cmds, compare_cmd, task_cmd, ship_cmds, serve_cmd, tool_cmds)
 
 
 def build_parser() -> argparse.ArgumentParser:

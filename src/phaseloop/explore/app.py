@@ -21,11 +21,10 @@ from phaseloop.explore.web import (
     Route,
     Starlette,
     StaticFiles,
-    bound_socket,
-    is_loopback,
     missing_extra,
     page,
 )
+from phaseloop.serve.net import bound_socket, is_loopback, url_of
 
 PAGE_MODULES = (learn, runs, inside)  # the nav's order: Learn, Runs, Inside
 
@@ -75,7 +74,7 @@ def serve(paths: list[str] = (), host: str = "127.0.0.1", port: int = 0,
     app = create_app(ctx)
     sock = bound_socket(host, port)
     port = sock.getsockname()[1]
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
+    url = url_of(host, port) + "/"
     if not is_loopback(host):
         print(f"warning: serving on {host}, reachable from other machines; explore has no "
               "login (use --host 127.0.0.1 to keep it local)", file=sys.stderr)

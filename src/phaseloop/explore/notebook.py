@@ -13,6 +13,7 @@ import threading
 import time
 
 from phaseloop.errors import PhaseloopError
+from phaseloop.serve.net import free_port
 
 _SERVERS: dict[tuple, tuple] = {}  # folders -> (uvicorn.Server, thread, base URL)
 _LOCK = threading.Lock()
@@ -26,7 +27,7 @@ def serve_background(paths=(), host: str = "127.0.0.1", port: int = 0, timeout: 
             return _SERVERS[key][2]
         from phaseloop.explore.app import create_app
         from phaseloop.explore.context import ServerContext
-        from phaseloop.explore.web import free_port, missing_extra
+        from phaseloop.explore.web import missing_extra
 
         try:
             import uvicorn

@@ -1,20 +1,19 @@
 """What every explore page module uses: the Starlette imports (a missing extra is one
-line), JSON answers (``api``: bad input is a 400 with the message), page endpoints
-(``page``: a Jinja2 template in the base layout) and the listening socket."""
+line), JSON answers (``api``: bad input is a 400 with the message) and page endpoints
+(``page``: a Jinja2 template in the base layout); the listening socket is ``phaseloop.serve.net``'s."""
 
 from __future__ import annotations
 
 import functools
-import ipaddress
 import json
 import math
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from phaseloop.errors import PhaseloopError
 from phaseloop.explore.context import BadInput, ServerContext
+from phaseloop.serve.net import bound_socket, free_port, is_loopback  # noqa: F401  (explore's callers import them here)
 
 HERE = Path(__file__).resolve().parent
 
@@ -91,33 +90,3 @@ def page(template: str, title: str, **extra):
             "params": dict(request.path_params), **extra})
 
     return endpoint
-
-
-def bound_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``port`` on ``host`` if it is free, else (or for 0) to a free one the
-    OS picks; the server listens on this very socket, so no other process can take the port
-    between choosing it and serving."""
-    for want in ([port, 0] if port else [0]):
-        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        try:
-            s.bind((host, want))
-        except OSError:
-            s.close()
-            continue
-        return s
-    raise PhaseloopError(f"explore: cannot listen on {host}; pass --host 127.0.0.1")
-
-
-def free_port(host: str, port: int) -> int:
-    """``port`` if it can be bound on ``host``, else (or for 0) a free one (bound, then released)."""
-    with bound_socket(host, port) as s:
-        return s.getsockname()[1]
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -1,0 +1,147 @@
+"""What ``phaseloop serve`` serves, loaded once at start: a run folder (``phaseloop train``)
+or an exported Hugging Face folder (``phaseloop export``), with the dequantised weights
+of a ``phaseloop quantize`` file where given, and its text codec: encode, decode, the
+end-of-text id, and the chat template that renders a conversation into a prompt."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from phaseloop.engine import resolve_device
+from phaseloop.engine.checkpoint import load_run, run_tokenizer
+from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError
+from phaseloop.files import sha256_file, why_missing
+from phaseloop.model import build_model
+from phaseloop.quant.io import load_quantized_state_dict
+from phaseloop.serve.options import Settings
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Served:
+    model: torch.nn.Module  # the DecoderLM, in eval mode, on its device
+    name: str
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eos_id: int | None = None
+    render: Callable[[list[dict]], str] | None = None  # messages -> prompt text (the chat template)
+    twin: torch.nn.Module | None = None  # the model on the meta device: per-request options are checked on it
+    defaults: Settings = Settings()
+    info: dict = field(default_factory=dict)  # shown in /v1/models: no paths
+    path: Path | None = None
+
+
+def is_export(path: Path) -> bool:
+    """A ``save_pretrained`` folder of phaseloop's (config.json with model_type phaseloop)."""
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type") == "phaseloop"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _quantized(model, path: Path) -> dict:
+    """The dequantised weights of a ``phaseloop quantize`` file, loaded into ``model``
+    (``quant.io.load_quantized_state_dict``: the function the quantised model computes)."""
+    if not path.is_file():
+        raise PhaseloopError(f"--quantized {path} {why_missing(path)}; pass the quant-*.safetensors "
+                             "that `phaseloop quantize` wrote")
+    try:
+        load_quantized_state_dict(path, model)
+    except RuntimeError as e:
+        raise CheckpointError(f"--quantized {path} does not fit this model ({str(e).splitlines()[0][:80]}); "
+                              "pass the file quantised from it") from None
+    return {"file": path.name, "sha256": sha256_file(path)}
+
+
+def _hf_tokenizer(run_tok=None, folder: Path | None = None):
+    from phaseloop import hf
+
+    hf.require("transformers")
+    if folder is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(folder))
+    from phaseloop.hf.tokenizer import hf_tokenizer
+
+    return hf_tokenizer(run_tok)
+
+
+def _from_export(path: Path):
+    from phaseloop import hf
+
+    hf.require("transformers")
+    from phaseloop.hf.modeling import PhaseloopForCausalLM
+
+    try:
+        wrapped = PhaseloopForCausalLM.from_pretrained(str(path))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: the exported model cannot be loaded ({str(e).splitlines()[0][:120]}); "
+                              "export the run again (phaseloop export)") from None
+    depth = getattr(wrapped.config, "phaseloop_depth", None)
+    return wrapped.model, Settings(depth=depth, extend_loops=getattr(wrapped.config, "phaseloop_extend_loops", None)
+                                   if depth is not None else None)
+
+
+def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quantized: str | None = None,
+         name: str | None = None, chat_template: str | None = None, defaults: Settings | None = None) -> Served:
+    """Load ``path`` (a run folder, its checkpoint folder or an export) to serve it."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} {why_missing(path)}; pass a run folder (phaseloop train) or an "
+                              "exported folder (phaseloop export)")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose {' or '.join(DTYPES)}")
+    template = None
+    if chat_template is not None:
+        tpath = Path(chat_template)
+        if not tpath.is_file():
+            raise PhaseloopError(f"--chat-template {tpath} {why_missing(tpath)}; pass a Jinja chat template file")
+        try:
+            template = tpath.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise PhaseloopError(f"--chat-template {tpath} is not UTF-8 text; pass a Jinja chat template") from None
+    info: dict = {"source": path.name, "created": int(time.time())}
+    if is_export(path):
+        model, exported = _from_export(path)
+        defaults = defaults if defaults not in (None, Settings()) else exported
+        fast = _hf_tokenizer(folder=path)
+        def encode(text: str) -> list[int]:
+            return fast(text, add_special_tokens=False)["input_ids"]
+
+        decode = fast.decode
+        eos_id = fast.eos_token_id
+        info["kind"] = "export"
+    else:
+        model, run_cfg = load_run(path)
+        tok = run_tokenizer(path, run_cfg)
+        def encode(text: str) -> list[int]:
+            return tok.encode(text).tolist()
+
+        decode, eos_id, fast = tok.decode, None, None
+        info["kind"] = "run"
+    if quantized:
+        info["quantized"] = _quantized(model, Path(quantized))
+    render = None
+    if template is not None or (fast is not None and getattr(fast, "chat_template", None)):
+        fast = fast or _hf_tokenizer(run_tok=tok)
+        if template is not None:
+            fast.chat_template = template
+
+        def render(messages: list[dict]) -> str:
+            return fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    model = model.to(device=resolve_device(device), dtype=DTYPES[dtype]).eval()
+    try:
+        twin = build_model(model.cfg, device="meta").eval()
+    except Exception:  # a plugin that cannot be built without weights: no per-request options
+        twin = None
+    info.update(arch=model.cfg.arch, depth=getattr(model.trunk, "depth", None), dtype=dtype)
+    return Served(model, name or path.resolve().name, encode, decode, eos_id, render, twin,
+                  defaults or Settings(), info, path)

@@ -1,0 +1,136 @@
+"""Per-request phaseloop options (the request body's ``phaseloop`` field), resolved in one
+place: ``resolve`` checks them against the served model and returns the ``Settings`` a
+sequence decodes with; ``applied`` puts them on the model around one forward of the decode
+loop. Requests with equal settings share a batch (``engine``); each settings group runs its
+own forward, since rows at different depths would need different cache slots.
+
+* ``depth`` (+ ``extend_loops``): UT steps / loop passes (``depth.set_model_depth``);
+* ``exit``: one early-exit rule, ``kl:EPS`` ... (``early_exit.parse_exit`` / ``set_exit``);
+* ``kv_share``: KV slots shared across passes (Huginn §6.2) and ``speculative``:
+  self-speculative drafts at that many passes. Both are the adaptive-depth decoding of
+  issue 39 and are resolved through its functions (``early_exit.set_kv_share``,
+  ``decoding.speculative_decode``) when the installed phaseloop has them; until then a
+  request naming them gets a 400 saying which function it lacks.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+from phaseloop import decoding, early_exit
+from phaseloop.config import MAX_DEPTH
+from phaseloop.depth import set_model_depth
+from phaseloop.early_exit import ExitRule, parse_exit, set_exit
+from phaseloop.errors import PhaseloopError
+from phaseloop.serve.schema import bad
+
+FIELDS = ("depth", "extend_loops", "exit", "kv_share", "speculative")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How one sequence decodes; hashable: the key of its batch group."""
+
+    depth: int | None = None
+    extend_loops: str | None = None
+    exit: ExitRule | None = None
+    kv_share: int | None = None
+    speculative: int | None = None
+
+    def label(self) -> dict:
+        return {k: (v.label if isinstance(v, ExitRule) else v) for k, v in self.__dict__.items() if v is not None}
+
+
+def _positive(given: dict, key: str, hi: int = MAX_DEPTH) -> int | None:
+    v = given.get(key)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi):
+        raise bad(f"phaseloop.{key}", f"{v!r}: must be an integer in 1 .. {hi}")
+    return v
+
+
+def parse(given: dict, defaults: Settings | None = None) -> Settings:
+    """The options' syntax (no model needed); fields left out keep ``defaults``."""
+    unknown = sorted(set(given) - set(FIELDS))
+    if unknown:
+        raise bad(f"phaseloop.{unknown[0]}", f"unknown option; the options are {', '.join(FIELDS)}")
+    out = defaults = defaults or Settings()
+    if "depth" in given or "extend_loops" in given:
+        ext = given.get("extend_loops")
+        if ext not in (None, "last"):
+            raise bad("phaseloop.extend_loops", f"{ext!r}: the only choice is \"last\"")
+        out = replace(out, depth=_positive(given, "depth"), extend_loops=ext)
+    if "exit" in given:
+        text = given["exit"]
+        if text is None:
+            out = replace(out, exit=None)
+        elif not isinstance(text, str):
+            raise bad("phaseloop.exit", f"{text!r}: write one rule as a string, e.g. \"kl:1e-3\"")
+        else:
+            try:
+                rules = parse_exit(text)
+            except PhaseloopError as e:
+                raise bad("phaseloop.exit", str(e)) from None
+            if len(rules) != 1:
+                raise bad("phaseloop.exit", f"{text!r}: give one value (a list sweeps in `phaseloop eval` only)")
+            out = replace(out, exit=rules[0])
+    for key in ("kv_share", "speculative"):
+        if key in given:
+            out = replace(out, **{key: _positive(given, key)})
+    return out
+
+
+# what issue 39's adaptive decoding adds; resolved by name so that this module needs no edit
+# when it lands (early_exit.set_kv_share(model, K); decoding.speculative_decode(...))
+NEEDS = {"kv_share": (early_exit, "set_kv_share"), "speculative": (decoding, "speculative_decode")}
+
+
+def check(twin, settings: Settings) -> None:
+    """Refuse (400, one line naming the option) what the served model cannot do; ``twin``
+    is a meta-device copy of it, so the live model the decode loop runs is never touched."""
+    for key, (module, name) in NEEDS.items():
+        if getattr(settings, key) is not None and not hasattr(module, name):
+            raise bad(f"phaseloop.{key}", f"this phaseloop has no {module.__name__}.{name} (the adaptive "
+                      "decoding of issue 39) to run it with; drop the option")
+    if settings.speculative is not None:  # its draft/verify rounds are not a step of the batch loop yet
+        raise bad("phaseloop.speculative", "the batching decode loop has no speculative step yet; drop the option")
+    if twin is None and settings != Settings():
+        raise bad("phaseloop", "this model cannot be checked on the meta device, so it takes no per-request options")
+    try:
+        with applied(twin, settings):
+            pass
+    except PhaseloopError as e:
+        param = "phaseloop.exit" if settings.exit is not None and "exit" in str(e) else "phaseloop.depth"
+        raise bad(param, str(e).replace("--extend-loops", "extend_loops").replace("--depth", "depth")
+                  .replace("--exit", "exit")) from None
+
+
+def resolve(twin, given: dict, defaults: Settings | None = None) -> Settings:
+    """The settings of one request's ``phaseloop`` field, checked against the model."""
+    settings = parse(given, defaults)
+    if settings != (defaults or Settings()) or given:
+        check(twin, settings)
+    return settings
+
+
+@contextmanager
+def applied(model, settings: Settings):
+    """``model`` at ``settings`` inside the block, at its trained depth with no exit rule after."""
+    if model is None or settings == Settings():
+        yield model
+        return
+    trunk = model.trunk
+    exits = trunk.exits
+    try:
+        set_model_depth(model, settings.depth, settings.extend_loops)
+        if settings.exit is not None:
+            set_exit(model, settings.exit)
+        if settings.kv_share is not None:
+            early_exit.set_kv_share(model, settings.kv_share)
+        yield model
+    finally:
+        if settings.depth is not None:
+            trunk.reset_depth()
+        trunk.exits = exits
+        if settings.kv_share is not None:
+            trunk.kv_share = None

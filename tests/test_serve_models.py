@@ -1,0 +1,121 @@
+"""What `phaseloop serve` serves: served greedy text equals `phaseloop generate` for every
+architecture, requests in flight together (UT+ACT and the other trunks alike), with a
+depth and an exit rule chosen per request equal to `generate --depth` / `--exit`; an
+exported folder serves as its run does; `--quantized` serves the dequantised weights;
+chat completions through a chat template (and a 400 without one)."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+
+from serve_fixtures import fake_run  # noqa: E402
+
+from phaseloop import PRESETS  # noqa: E402
+from phaseloop.cli import main  # noqa: E402
+from phaseloop.engine.checkpoint import load_run  # noqa: E402
+from phaseloop.quant.io import load_quantized_state_dict  # noqa: E402
+from phaseloop.serve.loading import load  # noqa: E402
+from phaseloop.serve.runner import Background, Config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TINY = sorted(p for p in PRESETS if p.endswith("-tiny"))
+PROMPTS = ["the quick", "over the lazy dog. the", "j"]
+# per-request options each weight-tied preset takes, as `generate` flags and as the body field
+OPTIONS = {"looped-tiny": [(["--depth", "3"], {"depth": 3}), (["--exit", "kl:1e-2"], {"exit": "kl:1e-2"})],
+           "universal-tiny": [(["--depth", "2"], {"depth": 2}), (["--exit", "argmax:1"], {"exit": "argmax:1"})],
+           "universal-act-tiny": [(["--exit", "act:0.5"], {"exit": "act:0.5"})],
+           "hyperloop-tiny": [(["--depth", "3", "--extend-loops", "last"], {"depth": 3, "extend_loops": "last"})]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("archs")
+    return {p: fake_run(root, p) for p in TINY}
+
+
+def generated(capsys, run, prompt, *flags) -> str:
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12",
+                 *flags]) == 0
+    return capsys.readouterr().out[:-1][len(prompt):]
+
+
+def complete(bg, prompt, options=None, max_tokens=12) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **({"phaseloop": options} if options else {})}
+    r = httpx.post(f"{bg.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_served_greedy_equals_generate_for_every_architecture(runs, preset, capsys):
+    run = runs[preset]
+    jobs = [(p, [], None) for p in PROMPTS] + [(p, flags, body) for flags, body in OPTIONS.get(preset, [])
+                                               for p in PROMPTS[:2]]
+    want = [generated(capsys, run, p, *flags) for p, flags, _ in jobs]
+    with Background(load(run), Config(port=0, max_batch=8)) as bg:
+        with ThreadPoolExecutor(len(jobs)) as pool:  # in flight together: batched, grouped by settings
+            got = list(pool.map(lambda job: complete(bg, job[0], job[2]), jobs))
+    assert got == want
+
+
+def test_export_serves_as_its_run(runs, tmp_path):
+    pytest.importorskip("transformers")
+    run = runs["looped-tiny"]
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out), "--depth", "3"]) == 0
+    with Background(load(run), Config(port=0)) as a, Background(load(out), Config(port=0)) as b:
+        card = httpx.get(f"{b.url}/v1/models").json()["data"][0]
+        assert card["id"] == "exported" and card["phaseloop"]["kind"] == "export"
+        assert card["phaseloop"]["defaults"] == {"depth": 3}  # the export's own depth
+        for p in PROMPTS:
+            assert complete(b, p) == complete(a, p, {"depth": 3})
+            assert complete(b, p, {"depth": 2}) == complete(a, p, {"depth": 2})
+
+
+def test_quantized_serves_the_dequantised_weights(runs, text_file):
+    run = runs["rope-tiny"]
+    assert main(["quantize", str(run), "--bits", "4", "--group-size", "32", "--windows", "2", "--data",
+                 str(text_file)]) == 0
+    qfile = run / "quant-w4-g32-rtn.safetensors"
+    model, _ = load_run(run)
+    load_quantized_state_dict(qfile, model)
+    with Background(load(run, quantized=str(qfile)), Config(port=0)) as bg:
+        assert httpx.get(f"{bg.url}/v1/models").json()["data"][0]["phaseloop"]["quantized"]["file"] == qfile.name
+        for p in PROMPTS:
+            ids = torch.tensor([list(p.encode())])
+            want = bytes(model.generate(ids, 12, temperature=0)[0, ids.shape[1]:].tolist()).decode("utf-8", "replace")
+            assert complete(bg, p) == want
+
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_chat_completions_through_a_chat_template(runs, tmp_path):
+    pytest.importorskip("transformers")
+    run = runs["rope-tiny"]
+    (tmp_path / "chat.jinja").write_text(TEMPLATE + "{% if messages|length > 3 %}{{ raise_exception('too long') }}"
+                                         "{% endif %}")
+    with Background(load(run, chat_template=str(tmp_path / "chat.jinja")), Config(port=0)) as bg:
+        client = openai.OpenAI(base_url=f"{bg.url}/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick"}]
+        got = client.chat.completions.create(model=run.name, messages=msgs, max_tokens=12, temperature=0)
+        want = complete(bg, "system: be brief\nuser: the quick\nassistant:")
+        assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+        parts = list(client.chat.completions.create(model=run.name, messages=msgs, max_tokens=12, temperature=0,
+                                                    stream=True))
+        assert parts[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in parts) == want
+        lp = client.chat.completions.create(model=run.name, messages=msgs, max_tokens=3, temperature=0,
+                                            logprobs=True, top_logprobs=2).choices[0].logprobs.content
+        assert len(lp) == 3 and all(len(t.top_logprobs) == 2 and t.logprob == t.top_logprobs[0].logprob for t in lp)
+        with pytest.raises(openai.BadRequestError, match="too long"):
+            client.chat.completions.create(model=run.name, messages=msgs * 2, max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="role"):
+            client.chat.completions.create(model=run.name, messages=[{"role": "robot", "content": "x"}])
