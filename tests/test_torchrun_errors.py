@@ -159,4 +159,5 @@ def test_rank_0_is_the_root_cause_when_it_fails_a_second_later(worker, tmp_path,
     failures = {0: ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(files[0])),
                 1: ProcessFailure(local_rank=1, pid=2, exitcode=-15, error_file=str(files[1]))}
     root_rank, root = ChildFailedError("phaseloop", failures).get_first_failure()
-    assert root_rank == 0 and root.exitcode == 2 and root.message["message"].startswith("phaseloop: error: unknown preset")
+    assert root_rank == 0 and root.exitcode == 2
+    assert root.message["message"].startswith("phaseloop: error: unknown preset")

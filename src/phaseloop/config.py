@@ -292,6 +292,18 @@ def _layers_by_name(spec, kw: dict) -> dict:
     return kw
 
 
+# Core fields that leave the function of given weights as it is: positions are computed
+# (RoPE; an architecture with learned positions changes a shape instead), dropout acts in
+# training only, and the init fields set values the weights replace. Option groups say
+# the same of theirs (``same_function``, registry.same_function_fields).
+SAME_FUNCTION = ("max_seq_len", "dropout", "init", "init_std", "embed_init_std")
+
+
+def same_function_fields(cfg: ModelConfig) -> set[str]:
+    """The fields of ``cfg`` whose value leaves the function of given weights as it is."""
+    return {*SAME_FUNCTION, *registry.same_function_fields(cfg.spec)}
+
+
 registry.reserve([f.name for f in fields(ModelConfig)], dir(ModelConfig))
 PRESETS = registry.PRESETS  # name -> ModelConfig fields; each architecture adds its own
 register_presets = registry.register_presets

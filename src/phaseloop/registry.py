@@ -276,6 +276,14 @@ def block_options(spec: ArchSpec) -> dict:
     return out
 
 
+def same_function_fields(spec: ArchSpec) -> set[str]:
+    """The option-group fields of ``spec`` that leave the function of given weights as it
+    is (``same_function``, a class attribute of a group: initial values the weights
+    replace, training-only terms, how the same output is computed); ``--init-from``
+    reports a change of any other field as a change of the function."""
+    return {name for g in groups_of(spec) for name in getattr(g, "same_function", ())}
+
+
 def commands_of(spec: ArchSpec) -> Callable | None:
     """The function adding ``spec``'s own subcommands (``ArchSpec.commands``, resolved)."""
     if spec.commands is None or callable(spec.commands):

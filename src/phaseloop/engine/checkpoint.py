@@ -256,13 +256,24 @@ class StateMismatch(CheckpointError):
 def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
     """Load a checkpoint folder's (or bare) model.safetensors into ``model``, verified
     against its manifest; StateMismatch names what does not fit (names, shapes)."""
+    model.load_state_dict(read_model_state(model, ckpt))
+
+
+def read_model_state(model: torch.nn.Module, ckpt: Path, head_from_embedding: bool = False) -> dict:
+    """A checkpoint folder's (or bare) model.safetensors, verified against its manifest,
+    as a state dict that fits ``model`` (StateMismatch names what does not: names,
+    shapes). A tied model's head is stored once, as the embedding; ``head_from_embedding``:
+    the weights are a tied model's and ``model`` is not, so its head starts as a copy of
+    the embedding (the same function)."""
     if (Path(ckpt) / "trainer.json").exists() or (Path(ckpt) / MANIFEST).exists():
         verify_checkpoint(ckpt, ("model.safetensors",))  # a checkpoint folder, not bare weights
     state = _rename_legacy(_load_safetensors(Path(ckpt) / "model.safetensors"))
     own = model.state_dict()
-    if "head.weight" in own and "embed.tok.weight" in own and \
-            own["head.weight"].data_ptr() == own["embed.tok.weight"].data_ptr():
-        state.setdefault("head.weight", state.get("embed.tok.weight"))  # tied: stored once
+    tied = "head.weight" in own and "embed.tok.weight" in own and \
+        own["head.weight"].data_ptr() == own["embed.tok.weight"].data_ptr()
+    if (tied or head_from_embedding) and "embed.tok.weight" in state:
+        embedding = state["embed.tok.weight"]
+        state.setdefault("head.weight", embedding if tied else embedding.clone())
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     bad_shape = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
     if missing or unexpected or bad_shape:
@@ -273,7 +284,7 @@ def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
             if x)
         raise StateMismatch(f"checkpoint {ckpt} does not match its model config ({detail}); "
                             "use the config.json saved with these weights", detail)
-    model.load_state_dict(state)
+    return state
 
 
 def load_trainer_state(ckpt: Path) -> tuple[dict, dict]:

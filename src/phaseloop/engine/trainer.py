@@ -105,11 +105,13 @@ class Trainer:
                  loss_fn: Callable, *, evaluate: Callable[[nn.Module], dict] | None = None,
                  run: RunFolder | None = None, progress: bool = False, desc: str = "train",
                  on_step: Callable[[int, dict], None] | None = None,
-                 flops_per_token: float | None = None, compile_share: int = 1):
+                 flops_per_token: float | None = None, compile_share: int = 1,
+                 log: Callable[[str], None] | None = None):
         """Store what the run is made of; nothing is built or written until ``setup``.
         ``compile_share``: the runs, this one included, that will compile the same blocks
-        (a comparison's; ``compiling.shares``): ``--compile auto`` splits one compile between them."""
-        self.compile_share = compile_share
+        (a comparison's; ``compiling.shares``): ``--compile auto`` splits one compile between them.
+        ``log``: where notes go (what ``--init-from`` changes), rank 0 only; None: nowhere."""
+        self.compile_share, self.log = compile_share, log
         self.build, self.tc, self.batches, self.loss_fn, self.evaluate = build, tc, batches, loss_fn, evaluate
         self.flops_per_token = flops_per_token  # forward, for MFU
         self.run, self.progress, self.desc, self.on_step = run, progress, desc, on_step
@@ -150,8 +152,7 @@ class Trainer:
         ckpt = run.checkpoint if run is not None else None
         restored = self._restore_model(ckpt) if ckpt is not None else None
         if restored is None and tc.init_from is not None:  # a new run from another run's weights
-
-            load_init(self.model, tc.init_from)
+            load_init(self.model, tc.init_from, self.log if self.world.main else None)
         if tc.checkpoint_activations:  # before FSDP2 wraps the blocks, as torchtitan does
             dist.checkpoint_activations(self.model)
         self.compiler = compiling.RunCompiler(  # block mode compiles before DDP / FSDP2 wrap
