@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("starlette")
 
 from conftest import tiny_run
-from explore_fixtures import screenshot
+from explore_fixtures import external_urls, screenshot
 from starlette.testclient import TestClient
 
 from phaseloop.analysis import probe
@@ -193,6 +193,7 @@ def test_inside_page_in_a_browser(served, client, q, explore_server, browser):
     assert browser.find_element("id", "ponder-section").is_displayed()
     assert "p per step" in browser.find_elements("css selector", "#ponder .tok")[3].get_attribute("title")
     assert browser.execute_script("return document.getElementById('depth-chart').data.length") == 1
+    assert browser.find_elements("css selector", ".modebar") and external_urls(browser) == []
 
     def top_p():
         return float(browser.find_element("css selector", "#next-table tbody tr td.p").text)
@@ -216,6 +217,7 @@ def test_inside_page_in_a_browser(served, client, q, explore_server, browser):
         _wait(browser, lambda: browser.find_element("id", "model-info").get_attribute("data-done") == PAGE_PROMPT)
         assert browser.execute_script("return document.getElementById('dc-chart').data.length") == 1
         assert browser.find_element("id", section).is_displayed()
+        assert external_urls(browser) == []
         browser.execute_script(f"document.getElementById('{section}').scrollIntoView()")
         screenshot(browser, f"inside_{name}")
 
