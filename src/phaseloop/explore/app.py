@@ -1,8 +1,9 @@
 """The explore web app: Starlette routes for pages and ``/api`` endpoints.
 
 Pages are Jinja2 templates (``templates/``) that fetch their numbers from ``/api/...``
-with ``static/explore.js`` (every ``/api/`` answer is JSON, errors included); charts use the plotly.min.js shipped in the plotly wheel,
-served from ``/static/plotly.min.js`` (no CDN, no external URL anywhere).
+with ``static/explore.js`` (every ``/api/`` answer is JSON, errors included); charts use
+the plotly.min.js shipped in the plotly wheel, served from ``/static/plotly.min.js`` (no
+CDN, no external URL anywhere).
 """
 
 from __future__ import annotations
