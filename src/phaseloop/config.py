@@ -199,10 +199,6 @@ class ModelConfig:
     def validate(self) -> None:
         check_ints(self, ("vocab_size", "d_model", self.spec.layers_name, "n_heads", "n_kv_heads",
                           "d_ff", "max_seq_len"), "config")
-        for name, value in self.to_dict().items():  # every field, the option groups' too
-            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-                _fail(name, value, f"at most {MAX_INT:,} (2^31 - 1): larger sizes overflow tensor "
-                      "sizes; use a smaller value")
         if self.n_layers > MAX_LAYERS:  # refused before anything is built (params, train, compare, tasks)
             _fail(self.spec.layers_name, self.n_layers, f"at most {MAX_LAYERS} layers: a model is built layer "
                   "by layer (on the meta device too, to count it), so more take minutes before anything "
