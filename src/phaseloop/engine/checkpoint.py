@@ -20,9 +20,10 @@ from phaseloop.config import ModelConfig
 from phaseloop.data.corpus import Corpus, corpus_args, load_corpus
 from phaseloop.data.tokenizer import ByteTokenizer, HFTokenizer
 from phaseloop.engine.config import TrainConfig
-from phaseloop.errors import CheckpointError, ConfigError
+from phaseloop.errors import CheckpointError, ConfigError, first_line
 from phaseloop.files import dumps, read_json, save_safetensors, sha256_file, why_missing, write_json
 from phaseloop.model import build_model
+from phaseloop.registry import UnknownArch, missing_plugin
 
 CKPT, OLD, TMP_PREFIX = "checkpoint", ".checkpoint.old", ".checkpoint.tmp-"
 MANIFEST = "manifest.json"
@@ -89,8 +90,13 @@ def read_run_config(run_dir: str | Path, ckpt: Path | None = None,
             continue
         try:
             build(cfg[name])
+        except UnknownArch as e:  # the file is fine: this machine lacks the architecture's plugin
+            software = cfg.get("software") if isinstance(cfg.get("software"), dict) else {}
+            plugin = software.get("arch_plugin") if isinstance(software.get("arch_plugin"), str) else None
+            raise CheckpointError(f"{path}: this run's model is arch {e.name!r}, which no package installed here "
+                                  f"registers; {missing_plugin(e.name, plugin)}") from None
         except (ConfigError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: its {name} section is not valid ({str(e)[:160]}); {fix}") from None
+            raise CheckpointError(f"{path}: its {name} section is not valid ({first_line(e)}); {fix}") from None
     return cfg
 
 
@@ -227,7 +233,7 @@ def _load_safetensors(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path} not found; the checkpoint is incomplete") from None
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path} ({str(e)[:80]}); the checkpoint is damaged "
+        raise CheckpointError(f"cannot read {path} ({first_line(e, 80)}); the checkpoint is damaged "
                               "— restore it or retrain") from None
 
 
