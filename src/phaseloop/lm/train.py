@@ -151,7 +151,7 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     seq_len = tc.seq_len or model_cfg.max_seq_len
     check_seq_len(seq_len, model_cfg)
     run_cfg = {"model": model_cfg.to_dict(), "train": tc.to_dict(), "data": corpus.describe(),
-               "parallel": {"world_size": dist.world().size}, "software": software_versions(),
+               "parallel": {"world_size": dist.world().size}, "software": software_versions(model_cfg.arch),
                **init_section(tc, corpus.describe(), out_dir, resume, model_cfg)}
     run = RunFolder.open(out_dir, run_cfg, resume, log if dist.world().main else None)
     dist.barrier()  # every rank has checked the folder before rank 0 writes to it
@@ -164,7 +164,8 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
                       evaluate=lambda m: evaluate(m, windows, corpus.tokenizer, tc.batch_size, trainer.device,
                                                   tc.loss_ignore_id, docs),
                       run=run, progress=progress, desc=run.path.name, on_step=on_step,
-                      flops_per_token=measure(model_cfg, seq_len)["flops_per_token"],  # None: no MFU
+                      flops_per_token=lambda depth: measure(model_cfg, seq_len, depth,  # None: no MFU
+                                                            tc.extend_loops if depth else None)["flops_per_token"],
                       compile_share=compile_share, log=log)
     trainer.setup()  # writes config.json: the tokenizer's copy goes in beside it
     if w.main and corpus.tokenizer.path is not None and not (run.path / TOKENIZER_COPY).exists():
