@@ -23,6 +23,7 @@ from phaseloop.compare.tune import run_tuning
 from phaseloop.data.corpus import load_corpus
 from phaseloop.depth import check_depth_sample, parse_depth_range
 from phaseloop.engine import dist, resolve_device
+from phaseloop.engine import progress as engine_progress
 from phaseloop.engine.run import RESUMABLE_CHANGES
 from phaseloop.engine.trainer import PeerFailed
 from phaseloop.errors import PhaseloopError
@@ -193,21 +194,22 @@ def _run_sequential(todo: list[CompareRun], runs: list[CompareRun], corpus, devi
     """``todo`` in this process, one after another (under torchrun: across all ranks),
     with one progress bar over ``runs``."""
     bar = None
-    if progress and dist.world().main and todo:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(r.train.steps for r in runs), initial=sum(r.steps_done() for r in runs),
-                   unit="step", dynamic_ncols=True, desc=f"compare {title}")
+    if progress and dist.world().main and todo:  # no terminal: a line each evaluation, not bar frames
+        bar = engine_progress.bar(total=sum(r.train.steps for r in runs), initial=sum(r.steps_done() for r in runs),
+                                  unit="step", desc=f"compare {title}")
     try:
         for r in todo:
-            last = [r.steps_done()]
+            last, trained = [r.steps_done()], []
 
-            def _on_step(step: int, rec: dict, r=r, last=last) -> None:
+            def _on_step(step: int, rec: dict, r=r, last=last, trained=trained) -> None:
                 if bar is not None and step > last[0]:
                     bar.update(step - last[0])
                     if "loss" in rec:
                         bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
                 last[0] = max(last[0], step)
+                trained[:] = [rec] if "loss" in rec else trained
+                if bar is not None and bar.disable and "val_loss" in rec:
+                    dist.say(engine_progress.eval_line(r.name, step, r.train.steps, trained, rec))
                 if on_step is not None:
                     on_step(r.name, step, rec)
 

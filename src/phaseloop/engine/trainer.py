@@ -21,7 +21,7 @@ from torch import nn
 
 from phaseloop import registry
 from phaseloop.depth import check_depth_sample, parse_depth_range, sampled_depth
-from phaseloop.engine import compiling, dist
+from phaseloop.engine import compiling, dist, progress
 from phaseloop.engine.checkpoint import (
     data_state,
     load_model_state,
@@ -323,10 +323,7 @@ class Trainer:
         tc = self.tc
         bar = None
         if self.progress and self.world.main:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=tc.steps, initial=self.step, desc=self.desc, unit="step",
-                       dynamic_ncols=True)
+            bar = progress.bar(total=tc.steps, initial=self.step, desc=self.desc, unit="step")
         self.model.train()
         if self.writes and self.step < tc.steps:  # a finished run resumed: nothing to log
             self.trackers = Trackers.open(tc.log_to, self.run.path, self.step, self.run.config)
@@ -360,6 +357,8 @@ class Trainer:
                 if self.evaluate is not None and (self.step % tc.eval_every == 0 or last):
                     self.last_eval = self.evaluate(self.model)
                     self._log({"step": self.step, **self.last_eval, **self._diagnostics(), "elapsed_s": self.elapsed})
+                    if bar is not None and bar.disable:  # no terminal: one line an evaluation, not frames
+                        dist.say(progress.eval_line(self.desc, self.step, tc.steps, self.records, self.last_eval))
                     best = self.keeper.evaluated(self.step, self.last_eval)  # checkpointed below
                 if self.run is not None and (self.step % tc.ckpt_every == 0 or last or best):
                     self.save()  # every rank: gathering the state is a collective
