@@ -88,7 +88,7 @@ PROVIDERS: dict[str, str] = {}  # arch -> "distribution version" of the plugin w
 class UnknownArch(ConfigError):
     """An architecture no installed package registers (``name``: the one asked for)."""
 
-    def __init__(self, message: str, name: str):
+    def __init__(self, message: str, name: str | None = None):  # name optional: unpickles from args
         super().__init__(message)
         self.name = name
 
