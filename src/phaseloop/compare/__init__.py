@@ -46,12 +46,12 @@ from phaseloop.compare.recipe import (
 )
 from phaseloop.compare.report import format_table, summarize, write_report
 from phaseloop.compare.runner import (
-                     comparison_status,
-                     devices_for,
-                     main_runs,
-                     report_finished,
-                     run_comparison,
-                     stored_recipe,
+    comparison_status,
+    devices_for,
+    main_runs,
+    report_finished,
+    run_comparison,
+    stored_recipe,
 )
 from phaseloop.compare.runs import CompareRun, tuning_corpus
 from phaseloop.compare.stats import first_reach, paired_t_test, speedup, t_two_sided_p
