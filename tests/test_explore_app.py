@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+from explore_fixtures import external_urls
 
 pytest.importorskip("starlette")
 
@@ -73,3 +74,4 @@ def test_home_in_a_real_browser(explore_server, browser):
     browser.get(base + "/")
     assert "phaseloop explore" in browser.title
     assert browser.execute_script("return typeof Plotly") == "object"
+    assert external_urls(browser) == []
