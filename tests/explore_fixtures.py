@@ -88,3 +88,25 @@ def screenshot(driver, name: str) -> None:
     if os.environ.get("PHASELOOP_SCREENSHOTS") == "1":
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
+
+
+# every attribute naming a URL, in the live DOM (plotly's mode bar included), and every
+# resource the page fetched: what lies outside the page's own server
+_EXTERNAL_JS = """
+const out = [], own = location.origin, web = ["http:", "https:", "ws:", "wss:", "ftp:"];
+const outside = v => { try { const u = new URL(v, location.href); return web.includes(u.protocol) && u.origin !== own; }
+                       catch (e) { return false; } };
+const named = ["href", "src", "action", "formaction", "poster", "data", "srcset", "background"];
+for (const el of document.querySelectorAll("*"))
+  for (const a of el.getAttributeNames())
+    if ((named.includes(a) || a.endsWith(":href")) && outside(el.getAttribute(a).split(/[ ,]/)[0]))
+      out.push(`<${el.tagName.toLowerCase()} ${a}="${el.getAttribute(a)}">`);
+for (const r of performance.getEntriesByType("resource")) if (outside(r.name)) out.push(`fetched ${r.name}`);
+return out;
+"""
+
+
+def external_urls(driver) -> list[str]:
+    """The URLs outside the app that the rendered page (its live DOM, after its scripts
+    ran) links to or loaded: [] for an offline page."""
+    return driver.execute_script(_EXTERNAL_JS)

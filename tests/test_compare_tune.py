@@ -56,6 +56,14 @@ def final_loss(run_dir: Path) -> float:
     (dict(tune={"lr": [1e-3, 2e-3], "seeds": [5], "weight_decay": [2.0]}), "[tune] weight_decay=[2.0]"),
     (dict(tune={"lr": [1e-3, 2e-3], "seeds": [5], "extend": 11}), "[tune] extend=11"),
     (dict(tune={"lr": [1e-3, 2e-3], "seeds": [5], "steps": 0}), "[tune] steps=0"),
+    # integers past their bounds (issue 38, item 7)
+    (dict(train={"steps": 10**20}), "steps=100000000000000000000: at most 2,147,483,647"),
+    (dict(variants=[{"spec": "rope", "train": {"warmup_steps": 2**40}}]), "warmup_steps=1099511627776: at most"),
+    (dict(tune={"lr": [1e-3, 2e-3], "seeds": [5], "steps": 2**31}), "[tune] steps=2147483648: must be an integer "
+                                                                     "from 1 to 2,147,483,647"),
+    (dict(tune={"lr": [1e-3, 2e-3], "seeds": [5], "warmup_steps": [2**40]}), "from 0 to 2,147,483,647"),
+    (dict(eval_limit=2**40), "eval_limit=1099511627776: at most 2,147,483,647"),
+    (dict(seeds=[2**63]), "integers from 0 to 2^63 - 1"),
     (dict(tune={"lr": [1e-3, 2e-3], "seeds": [5]}, variants=[{"spec": "rope", "train": {"lr": 1e-3}}]),
      "variant 'rope' sets train.lr and [tune] tunes lr"),
 ])

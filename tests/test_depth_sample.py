@@ -255,3 +255,28 @@ def test_an_encoder_decoder_returns_each_side_to_its_own_trained_steps():
     with sampled_depth(m, TrainConfig(depth_sample="1:2"), 0) as d:
         assert m.encoder.steps == m.decoder.steps == d
     assert (m.encoder.steps, m.decoder.steps) == (enc, dec)
+
+
+def test_mfu_counts_each_step_at_its_sampled_depth(tmp_path, text_file):
+    """Issue 38, item 9: MFU = 3 x forward FLOPs x tokens/s / peak, the FLOPs per token
+    those of the depth each step ran at (``analysis.params.flops_per_token``, counted), in
+    every record (one step each) and over the run in the summary, also across a resume."""
+    from phaseloop.analysis.params import flops_per_token
+    from phaseloop.lm.train import train
+
+    cfg = ModelConfig.from_preset("universal-tiny")  # trained at n_steps, sampled at 1..3
+    assert cfg.n_steps not in (1, 2, 3)
+    tc = TrainConfig(steps=4, batch_size=2, seq_len=16, warmup_steps=1, eval_every=4, eval_windows=1,
+                     log_every=1, ckpt_every=2, depth_sample="1:3", seed=3, peak_tflops=1e-6, device="cpu")
+    flops = {d: flops_per_token(cfg, 16, d) for d in (1, 2, 3)}
+    assert len(set(flops.values())) == 3
+    train(cfg, tc, text_file, tmp_path / "run", progress=False, stop_after=2)
+    summary = train(cfg, tc, text_file, tmp_path / "run", resume=True, progress=False)
+    peak = 1e-6 * 1e12
+    depths = [sample_depth((1, 3), 3, s) for s in range(4)]
+    steps = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r, d in zip(steps, depths):
+        assert r["mfu"] == pytest.approx(3 * flops[d] * r["tok_per_s"] / peak, rel=1e-9), (r, d)
+    mean = sum(flops[d] for d in depths) / 4  # every step trains the same number of tokens
+    assert summary["mfu"] == pytest.approx(3 * mean * summary["tok_per_s"] / peak, rel=1e-9)

@@ -210,3 +210,19 @@ def test_rule_and_act_mismatch_refused():
         set_exit(ut_act, _rule("kl:1e-3"))
     with pytest.raises(ConfigError, match="has no ACT"):
         set_exit(build_model(ModelConfig.from_preset("looped-tiny")), _rule("act:0.9"))
+
+
+@pytest.mark.parametrize("form, n_res", [("diagonal", 4), ("sinkhorn", 16), ("identity", 0)])
+def test_a_hyper_connection_s_coefficients_cost_what_the_docs_say(form, n_res):
+    """docs/early_exit.md: the uncounted work of an exited position in a Hyperloop is its
+    connections' coefficient matmul, 2 n d (2n + n_res) FLOPs per connection and position."""
+    from phaseloop.archs.hyperconn import HyperConnection
+
+    cfg = ModelConfig.from_preset("hyperloop-small", hc_res=form)
+    n, d = cfg.n_streams, cfg.d_model
+    hc = HyperConnection(cfg, loop_embedding=True, residual_f=True)
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        hc.coefficients(torch.randn(2, 5, n, d))
+    assert fc.get_total_flops() == 2 * 5 * 2 * n * d * (2 * n + n_res)
+    if form == "diagonal":
+        assert 2 * n * d * (2 * n + n_res) == 12_288  # the docs' example at n 4, d 128

@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+from explore_fixtures import external_urls
 
 pytest.importorskip("starlette")
 
@@ -45,8 +46,32 @@ def test_pages_reference_no_external_url():
         assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html), url
 
 
+def test_every_api_answer_is_json(tmp_path, monkeypatch):
+    """An unknown /api path (404), a POST (405: every endpoint answers GET) and an error of
+    the server (500) are JSON with the reason; other paths keep plain-text answers."""
+    from phaseloop.explore import runs
+
+    client = TestClient(create_app(), raise_server_exceptions=False)
+    r = client.get("/api/nosuch")
+    assert r.status_code == 404 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"].startswith("no endpoint /api/nosuch; the endpoints are /api/inside/analyze")
+    for method in ("post", "put", "delete"):
+        r = getattr(client, method)("/api/runs/list")
+        assert r.status_code == 405 and r.json() == {"error": f"/api/runs/list answers GET, not {method.upper()}"}
+        assert "GET" in r.headers["allow"]
+    r = client.post("/api/learn/schedules", content=b"{not json")  # no body is read: nothing to refuse but the method
+    assert r.status_code == 405 and "answers GET" in r.json()["error"]
+    assert client.get("/nosuch").status_code == 404 and client.get("/nosuch").text == "Not Found"
+    monkeypatch.setattr(runs.rundata, "find", lambda base: 1 / 0)
+    client = TestClient(create_app(ServerContext.from_paths([tmp_path])), raise_server_exceptions=False)
+    r = client.get("/api/runs/list")
+    assert r.status_code == 500 and r.json() == {"error": "internal error (ZeroDivisionError); the server's log "
+                                                 "has the traceback"}
+
+
 def test_home_in_a_real_browser(explore_server, browser):
     base = explore_server([])
     browser.get(base + "/")
     assert "phaseloop explore" in browser.title
     assert browser.execute_script("return typeof Plotly") == "object"
+    assert external_urls(browser) == []

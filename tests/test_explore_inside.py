@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("starlette")
 
 from conftest import tiny_run
-from explore_fixtures import screenshot
+from explore_fixtures import external_urls, screenshot
 from starlette.testclient import TestClient
 
 from phaseloop.analysis import probe
@@ -32,15 +32,38 @@ RUNS = {  # name -> extra train arguments (after TINY's rope-tiny)
 }
 
 
+EXTRA = ["docs", "act_halts"]  # a run trained with documents; the act run with halting that varies
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The root folder holding one tiny trained run per kind (4 steps each)."""
+    """The root folder holding one tiny trained run per kind (4 steps each); "docs": rope-tiny
+    trained with --doc-mask --doc-positions on short JSONL records (several documents a
+    window); "act_halts": the act run with a halting unit whose probabilities differ
+    widely between positions (so positions halt at different steps)."""
+    import json
+    import shutil
+
+    from phaseloop.engine.checkpoint import save_checkpoint
+
     root = tmp_path_factory.mktemp("inside")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PHASELOOP_CACHE", str(root / "cache"))
         for name, extra in RUNS.items():
             (root / name).mkdir()
             tiny_run(root / name, 4, 2, *extra)
+        (root / "docs").mkdir()
+        records = root / "docs" / "records.jsonl"
+        records.write_text("".join(json.dumps({"text": f"record {i}: " + "the lazy dog " * (i % 4 + 1)}) + "\n"
+                                   for i in range(400)))
+        tiny_run(root / "docs", 4, 2, "--doc-mask", "--doc-positions", "--data", str(records))
+    shutil.copytree(root / "act", root / "act_halts")
+    run = root / "act_halts" / "run"
+    model, run_cfg = load_run(run)
+    with torch.no_grad():
+        model.trunk.halting.weight.copy_(torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(0)))
+        model.trunk.halting.bias.zero_()
+    save_checkpoint(run, model, step=4, config=json.loads((run / "config.json").read_text()))
     return root
 
 
@@ -60,7 +83,7 @@ def q(served):
 
 def test_runs_listed(client, served):
     runs = client.get("/api/inside/runs").json()["runs"]
-    assert sorted(r["path"] for r in runs) == sorted(f"{n}/run" for n in RUNS)
+    assert sorted(r["path"] for r in runs) == sorted(f"{n}/run" for n in [*RUNS, *EXTRA])
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -86,6 +109,46 @@ def test_ponder_map_is_act_s(client, served, q):
         out = model(torch.tensor([list(PROMPT.encode())]))
     assert a["ponder"] == pytest.approx(out.stats["ponder_time"][0].tolist())
     assert torch.allclose(torch.tensor(a["halting"]), out.stats["halting_probs"][:, 0])
+
+
+def test_halted_steps_are_marked_from_the_model_s_own_count(client, served, q):
+    """``halted`` [steps, T]: True from the step after a position halted (its weight is 0),
+    from the ACT loop's own count of the steps each position used."""
+    a = client.get("/api/inside/analyze", params=q("act_halts")).json()
+    model, _ = load_run(served / "act_halts" / "run")
+    with torch.no_grad():
+        used = model(torch.tensor([list(PROMPT.encode())])).stats["exit_passes"][0].tolist()
+    assert a["halted"] == [[t >= n for n in used] for t in range(len(a["halting"]))]
+    flat = [h for row in a["halted"] for h in row]
+    assert any(flat) and not all(flat), used  # positions halt at different steps here
+    assert client.get("/api/inside/analyze", params=q("rope")).json()["halted"] is None
+
+
+def test_a_document_run_s_window_is_read_as_it_trained(client, served, q):
+    """A --doc-mask --doc-positions run: a validation window gets the document ids and
+    positions its evaluation gets (``lm.train.eval_set``), so the loss is the run's own
+    evaluation loss of that window and no attention weight crosses a document."""
+    from phaseloop.engine.checkpoint import run_corpus
+    from phaseloop.lm.train import eval_set
+
+    run = served / "docs" / "run"
+    params = {**q("docs"), "prompt": "", "window": 0}
+    a = client.get("/api/inside/analyze", params=params).json()
+    model, cfg = load_run(run)
+    corpus = run_corpus(run, cfg)
+    _, val = corpus.split(cfg["train"]["val_fraction"], 64)
+    windows, docs = eval_set(corpus, val, 63, 8, cfg["train"])  # 63: the page's windows hold max_seq_len tokens
+    x, y = windows[:1, :-1], windows[:1, 1:]
+    with torch.no_grad():
+        own = model(x, targets_BT=y, **{k: v[:1] for k, v in docs.items()}).ce_loss.item()
+        plain = model(x, targets_BT=y).ce_loss.item()
+    assert a["tokens"] == [chr(i) for i in windows[0].tolist()] and len(set(a["doc_ids"])) > 1
+    assert a["doc_ids"][:63] == docs["doc_ids_BT"][0].tolist()
+    assert a["positions"][:63] == docs["positions_BT"][0].tolist()
+    assert a["mean_loss"] == pytest.approx(own, rel=1e-5) and a["mean_loss"] != pytest.approx(plain, rel=1e-3)
+    w = torch.tensor(client.get("/api/inside/attention", params={**params, "site": 1}).json()["weights"])
+    doc = torch.tensor(a["doc_ids"])
+    assert w[doc[:, None] != doc[None, :]].abs().max() == 0
 
 
 def test_three_phase_internals_on_a_hyperloop(client, served, q):
@@ -193,6 +256,7 @@ def test_inside_page_in_a_browser(served, client, q, explore_server, browser):
     assert browser.find_element("id", "ponder-section").is_displayed()
     assert "p per step" in browser.find_elements("css selector", "#ponder .tok")[3].get_attribute("title")
     assert browser.execute_script("return document.getElementById('depth-chart').data.length") == 1
+    assert browser.find_elements("css selector", ".modebar") and external_urls(browser) == []
 
     def top_p():
         return float(browser.find_element("css selector", "#next-table tbody tr td.p").text)
@@ -211,11 +275,19 @@ def test_inside_page_in_a_browser(served, client, q, explore_server, browser):
     screenshot(browser, "inside_act")
     browser.execute_script("document.getElementById('attn-chart').scrollIntoView()")
     screenshot(browser, "inside_attention_next_token")
+    browser.get(f"{base}/inside?root={served.name}&path=act_halts/run")  # grey (gaps) where halted
+    _wait(browser, lambda: browser.find_element("id", "model-info").get_attribute("data-done") == PAGE_PROMPT)
+    api_a = client.get("/api/inside/analyze", params={**q("act_halts"), "prompt": PAGE_PROMPT}).json()
+    z = browser.execute_script("return document.getElementById('halting-chart').data[0].z")
+    assert z == [[None if h else pytest.approx(p) for p, h in zip(row, hrow)]
+                 for row, hrow in zip(api_a["halting"], api_a["halted"])]
+    assert any(v is None for row in z for v in row)
     for name, section in (("3pt", "phase-section"), ("hyper3pt", "mix-section")):
         browser.get(f"{base}/inside?root={served.name}&path={name}/run")
         _wait(browser, lambda: browser.find_element("id", "model-info").get_attribute("data-done") == PAGE_PROMPT)
         assert browser.execute_script("return document.getElementById('dc-chart').data.length") == 1
         assert browser.find_element("id", section).is_displayed()
+        assert external_urls(browser) == []
         browser.execute_script(f"document.getElementById('{section}').scrollIntoView()")
         screenshot(browser, f"inside_{name}")
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("starlette")
 
 import torch
-from explore_fixtures import screenshot
+from explore_fixtures import external_urls, screenshot
 from starlette.testclient import TestClient
 
 from phaseloop.analysis import accounting
@@ -252,6 +252,7 @@ def test_learn_pages_in_a_real_browser(explore_server, browser):
         browser.get(base + url)
         wait_text(browser, checks[url])
         assert browser.find_element(By.ID, "error").get_attribute("hidden") is not None, url
+        assert external_urls(browser) == [], url
         screenshot(browser, url.strip("/").replace("/", "-"))
 
     # calculator: the preset's count, then a changed input's new count

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("starlette")
 
 from conftest import REPO, write_corpus
-from explore_fixtures import screenshot
+from explore_fixtures import external_urls, screenshot
 from starlette.testclient import TestClient
 
 from phaseloop.compare.report import format_table
@@ -191,6 +191,7 @@ def test_comparison_pages_in_a_browser(comparison, explore_server, browser):
     wait(lambda: browser.execute_script(
         "const d = document.getElementById('curves-bpb'); return d.data && d.data.length") == 4)
     screenshot(browser, "runs_index")
+    assert external_urls(browser) == []  # the rendered DOM: plotly's mode bar has no logo link
     browser.get(base + "/runs/compare?root=ci")
     wait(lambda: len(browser.find_elements("css selector", "#compare-table tbody tr")) == 2)
     c = rundata.comparison(comparison)
@@ -203,6 +204,7 @@ def test_comparison_pages_in_a_browser(comparison, explore_server, browser):
     assert len(browser.find_elements("css selector", "#plots img")) == 3
     wait(lambda: browser.execute_script(
         "const d = document.getElementById('curves-loss'); return d.data && d.data.length") == 8)
+    assert browser.find_elements("css selector", "#curves-loss .modebar") and external_urls(browser) == []
     screenshot(browser, "runs_compare")
 
 

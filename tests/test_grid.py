@@ -289,8 +289,10 @@ def test_bad_launcher_options(tmp_path, capsys, flags, msg):
 def test_bad_launcher_table():
     with pytest.raises(RecipeError, match="unknown launcher key 'partiton'.*did you mean 'partition'"):
         compare.Recipe.from_dict({"variants": ["rope"], "launcher": {"partiton": "gpu"}})
-    with pytest.raises(RecipeError, match="time=0: must be an integer >= 1"):
-        compare.Recipe.from_dict({"variants": ["rope"], "launcher": {"launcher": "slurm", "time": 0}})
+    for bad in (0, 2**40):  # minutes, at most MAX_INT
+        with pytest.raises(RecipeError, match=f"time={bad}: must be an integer from 1 to 2,147,483,647"):
+            LaunchOptions.resolve(compare.Recipe.from_dict({"variants": ["rope"], "launcher": {
+                "launcher": "slurm", "time": bad}}).launcher)
 
 
 def test_missing_submitit_is_one_line(tmp_path, text_file, monkeypatch, capsys):

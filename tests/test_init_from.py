@@ -42,7 +42,9 @@ def test_a_new_run_starts_from_the_weights_and_records_them(source, tmp_path, ca
     assert cfg["model"]["max_seq_len"] == 128 and cfg["train"]["init_from"] == str(src)
     assert cfg["init"] == {"from": str(src.resolve()), "checkpoint": "checkpoint", "step": 4,
                            "model_sha256": file_sha256(src / "checkpoint" / "model.safetensors"),
-                           "arch": "rope", "tokenizer": "bytes", "tokenizer_sha256": None}
+                           "arch": "rope", "tokenizer": "bytes", "tokenizer_sha256": None,
+                           "changed": {"max_seq_len": [64, 128]}}
+    assert "note: --init-from" not in err  # max_seq_len changes no function: no note
     assert json.loads((out / "checkpoint" / "trainer.json").read_text())["step"] == 1  # its own optimiser
     pytest.importorskip("transformers")
     code, err = run_cli(["export", out, "--out", tmp_path / "hf"], capsys)
@@ -140,3 +142,50 @@ def test_an_init_from_run_with_kept_checkpoints_resumes_exactly_without_its_sour
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
     init = [json.loads((r / "config.json").read_text())["init"] for r in (full, part)]
     assert init[0] == init[1] and init[0]["from"] == str(src.resolve())
+
+
+def test_an_untied_source_into_a_tied_model_is_refused(source, tmp_path, capsys):
+    """Both models list embed.tok.weight and head.weight: the names and shapes fit, and
+    load_state_dict would copy the head last into the one shared tensor (issue 38, item 1)."""
+    out = tmp_path / "new"
+    code, err = run_cli(["train", *TINY, "--steps", "1", "--data", source["text"], "--out", out,
+                         "--init-from", source["run"], "--set", "tie_embeddings=true"], capsys)
+    assert_one_line(code, err, "this run ties it to the embedding: one tensor cannot take both")
+    assert "--set tie_embeddings=false" in err and not out.exists()
+
+
+def test_a_tied_source_into_an_untied_model_copies_the_embedding_into_the_head(tmp_path):
+    """The head starts as the embedding: the same function (float64, to 1e-12), said in a note."""
+    tied = ModelConfig.from_preset("rope-tiny", tie_embeddings=True)
+    src = _saved_run(tmp_path / "src", tied, seed=1)
+    untied = build_model(tied.replace(tie_embeddings=False))
+    notes = []
+    load_init(untied, tmp_path / "src", notes.append)
+    assert untied.head.weight.data_ptr() != untied.embed.tok.weight.data_ptr()
+    assert torch.equal(untied.head.weight, src.embed.tok.weight) and torch.equal(untied.embed.tok.weight,
+                                                                                  src.embed.tok.weight)
+    x = torch.randint(0, tied.vocab_size, (2, 16))
+    assert torch.allclose(untied.double().eval()(x).logits, src.double().eval()(x).logits, rtol=0, atol=1e-12)
+    assert len(notes) == 1 and "head.weight starts as a copy of embed.tok.weight" in notes[0], notes
+
+
+def test_another_head_split_of_the_same_shapes_is_refused(source, tmp_path, capsys):
+    out = tmp_path / "new"  # rope-tiny: d 96, 6/3 heads of 16; 12/6 heads of 8 have the same weight shapes
+    code, err = run_cli(["train", *TINY, "--steps", "1", "--data", source["text"], "--out", out,
+                         "--init-from", source["run"], "--set", "n_heads=12", "--set", "n_kv_heads=6"], capsys)
+    assert_one_line(code, err, "n_heads 6 there, 12 here, n_kv_heads 3 there, 6 here: the same projection")
+    assert not out.exists()
+
+
+def test_fields_that_change_the_function_are_said_one_by_one_and_recorded(source, tmp_path, capsys):
+    out = tmp_path / "new"
+    code, err = run_cli(["train", *TINY, "--steps", "1", "--data", source["text"], "--out", out,
+                         "--init-from", source["run"], "--set", "rope_base=500000", "--set", "embed_scale=true",
+                         "--set", "use_rope=false", "--set", "dropout=0.1", "--set", "init_std=0.05"], capsys)
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note: --init-from")]
+    assert [n.split(": ")[2].split(" ")[0] for n in notes] == ["rope_base", "embed_scale", "use_rope"], err
+    assert all("the weights now compute another function" in n for n in notes), notes
+    changed = json.loads((out / "config.json").read_text())["init"]["changed"]
+    assert changed == {"rope_base": [10000.0, 500000.0], "dropout": [0.0, 0.1], "embed_scale": [False, True],
+                       "init_std": [0.02, 0.05], "use_rope": [True, False]}

@@ -49,8 +49,10 @@ def test_every_command_takes_the_plugin(env, tmp_path, data_dir):
     r = phaseloop(env, "train", "--arch", "parallel", "--set", "sequential_layers=1", "--set", "d_model=64",
                   "--data", corpus, "--out", run, *TRAIN)
     assert r.returncode == 0, r.stderr
-    saved = json.loads((run / "config.json").read_text())["model"]
-    assert saved["arch"] == "parallel" and saved["sequential_layers"] == 1
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["model"]["arch"] == "parallel" and saved["model"]["sequential_layers"] == 1
+    assert saved["software"]["arch_plugin"].startswith("phaseloop-parallel ")  # the package of its entry point
+    saved = saved["model"]
     r = phaseloop(env, "eval", run, "--json", "--windows", "2")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["val_loss"] > 0
@@ -92,6 +94,11 @@ print((hf(idx).logits - ours.eval()(idx).logits).abs().max().item())
     assert r.returncode == 0, r.stderr
     res = json.loads((run / "lm_eval" / "results.json").read_text())["results"]["wikitext2_local"]
     assert 0 < res["bits_per_byte,none"] < 10
+    # where the plugin is not installed: the run is named as fine, the package to install named
+    r = phaseloop({**os.environ}, "eval", run)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "this run's model is arch 'parallel'" in r.stderr and "phaseloop-parallel " in r.stderr, r.stderr
+    assert "restore" not in r.stderr and r.stderr.strip().endswith("run this again"), r.stderr
 
 
 def test_generic_tests_pick_up_the_plugin(env):
@@ -142,3 +149,62 @@ def test_a_broken_plugin_is_named(tmp_path):
     r = phaseloop(env, "train", "--set", "arch=nope", "--out", tmp_path / "x", *TRAIN)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().count("\n") == 0 and "plugin 'broken'" in r.stderr and "needs torch 9" in r.stderr
+
+
+def test_a_run_or_export_without_its_plugin_says_what_to_install(tmp_path, capsys, monkeypatch):
+    """Issue 38, item 12: the run's files are fine, so no "restore it"; the architecture
+    and the package that registered it (recorded in config.json and in the export) are
+    named in full, never cut mid-word; an export loaded through transformers raises one
+    ConfigError with the same advice and no chained traceback. In process, with a copy of
+    rope registered as arch 'gone' by a (pretend) package, then unregistered."""
+    import dataclasses
+
+    from conftest import TINY, snapshot
+
+    from phaseloop import registry
+    from phaseloop.cli import main
+    from phaseloop.errors import ConfigError
+
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    spec = dataclasses.replace(registry.get_arch("rope"), name="gone", presets={}, default=False, aliases=(),
+                               preset_prefixes=(), default_preset=None)
+    monkeypatch.setitem(registry.ARCHS, "gone", spec)
+    monkeypatch.setitem(registry.PROVIDERS, "gone", "phaseloop-gone 1.2")
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", *TINY, "--set", "arch=gone", "--steps", "2", "--eval-every", "2",
+                 "--data", str(write_corpus(tmp_path / "c.txt")), "--out", str(run)]) == 0
+    assert main(["export", str(run), "--out", str(hf)]) == 0
+    assert json.loads((run / "config.json").read_text())["software"]["arch_plugin"] == "phaseloop-gone 1.2"
+    monkeypatch.delitem(registry.ARCHS, "gone")  # the plugin uninstalled
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    for argv in (["eval", run], ["generate", run, "--prompt", "a"], ["export", run, "--out", tmp_path / "hf2"]):
+        code = main([str(a) for a in argv])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err == (f"phaseloop: error: {run}/config.json: this run's model is arch 'gone', which no package "
+                       "installed here registers; install the plugin that provides arch 'gone' (the package that "
+                       "registered it where it was made: phaseloop-gone 1.2) where phaseloop runs, then run this "
+                       "again"), err
+    assert snapshot(tmp_path) == before
+    with pytest.raises(ConfigError) as e:
+        AutoModelForCausalLM.from_pretrained(hf, trust_remote_code=True)
+    assert str(e.value) == ("this Hugging Face folder holds a phaseloop model of arch 'gone', which no package "
+                            "installed here registers; install the plugin that provides arch 'gone' (the package "
+                            "that registered it where it was made: phaseloop-gone 1.2) where phaseloop runs, then "
+                            "load the folder again")
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # raised from None: no chained traceback
+
+
+def test_messages_are_never_cut_inside_a_word():
+    from phaseloop.errors import first_line
+
+    text = "a plugin registers through the entry-point group 'phaseloop.architectures': pip install it"
+    assert first_line(text) == text  # not cut
+    for limit in range(10, len(text)):
+        cut = first_line(text, limit)
+        assert cut.endswith(" …") and text.startswith(cut[:-2]) and len(cut) <= limit + 2
+        assert text[len(cut) - 2] in " ,;:("  # ends where a word ended
+    assert first_line(ValueError("")) == "ValueError" and first_line(ValueError("one\ntwo")) == "one"

@@ -88,6 +88,61 @@ def test_attention_probs_are_the_weights_sdpa_applies(arch, over):
     assert p_BHTS[..., 0, 1:].abs().max() == 0  # causal: the first token sees itself only
 
 
+def test_attention_probs_keep_to_documents():
+    """With document ids (``--doc-mask``) and positions (``--doc-positions``) the weights
+    are causal within each document: times V they give the module's output, and no
+    weight crosses a document boundary (issue 38, item 8)."""
+    model = _model("rope", phases=False)
+    attn: Attention = next(m for m in model.modules() if isinstance(m, Attention))
+    x = torch.randn(2, 12, 48)
+    doc = torch.tensor([[0] * 5 + [1] * 7, [-1] * 3 + [0] * 4 + [1] * 5])  # -1: a partial first document
+    pos = torch.tensor([list(range(5)) + list(range(7)), list(range(3)) + list(range(4)) + list(range(5))])
+    ctx = ForwardContext.at(model.cfg, 0, 12, x.device, pos, doc_ids=doc)
+    with torch.no_grad():
+        p_BHTS = attention_probs(attn, x, ctx)
+        _, v_BKSE = attn.project_kv(x)
+        v_BHSE = v_BKSE.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
+        y = attn.o_proj((p_BHTS @ v_BHSE).transpose(1, 2).reshape(2, 12, -1))
+        assert torch.allclose(y, attn(x, ctx), atol=1e-5)
+    across = doc[:, None, :, None] != doc[:, None, None, :]
+    assert p_BHTS.masked_select(across.expand_as(p_BHTS)).abs().max() == 0
+    assert torch.allclose(p_BHTS.sum(-1), torch.ones(2, 6, 12))
+
+
+def test_analyze_passes_the_document_inputs():
+    model, idx = _model("rope", phases=False), _idx(T=12, B=1)[0]
+    docs = {"doc_ids_BT": torch.tensor([0] * 5 + [1] * 7),
+            "positions_BT": torch.tensor(list(range(5)) + list(range(7)))}
+    a, plain = analyze(model, idx, docs=docs), analyze(model, idx)
+    with torch.no_grad():
+        out = model(idx[None, :-1], targets_BT=idx[None, 1:], **{k: v[None, :-1] for k, v in docs.items()})
+    assert sum(a.loss) / len(a.loss) == pytest.approx(out.ce_loss.item(), rel=1e-6)
+    assert a.loss[:4] == pytest.approx(plain.loss[:4]) and a.loss[5:] != pytest.approx(plain.loss[5:])
+    w = a.attention[0][1]  # [H, T, T]: the second document does not see the first
+    assert w[:, 5:, :5].abs().max() == 0 and plain.attention[0][1][:, 5:, :5].abs().max() > 0
+    rows = loss_vs_depth(_model("universal", phases=False, n_steps=2), idx, [1, 2], docs)
+    assert len(rows) == 2
+
+
+def test_halted_marks_the_steps_of_weight_zero():
+    """ACT: a position's update weight is 0 at every step after it halted; ``halted`` is
+    that mask, the same as tensor2tensor's loop on the recorded probabilities gives."""
+    from phaseloop.archs.act import halting_schedule
+
+    model = _model("universal", phases=False, act=True, act_max_steps=6)
+    with torch.no_grad():  # halting probabilities that differ widely between positions
+        model.trunk.halting.weight.normal_(0, 1.0)
+        model.trunk.halting.bias.zero_()
+    a = analyze(model, _idx(T=16, B=1)[0])
+    sched = halting_schedule(torch.tensor(a.halting, dtype=torch.float64), 1 - model.cfg.act_epsilon,
+                             len(a.halting))
+    assert a.halted == [[t >= n for n in sched.n_updates.tolist()] for t in range(len(a.halting))]
+    halted = torch.tensor(a.halted)
+    assert (sched.update_weights[halted] == 0).all() and (sched.update_weights[~halted] > 0).any()
+    flat = halted.flatten().tolist()
+    assert any(flat) and not all(flat)  # some positions halted before others
+
+
 def test_sampling_probs_is_what_pick_next_samples():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     p = sampling_probs(logits, 0.5)

@@ -272,6 +272,15 @@ def test_an_earlier_versions_run_resumes_through_the_cli_unchanged(tmp_path, tex
     ("[model]\npreset = \"nope\"\n", ["unknown preset 'nope'"]),
     ("[data]\nstreaming = \"yes\"\n", ["streaming='yes': must be true or false"]),
     ("[train]\nschedule = \"linear\"\n", ["schedule='linear': choose cosine or wsd"]),
+    # integers past their bounds (issue 38, item 7): a 20-digit step count is past int64 already
+    ("[train]\nsteps = 99999999999999999999\n", ["steps=99999999999999999999: at most 2,147,483,647"]),
+    ("[train]\nsteps = 2147483648\n", ["steps=2147483648: at most 2,147,483,647 (2^31 - 1)"]),
+    ("[train]\nwarmup_steps = 9223372036854775807\n", ["warmup_steps=9223372036854775807: at most 2,147"]),
+    ("[train]\nloss_ignore_id = 99999999999\n", ["loss_ignore_id=99999999999: at most"]),
+    ("[train]\nseed = 9223372036854775808\n", ["seed=9223372036854775808: at most 9,223,372,036,854,775,807"]),
+    ("[train]\nseed = -1\n", ["seed=-1: must be an integer >= 0"]),
+    ("[model]\nd_model = 99999999999999999999\n", ["d_model=99999999999999999999: at most 2,147,483,647"]),
+    ("[model]\narch = \"universal\"\nn_steps = 4294967296\n", ["n_steps=4294967296: at most"]),
 ])
 def test_a_bad_config_file_is_one_line_exit_2(text, patterns, tmp_path, capsys):
     cfg = tmp_path / "run.toml"
@@ -280,6 +289,15 @@ def test_a_bad_config_file_is_one_line_exit_2(text, patterns, tmp_path, capsys):
         code = run_main(["train", "--config", str(cfg), "--out", str(tmp_path / "r"), *extra])
         one_line_error(capsys, code, *patterns)
     assert not (tmp_path / "r").exists()
+
+
+def test_integers_at_their_bounds_pass(tmp_path, capsys):
+    """The largest seed torch takes (2^63 - 1) and MAX_INT steps print back as they are."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[train]\nseed = 9223372036854775807\nsteps = 2147483647\n")
+    assert run_main(["train", "--config", str(cfg), "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "seed = 9223372036854775807" in out and "steps = 2147483647" in out
 
 
 def test_a_missing_or_unreadable_config_file(tmp_path, capsys):

@@ -136,3 +136,28 @@ def test_help_is_printed_once_per_world(worker, tmp_path, capsys, rank):
     out = capsys.readouterr().out
     assert e.value.code == 0 and ("usage: phaseloop archs" in out) == (rank == 0)
     assert not error_file.exists()  # not a failure
+
+
+@pytest.mark.parametrize("lag", [0.0, 0.4, 1.1, 2.9])
+def test_rank_0_is_the_root_cause_when_it_fails_a_second_later(worker, tmp_path, capsys, monkeypatch, lag):
+    """torchrun's root cause is the smallest timestamp (whole seconds) of the error files.
+    Rank 1 meets the error first, at 1000.9 s; rank 0 ``lag`` seconds later (a loaded
+    machine), before rank 1's wait ends, and torchrun then stops rank 1 (SIGTERM: -15).
+    Rank 0's line and status must be the root cause, whichever second each wrote in."""
+    import phaseloop.cli.exits as exits
+
+    monkeypatch.setattr(exits, "PEER_EXIT_DELAY_S", 3.0)
+    monkeypatch.setattr(exits.time, "sleep", lambda s: None)
+    files = {}
+    for rank, now in ((1, 1000.9), (0, 1000.9 + lag)):
+        files[rank] = worker(rank)
+        monkeypatch.setattr(exits, "PEER_EXIT_DELAY_S", 3.0)  # worker() set it to 0
+        monkeypatch.setattr(exits.time, "time", lambda now=now: now)
+        code, _ = _run(["params", "--preset", "nope"], capsys)
+        assert code == 2
+    # torchrun's order: rank 0 seen exiting first, rank 1 after it was stopped
+    failures = {0: ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(files[0])),
+                1: ProcessFailure(local_rank=1, pid=2, exitcode=-15, error_file=str(files[1]))}
+    root_rank, root = ChildFailedError("phaseloop", failures).get_first_failure()
+    assert root_rank == 0 and root.exitcode == 2
+    assert root.message["message"].startswith("phaseloop: error: unknown preset")

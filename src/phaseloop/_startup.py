@@ -33,9 +33,12 @@ def _interrupted(signum, frame):
 
 
 def install() -> None:
-    """Quiet Ctrl-C for the start of the command (only where Python's own handler is set)."""
+    """Quiet Ctrl-C for the start of the command, where Python's own handler is set or
+    SIGINT is ignored: a shell script starts a background command (``phaseloop ... &``)
+    with SIGINT ignored, and ``kill -INT PID`` from that script must still stop it
+    (``uninstall`` then gives it Python's KeyboardInterrupt, as to any command)."""
     try:
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, signal.SIG_IGN):
             signal.signal(signal.SIGINT, _interrupted)
     except (ValueError, OSError):  # not the main thread, or no signals here
         return

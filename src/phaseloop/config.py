@@ -199,10 +199,6 @@ class ModelConfig:
     def validate(self) -> None:
         check_ints(self, ("vocab_size", "d_model", self.spec.layers_name, "n_heads", "n_kv_heads",
                           "d_ff", "max_seq_len"), "config")
-        for name, value in self.to_dict().items():  # every field, the option groups' too
-            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-                _fail(name, value, f"at most {MAX_INT:,} (2^31 - 1): larger sizes overflow tensor "
-                      "sizes; use a smaller value")
         if self.n_layers > MAX_LAYERS:  # refused before anything is built (params, train, compare, tasks)
             _fail(self.spec.layers_name, self.n_layers, f"at most {MAX_LAYERS} layers: a model is built layer "
                   "by layer (on the meta device too, to count it), so more take minutes before anything "
@@ -290,6 +286,18 @@ def _layers_by_name(spec, kw: dict) -> dict:
             _fail(name, value, f"and n_layers={kw['n_layers']!r} name the same count; give one")
         kw["n_layers"] = value
     return kw
+
+
+# Core fields that leave the function of given weights as it is: positions are computed
+# (RoPE; an architecture with learned positions changes a shape instead), dropout acts in
+# training only, and the init fields set values the weights replace. Option groups say
+# the same of theirs (``same_function``, registry.same_function_fields).
+SAME_FUNCTION = ("max_seq_len", "dropout", "init", "init_std", "embed_init_std")
+
+
+def same_function_fields(cfg: ModelConfig) -> set[str]:
+    """The fields of ``cfg`` whose value leaves the function of given weights as it is."""
+    return {*SAME_FUNCTION, *registry.same_function_fields(cfg.spec)}
 
 
 registry.reserve([f.name for f in fields(ModelConfig)], dir(ModelConfig))

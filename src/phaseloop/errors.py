@@ -8,6 +8,17 @@ class PhaseloopError(Exception):
     """
 
 
+def first_line(e: BaseException | str, limit: int | None = None) -> str:
+    """The first line of an error's message (its type's name when it has none), cut at
+    the last word boundary within ``limit`` characters with an ellipsis, never inside a
+    word; None: not cut."""
+    text = (str(e).strip().splitlines() or [""])[0] or (type(e).__name__ if isinstance(e, BaseException) else "")
+    if limit is None or len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0] if " " in text[:limit] else text[:limit]
+    return cut.rstrip(" ,;:(") + " …"
+
+
 class ConfigError(PhaseloopError, ValueError):
     """An invalid configuration value or combination; names the field."""
 

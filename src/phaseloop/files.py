@@ -15,7 +15,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError
+from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError, first_line
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 
@@ -120,7 +120,7 @@ def as_os_error(e: BaseException, target, doing: str = "could not be written") -
     if m:
         code = int(m.group(1))
         return OSError(code, os.strerror(code), name)
-    return OSError(errno.EIO, f"{doing} ({str(e)[:120]})", name)
+    return OSError(errno.EIO, f"{doing} ({first_line(e, 120)})", name)
 
 
 def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None, *, target=None) -> None:

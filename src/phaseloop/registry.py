@@ -82,6 +82,29 @@ PRESETS: dict[str, dict] = {}
 RESERVED: set[str] = set()
 CORE_FIELDS: set[str] = set()
 _loaded_entry_points = False
+PROVIDERS: dict[str, str] = {}  # arch -> "distribution version" of the plugin whose entry point registered it
+
+
+class UnknownArch(ConfigError):
+    """An architecture no installed package registers (``name``: the one asked for)."""
+
+    def __init__(self, message: str, name: str | None = None):  # name optional: unpickles from args
+        super().__init__(message)
+        self.name = name
+
+
+def provider(name: str) -> str | None:
+    """The installed package ("distribution version") whose entry point registered arch
+    ``name``; None for a built-in one or one registered by code (a notebook, a test)."""
+    return PROVIDERS.get(name)
+
+
+def missing_plugin(name: str, plugin: str | None = None) -> str:
+    """What to install for arch ``name`` that is not registered here (``plugin``: the
+    package recorded where it was trained or exported, when known)."""
+    which = f"the package that registered it where it was made: {plugin}" if plugin else \
+        f"a package registering {name!r} through the entry-point group {ENTRY_POINT_GROUP!r}"
+    return f"install the plugin that provides arch {name!r} ({which}) where phaseloop runs, then run this again"
 
 
 def reserve(core_fields, attributes) -> None:
@@ -151,6 +174,7 @@ def _load_entry_points() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
+        before = set(ARCHS)
         try:  # a module registers on import; an ArchSpec or a function may be given instead
             obj = ep.load()
             if isinstance(obj, ArchSpec):
@@ -164,6 +188,9 @@ def _load_entry_points() -> None:
             _loaded_entry_points = False  # asked again, it fails again (never half-loaded quietly)
             raise ConfigError(f"the architecture plugin {ep.name!r} ({ep.value}) failed to load: "
                               f"{type(e).__name__}: {e}; reinstall or uninstall it") from None
+        dist = getattr(ep, "dist", None)
+        for name in set(ARCHS) - before if dist is not None else ():
+            PROVIDERS[name] = f"{dist.metadata['Name']} {dist.version}"
 
 
 def get_arch(name: str) -> ArchSpec:
@@ -171,9 +198,9 @@ def get_arch(name: str) -> ArchSpec:
     if name not in ARCHS:
         _load_entry_points()
     if name not in ARCHS:
-        raise ConfigError.invalid(f"arch={name!r}: unknown architecture; registered: "
+        raise UnknownArch(f"invalid config: arch={name!r}: unknown architecture; registered: "
                           f"{', '.join(arch_names())} (a plugin registers through the entry-point "
-                          f"group {ENTRY_POINT_GROUP!r}: pip install it)")
+                          f"group {ENTRY_POINT_GROUP!r}: pip install it)", name)
     return ARCHS[name]
 
 
@@ -274,6 +301,14 @@ def block_options(spec: ArchSpec) -> dict:
     for g in groups_of(spec):
         out.update(getattr(g, "block_options", {}))
     return out
+
+
+def same_function_fields(spec: ArchSpec) -> set[str]:
+    """The option-group fields of ``spec`` that leave the function of given weights as it
+    is (``same_function``, a class attribute of a group: initial values the weights
+    replace, training-only terms, how the same output is computed); ``--init-from``
+    reports a change of any other field as a change of the function."""
+    return {name for g in groups_of(spec) for name in getattr(g, "same_function", ())}
 
 
 def commands_of(spec: ArchSpec) -> Callable | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import fields
 from typing import Any
 
@@ -15,17 +16,34 @@ MAX_INT = 2**31 - 1  # any integer field: sizes beyond it overflow the kernels' 
 MAX_SEED = 2**63 - 1  # torch.manual_seed's range (CLI seeds, recipe seeds)
 
 
-def is_int(v: Any, minimum: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+def is_int(v: Any, minimum: int, maximum: int = MAX_INT) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= maximum
+
+
+def int_limit(obj: Any, name: str) -> int:
+    """The largest value an integer field of dataclass ``obj`` takes: its metadata's
+    ``max`` (a seed: MAX_SEED), else MAX_INT."""
+    f = getattr(type(obj), "__dataclass_fields__", {}).get(name)
+    return f.metadata.get("max", MAX_INT) if f is not None else MAX_INT
+
+
+def too_large(name: str, v: int, limit: int) -> str:
+    """The message of an integer beyond ``limit`` in size."""
+    said = {MAX_INT: " (2^31 - 1)", MAX_SEED: " (2^63 - 1)"}.get(limit, "")
+    return (f"{name}={v!r}: at most {limit:,}{said} in size: larger values overflow the 32-bit sizes of "
+            "tensors and kernels (a seed: torch's 64-bit generator); use a smaller value")
 
 
 def check_ints(obj: Any, names, what: str, minimum: int = 1, optional: bool = False) -> None:
-    """Each field must be an integer >= minimum (or None when ``optional``)."""
+    """Each field must be an integer >= minimum and at most its limit (``int_limit``), or
+    None when ``optional``."""
     for name in names:
         v = getattr(obj, name)
         if optional and v is None:
             continue
-        if not is_int(v, minimum):
+        if is_int(v, minimum, math.inf) and v > int_limit(obj, name):
+            raise ConfigError.invalid(too_large(name, v, int_limit(obj, name)), what)
+        if not is_int(v, minimum, math.inf):
             need = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             raise ConfigError.invalid(f"{name}={v!r}: must be {need}" + (" or null" if optional else ""), what)
 
@@ -68,9 +86,10 @@ def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | N
 
 def check_types(obj: Any, what: str) -> None:
     """Every field holds its annotated type (``int``, ``float`` (an int will do, finite),
-    ``bool``, ``str``, ``... | None``); ``object``/``list``/``dict`` fields are the
-    caller's. Runs before any field is used, so a wrong type is one ConfigError."""
-    import math
+    ``bool``, ``str``, ``... | None``), an integer at most its limit in size
+    (``int_limit``: MAX_INT unless the field's metadata says otherwise);
+    ``object``/``list``/``dict`` fields are the caller's. Runs before any field is used,
+    so a wrong type is one ConfigError."""
     import types
     import typing
 
@@ -92,6 +111,8 @@ def check_types(obj: Any, what: str) -> None:
             ok = isinstance(v, str)
         else:
             continue
+        if ok and base is int and abs(v) > int_limit(obj, name):
+            raise ConfigError.invalid(too_large(name, v, int_limit(obj, name)), what)
         if not ok:
             kind = {bool: "true or false", int: "an integer", float: "a finite number",
                     str: "a string"}[base]

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from phaseloop.config import ModelConfig
 from phaseloop.depth import set_model_depth
-from phaseloop.errors import PhaseloopError
+from phaseloop.errors import PhaseloopError, first_line
 from phaseloop.model import build_model
 
 
@@ -70,7 +70,7 @@ def measure(cfg, seq_len: int, depth: int | None = None, extend: str | None = No
         total = sum(p.numel() for p in model.parameters())
         return {"arch": cfg.arch, "total": int(total), "flops_per_token": None, "seq_len": seq_len,
                 "depth": int(model.trunk.depth),
-                "flops_error": f"{e.__class__.__name__}: {str(e)[:120]}"}
+                "flops_error": f"{e.__class__.__name__}: {first_line(e, 120)}"}
 
 
 def format_count(n: int) -> str:

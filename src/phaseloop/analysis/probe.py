@@ -48,7 +48,9 @@ class Recording:
 
 def attention_probs(attn: Attention, x_BTD: torch.Tensor, ctx) -> torch.Tensor:
     """[B, H, T, T] softmax(q k^T / sqrt(E)) of a self-attention module on its input,
-    without a cache: the weights its SDPA call applies (head h reads kv head h // (H/K))."""
+    without a cache: the weights its SDPA call applies (head h reads kv head h // (H/K)),
+    causal within each document where the window holds several (``ctx.doc_ids``, as
+    ``layers.Attention`` masks them: ``--doc-mask``)."""
     B, T, _ = x_BTD.shape
     q_BHTE = attn.q_proj(x_BTD).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
     k_BKTE, _ = attn.project_kv(x_BTD)
@@ -57,8 +59,10 @@ def attention_probs(attn: Attention, x_BTD: torch.Tensor, ctx) -> torch.Tensor:
     k_BHTE = k_BKTE.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
     s_BHTS = q_BHTE.float() @ k_BHTE.float().transpose(-1, -2) / math.sqrt(attn.head_dim)
     if ctx.causal:
-        s_BHTS = s_BHTS.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=s_BHTS.device).tril(),
-                                    float("-inf"))
+        allowed = torch.ones(T, T, dtype=torch.bool, device=s_BHTS.device).tril()
+        if ctx.doc_ids is not None:  # [B, 1, T, T]: the same document, causally
+            allowed = allowed & (ctx.doc_ids[:, :, None] == ctx.doc_ids[:, None, :])[:, None]
+        s_BHTS = s_BHTS.masked_fill(~allowed, float("-inf"))
     elif ctx.key_mask is not None:
         s_BHTS = s_BHTS.masked_fill(~ctx.key_mask, float("-inf"))
     return s_BHTS.softmax(-1)
@@ -169,25 +173,35 @@ class Analysis:
     loss: list  # [T-1]
     ponder: list | None = None  # [T] ACT ponder time (N + R)
     halting: list | None = None  # [steps, T] halting probability per step
+    halted: list | None = None  # [steps, T] True where the position had halted: its weight is 0
     mixing: list | None = None
     attention: list = field(default_factory=list)  # (site, [H, T, T])
     extras: dict = field(default_factory=dict)  # the architecture's own (registry.probe_fns)
 
     def summary(self) -> dict:
         return {"n_tokens": len(self.ids), "mean_loss": float(sum(self.loss) / len(self.loss)),
-                "loss": self.loss, "ponder": self.ponder, "halting": self.halting, "mixing": self.mixing,
+                "loss": self.loss, "ponder": self.ponder, "halting": self.halting, "halted": self.halted,
+                "mixing": self.mixing,
                 "attention_sites": [s for s, _ in self.attention],
                 "heads": self.attention[0][1].shape[0] if self.attention else 0, **self.extras}
 
 
+def _batch(docs: dict | None) -> dict:
+    """A sequence's document inputs (``doc_ids_BT`` / ``positions_BT``, [T] each, as
+    ``data.corpus.Documents.inputs`` gives a window of a run trained with ``--doc-mask`` /
+    ``--doc-positions``) as the model's keyword arguments for a batch of one."""
+    return {k: v[None] for k, v in (docs or {}).items()}
+
+
 @torch.no_grad()
-def analyze(model: nn.Module, ids_T: torch.Tensor, attention: bool = True) -> Analysis:
-    """Everything the inside page shows for one sequence, from one forward pass."""
+def analyze(model: nn.Module, ids_T: torch.Tensor, attention: bool = True, docs: dict | None = None) -> Analysis:
+    """Everything the inside page shows for one sequence, from one forward pass;
+    ``docs``: its document inputs, where the run trained with them (``_batch``)."""
     was = model.training
     model.eval()
     try:
         with recording(model, attention=attention) as rec:
-            out = model(ids_T[None])
+            out = model(ids_T[None], **_batch(docs))
     finally:
         model.train(was)
     logits_TV = out.logits[0].float()
@@ -196,6 +210,9 @@ def analyze(model: nn.Module, ids_T: torch.Tensor, attention: bool = True) -> An
     if "ponder_time" in out.stats:
         a.ponder = out.stats["ponder_time"][0].tolist()
         a.halting = out.stats["halting_probs"][:, 0].tolist()
+        # step t has update weight 0 once a position has used its n_updates steps (act.ACTState.step)
+        used_T = out.stats["exit_passes"][0]
+        a.halted = [(used_T <= t).tolist() for t in range(len(a.halting))]
     a.mixing = stream_mixing(rec) or None
     for fn in registry.probe_fns(model):
         a.extras.update(fn(model, rec))
@@ -211,14 +228,15 @@ def next_token(logits_V: torch.Tensor, temperature: float, top_k: int | None, n:
 
 
 @torch.no_grad()
-def loss_vs_depth(model: nn.Module, ids_T: torch.Tensor, depths: list[int]) -> list[dict]:
+def loss_vs_depth(model: nn.Module, ids_T: torch.Tensor, depths: list[int], docs: dict | None = None) -> list[dict]:
     """Mean loss of the sequence with the trunk run at each depth (``depth.set_model_depth``
-    on a copy, beyond the trained passes reusing the last one's parameters: extend='last')."""
+    on a copy, beyond the trained passes reusing the last one's parameters: extend='last');
+    ``docs``: its document inputs (``analyze``)."""
 
     probe = copy.deepcopy(model).eval()
     rows = []
     for d in depths:
         set_model_depth(probe, d, extend="last")
-        logits_TV = probe(ids_T[None]).logits[0]
+        logits_TV = probe(ids_T[None], **_batch(docs)).logits[0]
         rows.append({"depth": d, "loss": token_losses(logits_TV, ids_T).mean().item()})
     return rows

@@ -17,6 +17,7 @@ in ``hyperconn.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,7 @@ class LoopOptions:
 class HCOptions:
     """Hyper-connections (Hyperloop §3, mHC §3): n residual streams and their mixing."""
 
+    same_function: ClassVar[tuple[str, ...]] = ("hc_alpha_init",)  # the weights replace it
     n_streams: int = 4  # residual streams
     hc_res: str | None = None  # H_res: diagonal | sinkhorn | identity (None -> diagonal)
     hc_alpha_init: float = 0.01  # init of the alpha scales of the dynamic coefficients

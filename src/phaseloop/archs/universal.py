@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -72,6 +73,9 @@ class UniversalOptions:
     """arch='universal': one shared block (n_layers = 1) applied n_steps times (UT §2.1),
     optionally with per-position ACT halting (§2.2)."""
 
+    # the weights replace the bias's initial value; the ponder weight is a training term; early
+    # exit computes the same output (registry.same_function_fields)
+    same_function: ClassVar[tuple[str, ...]] = ("act_halting_bias_init", "act_loss_weight", "act_early_exit")
     n_steps: int = 6  # T, applications of the shared block (overridable at inference)
     step_signal: str = "sinusoid"  # step part of the coordinate signal: sinusoid | learned
     act: bool = False  # adaptive computation time per position (UT §2.2)

@@ -36,7 +36,10 @@ def add_parsers(sub) -> None:
 
 def cmd_compare(args) -> int:
     """Train every (variant, seed) of a recipe, then write summary.json, report.md, plots."""
-    recipe = compare.load_recipe(args.recipe)
+    if args.recipe is None and args.out and (args.report or args.status):
+        recipe = compare.stored_recipe(Path(args.out))  # the comparison there, not the built-in quick one
+    else:
+        recipe = compare.load_recipe(args.recipe)
     recipe = compare.apply_overrides(recipe, args.variants, args.seeds, args.steps, args.data,
                                      args.match, log=dist.say, tokenizer=args.tokenizer)
     if args.dry_run:

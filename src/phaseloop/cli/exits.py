@@ -41,12 +41,19 @@ def tell_torchrun(msg: str, code: int) -> None:
     and the exit status to the error file torchrun reads: its failure summary then shows
     ``traceback : phaseloop: error: ...`` and ``exitcode : 2`` for the root cause instead of
     a pointer to its docs, and a scheduler reading torchrun's own error file gets both
-    (torchrun copies the root cause's file there with errorCode = the exit status)."""
+    (torchrun copies the root cause's file there with errorCode = the exit status).
+
+    torchrun's root cause is the failure with the smallest timestamp (whole seconds, read
+    from this file; ties go to the failure it saw first). A rank > 0 records the moment it
+    will exit (``fail``: after PEER_EXIT_DELAY_S), not the moment it writes: rank 0, which
+    fails before then (torchrun stops the others once it has exited), is then never later
+    than it, even when it reached the same error a second boundary after rank 1."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    when = time.time() + (PEER_EXIT_DELAY_S if rank() != 0 else 0.0)
     data = {"message": {"message": msg, "errorCode": code,
-                        "extraInfo": {"py_callstack": msg, "timestamp": str(int(time.time()))}}}
+                        "extraInfo": {"py_callstack": msg, "timestamp": str(int(when))}}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)

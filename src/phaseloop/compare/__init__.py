@@ -45,7 +45,14 @@ from phaseloop.compare.recipe import (
     slugify,
 )
 from phaseloop.compare.report import format_table, summarize, write_report
-from phaseloop.compare.runner import comparison_status, devices_for, main_runs, report_finished, run_comparison
+from phaseloop.compare.runner import (
+    comparison_status,
+    devices_for,
+    main_runs,
+    report_finished,
+    run_comparison,
+    stored_recipe,
+)
 from phaseloop.compare.runs import CompareRun, tuning_corpus
 from phaseloop.compare.stats import first_reach, paired_t_test, speedup, t_two_sided_p
 from phaseloop.compare.tune import Tune
@@ -54,4 +61,5 @@ __all__ = ["BUILTIN_RECIPES", "KEY_ALIASES", "LaunchOptions", "QUICK_TOML", "Pla
            "RecipeError", "CompareRun", "Tune", "Variant", "apply_overrides", "comparison_status", "devices_for",
            "first_reach", "format_status", "format_table", "load_recipe", "main_runs", "match_budget", "measure",
            "paired_t_test", "parse_spec", "plan_variants", "report_finished", "resolve_variant", "run_comparison",
-           "run_state", "slugify", "speedup", "summarize", "t_two_sided_p", "tuning_corpus", "write_report"]
+           "run_state", "slugify", "speedup", "stored_recipe", "summarize", "t_two_sided_p", "tuning_corpus",
+           "write_report"]

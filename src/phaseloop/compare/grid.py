@@ -6,12 +6,14 @@ Run state, for ``phaseloop compare --status`` (``run_state``), read from the fil
 
 * **done**: the run is finished (``CompareRun.finished``: its folder holds ``summary.json``,
   written last by rename, or a tuning run's ``diverged.json``);
-* **running**: ``OUT/launch/RUN.state.json`` says running and its heartbeat (the file's
-  mtime, touched every ``HEARTBEAT_S`` seconds by the process training the run) is
-  younger than ``STALE_AFTER`` heartbeats;
+* **running**: ``OUT/launch/RUN.state.json`` says running, the process it names is alive
+  where that can be told (this host: its pid, start time and boot, ``process_identity``),
+  and its heartbeat (the file's mtime, touched every ``HEARTBEAT_S`` seconds by the
+  process training the run) is younger than ``STALE_AFTER`` heartbeats;
 * **failed**: the state says failed (the worker caught an error and wrote it, or the
-  local launcher saw its worker exit with an error), or says running with a stale
-  heartbeat (a worker killed outright, a lost node);
+  local launcher saw its worker exit with an error), or says running while the process
+  it names on this host is gone (killed outright: told at once, also when its pid has
+  been given to another process since) or with a stale heartbeat (a lost node);
 * **pending**: anything else — never started, queued in Slurm (``RUN.job.json`` names
   the task), stopped by Ctrl-C / SIGTERM, or requeued by Slurm after preemption or a
   time limit.
@@ -48,12 +50,51 @@ def heartbeat_s() -> float:
 
 
 # ---------------------------------------------------------------------------- state
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def process_identity(pid: int) -> dict:
+    """{"start", "boot"} of process ``pid`` of this host: its start time (field 22 of
+    /proc/PID/stat, clock ticks since boot) and the boot's id, which together tell it
+    from a later process given the same pid; {} when no such process runs (or there is
+    no /proc: not Linux)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            stat = f.read()
+        start = int(stat[stat.rindex(")") + 2:].split()[19])  # fields from 3 on follow "(comm) "
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"start": start, "boot": _boot_id()}
+
+
+def holder_alive(info: dict) -> bool | None:
+    """Is the process a state file names (``info``: its pid, host and identity) still
+    running? None where that cannot be told: another host, no /proc, a state file that
+    names no pid; then the heartbeat decides."""
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or not os.path.isdir("/proc/self"):
+        return None
+    now = process_identity(pid)
+    if not now:
+        return False
+    if "start" not in info:  # written before identities were recorded: the pid may be reused
+        return None
+    return now["start"] == info["start"] and info.get("boot") in (None, now["boot"])
+
+
 def write_state(spec: CompareRun, state: str, **info) -> None:
-    """OUT/launch/RUN.state.json: what the process running ``spec`` last said."""
+    """OUT/launch/RUN.state.json: what the process running ``spec`` last said; ``pid``
+    (default this process) is recorded with its identity (``process_identity``)."""
     job = {k: os.environ[k] for k in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID")
            if k in os.environ}
-    write_json(spec.state_path, {"state": state, "pid": os.getpid(), "host": socket.gethostname(),
-                                 "time": time.time(), **job, **info})
+    pid = info.pop("pid", os.getpid())
+    write_json(spec.state_path, {"state": state, "pid": pid, **process_identity(pid),
+                                 "host": socket.gethostname(), "time": time.time(), **job, **info})
 
 
 def run_state(spec: CompareRun, now: float | None = None) -> dict:
@@ -73,10 +114,13 @@ def run_state(spec: CompareRun, now: float | None = None) -> dict:
             age = (now or time.time()) - spec.state_path.stat().st_mtime
         except (PhaseloopError, OSError):
             info, age = {"state": "failed", "error": f"{spec.state_path} is damaged"}, 0.0
-    where = " ".join(str(info[k]) for k in ("host", "pid") if k in info)
+    where = " on ".join(f"{k} {info[k]}" if k == "pid" else str(info[k]) for k in ("pid", "host") if k in info)
     job = info.get("SLURM_JOB_ID")
     where += f" job {job}" if job else ""
     said = info.get("state")
+    if said == "running" and holder_alive(info) is False:
+        return {"state": "failed", "step": step, "steps": steps,
+                "detail": f"{where} is gone: the process died without saying so (killed?)"}
     if said == "running" and age <= STALE_AFTER * heartbeat_s():
         return {"state": "running", "step": step, "steps": steps, "detail": where}
     if said == "running":

@@ -92,7 +92,7 @@ def run_local(specs: list[CompareRun], jobs: int | None, nproc: int, device: str
               log: Callable[[str], None] | None = None, poll_s: float = 0.05) -> list[str]:
     """Run ``specs`` in worker processes, ``jobs`` at a time; returns the failed runs'
     names (their state files say why). Ctrl-C / SIGTERM stop every worker (each run
-    stays resumable) and re-raise."""
+    stays resumable, its state stopped) and re-raise."""
     slots = local_slots(jobs, nproc, device)
     src = str(Path(__file__).resolve().parents[2])  # src/: the workers import this phaseloop
     path = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -132,12 +132,13 @@ def run_local(specs: list[CompareRun], jobs: int | None, nproc: int, device: str
     except BaseException:
         for _, p in busy.values():
             p.send_signal(signal.SIGTERM)  # each worker stops at a step and keeps its checkpoint
-        for _spec, p in busy.values():
+        for spec, p in busy.values():
             try:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            _mark_stopped(spec, p.pid)
         raise
     return failed
 
@@ -152,3 +153,14 @@ def _mark_failed(spec: CompareRun, why: str, pid: int) -> None:
         said = None
     if said not in ("failed", "stopped"):
         write_state(spec, "failed", error=why, pid=pid)
+
+
+def _mark_stopped(spec: CompareRun, pid: int) -> None:
+    """After the launcher stopped a worker: its own word stands (stopped, failed); one
+    stopped before it could say anything (still starting) still says running: stopped."""
+    try:
+        said = read_json(spec.state_path).get("state") if spec.state_path.exists() else None
+    except Exception:  # a damaged state file: replace it
+        said = None
+    if said == "running":
+        write_state(spec, "stopped", pid=pid)

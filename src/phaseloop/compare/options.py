@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from phaseloop.engine import TrainConfig
 from phaseloop.errors import ConfigError, PhaseloopError
-from phaseloop.validation import MAX_SEED
+from phaseloop.validation import MAX_INT, MAX_SEED
 
 
 class RecipeError(PhaseloopError):
@@ -82,7 +82,7 @@ class LaunchOptions:
 
     def _problem(self) -> tuple[str, str] | None:
         def whole(v, low):
-            return isinstance(v, int) and not isinstance(v, bool) and v >= low
+            return isinstance(v, int) and not isinstance(v, bool) and low <= v <= MAX_INT
 
         if self.launcher not in LAUNCHERS:
             return "launcher", f"launcher={self.launcher!r}: choose one of {', '.join(LAUNCHERS)}"
@@ -92,7 +92,8 @@ class LaunchOptions:
                        ("cpus_per_task", 1), ("array_parallelism", 1)):
             v = getattr(self, k)
             if (v is not None or k in ("nproc_per_run", "time")) and not whole(v, low):
-                return k, f"{k}={v!r}: must be an integer >= {low}" + (" (minutes)" if k == "time" else "")
+                return k, (f"{k}={v!r}: must be an integer from {low} to {MAX_INT:,}"
+                           + (" (minutes)" if k == "time" else ""))
         for k in ("partition", "account"):
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v or any(c.isspace() for c in v)):
@@ -157,17 +158,19 @@ class Tune:
             raise RecipeError(f"[tune] seeds {shared} are also reported seeds {recipe.seeds}: tuning on the "
                               f"seeds it reports would bias the comparison; use others, e.g. seeds = "
                               f"[{max(recipe.seeds) + 100}]")
-        for k, lo, hi, kind in (("warmup_steps", 0, None, int), ("weight_decay", 0, 1, float)):
+        for k, lo, hi, kind in (("warmup_steps", 0, MAX_INT, int), ("weight_decay", 0, 1, float)):
             xs = getattr(t, k)
             if (not isinstance(xs, list) or len(set(xs)) != len(xs)
                     or any(not (_number(x) if kind is float else isinstance(x, int) and not isinstance(x, bool))
-                           or x < lo or (hi is not None and x > hi) for x in xs)):
-                rng = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
+                           or not lo <= x <= hi for x in xs)):
+                rng = f"from {lo} to {hi:,}"
                 raise RecipeError(f"[tune] {k}={xs!r}: must be a list of distinct {kind.__name__}s {rng}, "
                                   f"e.g. {k} = {[25, 50] if kind is int else [0.0, 0.1]}")
             setattr(t, k, sorted(kind(x) for x in xs))
-        if t.steps is not None and (not isinstance(t.steps, int) or isinstance(t.steps, bool) or t.steps < 1):
-            raise RecipeError(f"[tune] steps={t.steps!r}: must be a positive integer (default: [train] steps)")
+        if t.steps is not None and (not isinstance(t.steps, int) or isinstance(t.steps, bool)
+                                    or not 1 <= t.steps <= MAX_INT):
+            raise RecipeError(f"[tune] steps={t.steps!r}: must be an integer from 1 to {MAX_INT:,} (default: "
+                              "[train] steps)")
         if not isinstance(t.extend, int) or isinstance(t.extend, bool) or not 0 <= t.extend <= MAX_EXTEND:
             raise RecipeError(f"[tune] extend={t.extend!r}: must be an integer from 0 to {MAX_EXTEND} "
                               "(edge extensions of the rate grid per variant)")

@@ -23,6 +23,7 @@ from phaseloop.compare.tune import run_tuning
 from phaseloop.data.corpus import load_corpus
 from phaseloop.depth import check_depth_sample, parse_depth_range
 from phaseloop.engine import dist, resolve_device
+from phaseloop.engine import progress as engine_progress
 from phaseloop.engine.run import RESUMABLE_CHANGES
 from phaseloop.engine.trainer import PeerFailed
 from phaseloop.errors import PhaseloopError
@@ -54,7 +55,8 @@ def _claim_folder(out: Path, recipe: Recipe) -> None:
         if diff is not None:
             k, there, now = diff
             raise RecipeError(f"{out} holds a different comparison ({k}: {there} there, {now} now); "
-                              "rerun with the same recipe and options to resume it, or choose another --out")
+                              f"rerun with the same recipe ({stored} holds it) and options to resume it, or "
+                              "choose another --out")
         return
     check_out_dir(out)
     if out.exists() and any(out.iterdir()):
@@ -132,22 +134,32 @@ def _chosen(tuning: dict) -> dict:
 def execute(runs: list[CompareRun], launch: LaunchOptions, corpus, device: str, *, progress: bool = False,
             on_step=None, log=None, title: str = "") -> None:
     """Run the runs not finished yet through the launcher (a half-done one resumes from
-    its last checkpoint; one another process is running is left to it). Returns when all
-    are finished; raises PeerFailed when some failed, RunsPending when some are left to
-    Slurm tasks or other processes. Tuning rounds and the reported runs alike."""
+    its last checkpoint). A run another live process is training is refused here (it
+    would be trained twice), before anything runs, naming that process; under Slurm it
+    is left to its task. Returns when all are finished; raises PeerFailed when some
+    failed, RunsPending when some are left to Slurm tasks. Tuning rounds and the reported
+    runs alike."""
     if not runs:
         return
     w = dist.world()
     kind = "tuning runs" if runs[0].tuning else "runs"
-    states = {r.name: run_state(r)["state"] for r in runs}
+    seen = {r.name: run_state(r) for r in runs}
+    states = {name: v["state"] for name, v in seen.items()}
+    held = [f"{name} ({seen[name]['detail']})" for name, v in states.items() if v == "running"]
     todo = [r for r in runs if states[r.name] not in ("done", "running")]
+    if w.size > 1:  # rank 0's view of what is left, so every rank trains the same runs
+        names, held = dist.gather_objects(([r.name for r in todo], held))[0]
+        todo = [r for r in runs if r.name in names]
+    if held and launch.launcher != "slurm":
+        verb = "is" if len(held) == 1 else "are"
+        raise PhaseloopError(f"{runs[0].out}: {len(held)} of the {len(runs)} {kind} {verb} "
+                             f"being trained by another live process: {', '.join(held[:3])}"
+                             f"{', ...' if len(held) > 3 else ''}; a second command would train them twice: "
+                             "wait for it (follow it with --status) or stop it, then run this command again")
     if log and len(todo) < len(runs):
         busy = sum(v == "running" for v in states.values())
         log(f"{sum(v == 'done' for v in states.values())} of {len(runs)} {kind} already finished"
-            + (f", {busy} running elsewhere (left to it)" if busy else "") + ("; continuing" if todo else ""))
-    if w.size > 1:  # rank 0's view of what is left, so every rank trains the same runs
-        names = dist.gather_objects([r.name for r in todo])[0]
-        todo = [r for r in runs if r.name in names]
+            + (f", {busy} running in Slurm tasks (left to them)" if busy else "") + ("; continuing" if todo else ""))
     todo = share_compiles(todo)
     failed: list[str] = []
     out = runs[0].out
@@ -182,21 +194,22 @@ def _run_sequential(todo: list[CompareRun], runs: list[CompareRun], corpus, devi
     """``todo`` in this process, one after another (under torchrun: across all ranks),
     with one progress bar over ``runs``."""
     bar = None
-    if progress and dist.world().main and todo:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(r.train.steps for r in runs), initial=sum(r.steps_done() for r in runs),
-                   unit="step", dynamic_ncols=True, desc=f"compare {title}")
+    if progress and dist.world().main and todo:  # no terminal: a line each evaluation, not bar frames
+        bar = engine_progress.bar(total=sum(r.train.steps for r in runs), initial=sum(r.steps_done() for r in runs),
+                                  unit="step", desc=f"compare {title}")
     try:
         for r in todo:
-            last = [r.steps_done()]
+            last, trained = [r.steps_done()], []
 
-            def _on_step(step: int, rec: dict, r=r, last=last) -> None:
+            def _on_step(step: int, rec: dict, r=r, last=last, trained=trained) -> None:
                 if bar is not None and step > last[0]:
                     bar.update(step - last[0])
                     if "loss" in rec:
                         bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
                 last[0] = max(last[0], step)
+                trained[:] = [rec] if "loss" in rec else trained
+                if bar is not None and bar.disable and "val_loss" in rec:
+                    dist.say(engine_progress.eval_line(r.name, step, r.train.steps, trained, rec))
                 if on_step is not None:
                     on_step(r.name, step, rec)
 
@@ -250,8 +263,10 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
     if launch.launcher != "sequential" and w.size > 1:
         raise RecipeError(f"--launcher {launch.launcher} starts its own processes; run it without torchrun "
                           "(--nproc-per-run K runs each run under torchrun)")
-    if launch.launcher == "slurm":  # submitit, an optional extra: refused before anything is written
-        from phaseloop.compare import slurm  # noqa: F401
+    if launch.launcher == "slurm":  # submitit (an optional extra), srun and the options: refused
+        from phaseloop.compare import slurm  # before anything is written
+
+        slurm.check(launch)
     corpus, plan = _prepare(recipe, log)
     device = devices_for(recipe.train["device"])[0]
     resolve_device(device)

@@ -12,6 +12,7 @@ run's JSON description (``runs.CompareRun``), which every task reads again.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,6 +81,13 @@ def executor(opts: LaunchOptions, folder: Path, name: str):
     except (ValueError, NameError) as e:
         raise PhaseloopError(f"--launcher slurm: submitit refused the options: {str(e).splitlines()[0]}") from None
     return ex
+
+
+def check(opts: LaunchOptions) -> None:
+    """Refuse what ``executor`` would (no srun, options submitit refuses) before anything is
+    written: the executor is made on a temporary folder (submitit's local one writes there)."""
+    with tempfile.TemporaryDirectory() as d:
+        executor(opts, Path(d), "check")
 
 
 def submit(specs: list[CompareRun], opts: LaunchOptions, out: Path, name: str) -> list:

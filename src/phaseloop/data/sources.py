@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from phaseloop.data.tokenizer import CUT_PATTERN
-from phaseloop.errors import DataError
+from phaseloop.errors import DataError, first_line
 from phaseloop.files import atomic_write_bytes, cache_dir, sha256_file, why_missing
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -197,7 +197,7 @@ def _records(path: Path, col: str) -> Iterator[str]:
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
                 if head == b"ARROW1" else iter(reader)
     except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"cannot read {path} ({str(e)[:80]}); is it a {path.suffix[1:]} file?") from None
+        raise DataError(f"cannot read {path} ({first_line(e, 80)}); is it a {path.suffix[1:]} file?") from None
     if batches is None or col not in names:
         raise DataError(f"{path}: no column {col!r} (columns: {', '.join(names)}); pass "
                         "--text-column with one of them")
@@ -372,7 +372,7 @@ def _hf(spec: str, text_column: str, split: str, streaming: bool, from_disk: boo
     except DataError:
         raise
     except Exception as e:  # offline without a cache, unknown dataset or split, ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        first = first_line(e, 120)
         raise DataError(f"cannot load dataset {spec!r} split {split!r} ({type(e).__name__}: {first}); "
                         "offline, pass --data with a local .txt/.jsonl/.parquet file or a folder "
                         "saved with datasets' save_to_disk") from None

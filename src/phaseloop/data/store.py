@@ -282,7 +282,8 @@ def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, 
         if progress and bar is None:
             from tqdm.auto import tqdm
 
-            bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="tokenize", dynamic_ncols=True)
+            bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="tokenize", dynamic_ncols=True,
+                       disable=None)  # no frames where stderr is not a terminal (logs)
         if bar is not None:
             bar.update(size)
         pending, size = [], 0

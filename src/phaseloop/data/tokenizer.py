@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from phaseloop.errors import ConfigError, DataError
+from phaseloop.errors import ConfigError, DataError, first_line
 from phaseloop.files import cache_dir, sha256_file, why_missing
 
 # Special ids of the task vocabularies (tasks/) and the encoder-decoders (seq2seq.py): one
@@ -130,7 +130,7 @@ class HFTokenizer:
         try:
             self.tok = _T.from_file(str(self.path))
         except Exception as e:  # not JSON, or JSON that is not a tokenizer
-            raise ConfigError(f"{self.path} is not a tokenizer file ({str(e).splitlines()[0][:80]}); "
+            raise ConfigError(f"{self.path} is not a tokenizer file ({first_line(e, 80)}); "
                               "pass a tokenizer.json made by `phaseloop tokenizer train` or a "
                               "Hugging Face fast tokenizer") from None
         self.sha256 = sha256_file(self.path)
@@ -171,7 +171,7 @@ class HFTokenizer:
     def _cannot(self, e: Exception, texts: list[str]) -> DataError:
         """The library refused to encode (a foreign tokenizer: a WordLevel vocabulary without
         an unknown token meets a word outside it, ...): one error naming the word and the fix."""
-        why = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+        why = first_line(e, 100)
         if self._no_unk:
             vocab = self.tok.get_vocab(with_added_tokens=True)
             pre = self.tok.pre_tokenizer

@@ -20,9 +20,10 @@ from phaseloop.config import ModelConfig
 from phaseloop.data.corpus import Corpus, corpus_args, load_corpus
 from phaseloop.data.tokenizer import ByteTokenizer, HFTokenizer
 from phaseloop.engine.config import TrainConfig
-from phaseloop.errors import CheckpointError, ConfigError
+from phaseloop.errors import CheckpointError, ConfigError, first_line
 from phaseloop.files import dumps, read_json, save_safetensors, sha256_file, why_missing, write_json
 from phaseloop.model import build_model
+from phaseloop.registry import UnknownArch, missing_plugin
 
 CKPT, OLD, TMP_PREFIX = "checkpoint", ".checkpoint.old", ".checkpoint.tmp-"
 MANIFEST = "manifest.json"
@@ -89,8 +90,13 @@ def read_run_config(run_dir: str | Path, ckpt: Path | None = None,
             continue
         try:
             build(cfg[name])
+        except UnknownArch as e:  # the file is fine: this machine lacks the architecture's plugin
+            software = cfg.get("software") if isinstance(cfg.get("software"), dict) else {}
+            plugin = software.get("arch_plugin") if isinstance(software.get("arch_plugin"), str) else None
+            raise CheckpointError(f"{path}: this run's model is arch {e.name!r}, which no package installed here "
+                                  f"registers; {missing_plugin(e.name, plugin)}") from None
         except (ConfigError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: its {name} section is not valid ({str(e)[:160]}); {fix}") from None
+            raise CheckpointError(f"{path}: its {name} section is not valid ({first_line(e)}); {fix}") from None
     return cfg
 
 
@@ -227,7 +233,7 @@ def _load_safetensors(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path} not found; the checkpoint is incomplete") from None
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path} ({str(e)[:80]}); the checkpoint is damaged "
+        raise CheckpointError(f"cannot read {path} ({first_line(e, 80)}); the checkpoint is damaged "
                               "— restore it or retrain") from None
 
 
@@ -256,13 +262,24 @@ class StateMismatch(CheckpointError):
 def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
     """Load a checkpoint folder's (or bare) model.safetensors into ``model``, verified
     against its manifest; StateMismatch names what does not fit (names, shapes)."""
+    model.load_state_dict(read_model_state(model, ckpt))
+
+
+def read_model_state(model: torch.nn.Module, ckpt: Path, head_from_embedding: bool = False) -> dict:
+    """A checkpoint folder's (or bare) model.safetensors, verified against its manifest,
+    as a state dict that fits ``model`` (StateMismatch names what does not: names,
+    shapes). A tied model's head is stored once, as the embedding; ``head_from_embedding``:
+    the weights are a tied model's and ``model`` is not, so its head starts as a copy of
+    the embedding (the same function)."""
     if (Path(ckpt) / "trainer.json").exists() or (Path(ckpt) / MANIFEST).exists():
         verify_checkpoint(ckpt, ("model.safetensors",))  # a checkpoint folder, not bare weights
     state = _rename_legacy(_load_safetensors(Path(ckpt) / "model.safetensors"))
     own = model.state_dict()
-    if "head.weight" in own and "embed.tok.weight" in own and \
-            own["head.weight"].data_ptr() == own["embed.tok.weight"].data_ptr():
-        state.setdefault("head.weight", state.get("embed.tok.weight"))  # tied: stored once
+    tied = "head.weight" in own and "embed.tok.weight" in own and \
+        own["head.weight"].data_ptr() == own["embed.tok.weight"].data_ptr()
+    if (tied or head_from_embedding) and "embed.tok.weight" in state:
+        embedding = state["embed.tok.weight"]
+        state.setdefault("head.weight", embedding if tied else embedding.clone())
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     bad_shape = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
     if missing or unexpected or bad_shape:
@@ -273,7 +290,7 @@ def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
             if x)
         raise StateMismatch(f"checkpoint {ckpt} does not match its model config ({detail}); "
                             "use the config.json saved with these weights", detail)
-    model.load_state_dict(state)
+    return state
 
 
 def load_trainer_state(ckpt: Path) -> tuple[dict, dict]:

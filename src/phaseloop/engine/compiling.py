@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from phaseloop.engine import compile_cache, dist
-from phaseloop.errors import PhaseloopError
+from phaseloop.errors import PhaseloopError, first_line
 from phaseloop.layers import Block
 
 MODES = ("off", "block", "model", "auto")
@@ -292,7 +292,7 @@ class RunCompiler:
             self._apply_block()
 
     def _fall_back(self, e: Exception) -> None:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = first_line(e, 200)
         self._say(f"compile {self.mode}: the first compiled step failed ({type(e).__name__}: "
                   f"{first}); continuing eager")
         if self.undo is not None:

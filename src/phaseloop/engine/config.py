@@ -14,12 +14,13 @@ from phaseloop.depth import parse_depth_range
 from phaseloop.engine.optim import OPTIMIZERS, SCHEDULES
 from phaseloop.engine.trackers import names as tracker_names
 from phaseloop.errors import ConfigError
-from phaseloop.validation import check_ints, check_types, strict_from_dict
+from phaseloop.validation import MAX_SEED, check_ints, check_types, strict_from_dict
 
 
-def _f(default, help: str, choices=None):
-    """A field with its help; ``choices``: a tuple, or a function returning one (a registry)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def _f(default, help: str, choices=None, **more):
+    """A field with its help; ``choices``: a tuple, or a function returning one (a registry);
+    ``more``: other metadata (``max``: an integer field's largest value, validation.int_limit)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, **more})
 
 
 def _optimizers() -> tuple[str, ...]:
@@ -58,7 +59,7 @@ class TrainConfig:
     beta1: float = _f(0.9, "Adam's first-moment decay")
     beta2: float = _f(0.95, "Adam's second-moment decay")
     grad_clip: float = _f(1.0, "gradient-norm clip")
-    seed: int = _f(0, "random seed")
+    seed: int = _f(0, "random seed", max=MAX_SEED)
     eval_every: int = _f(100, "steps between evaluations")
     eval_windows: int = _f(32, "validation windows per evaluation")
     ckpt_every: int = _f(100, "steps between checkpoints")

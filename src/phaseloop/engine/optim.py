@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from phaseloop import registry
 from phaseloop._version import __version__
 from phaseloop.errors import ConfigError
 
@@ -109,9 +110,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 1024 if sys.platform != "darwin" else rss / 2**20
 
 
-def software_versions() -> dict:
+def software_versions(arch: str | None = None) -> dict:
+    """What a run was made with; ``arch``'s plugin package (``arch_plugin``), where an
+    installed plugin registered it, so a reader without it can say what to install."""
+    plugin = registry.provider(arch) if arch is not None else None
     return {"phaseloop": __version__, "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+            "platform": platform.platform(), **({"arch_plugin": plugin} if plugin else {})}
 
 
 def available_memory(device: torch.device) -> int | None:

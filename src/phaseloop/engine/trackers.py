@@ -22,7 +22,7 @@ import struct
 import time
 from pathlib import Path
 
-from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError
+from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError, first_line
 from phaseloop.files import atomic_write_bytes
 
 EXTRA = "track"  # pyproject.toml's optional extra holding every tracker's package
@@ -136,7 +136,7 @@ class Trackers:
                 if isinstance(e, PhaseloopError):
                     raise
                 raise PhaseloopError(f"--log-to {n}: the tracker could not start ({type(e).__name__}: "
-                                     f"{str(e).splitlines()[0][:120] if str(e) else ''}); fix that (W&B: "
+                                     f"{first_line(e, 120) if str(e) else ''}); fix that (W&B: "
                                      "WANDB_MODE=offline needs no network) or drop it from --log-to") from None
         return cls(opened)
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from phaseloop import registry
 from phaseloop.depth import check_depth_sample, parse_depth_range, sampled_depth
-from phaseloop.engine import compiling, dist
+from phaseloop.engine import compiling, dist, progress
 from phaseloop.engine.checkpoint import (
     data_state,
     load_model_state,
@@ -32,6 +32,7 @@ from phaseloop.engine.checkpoint import (
     save_checkpoint,
 )
 from phaseloop.engine.config import TrainConfig
+from phaseloop.engine.flops import FlopCount
 from phaseloop.engine.initfrom import load_init
 from phaseloop.engine.keep import Keeper
 from phaseloop.engine.optim import autocast, check_memory, lr_at, make_optimizer, peak_memory_mb, resolve_device
@@ -105,21 +106,25 @@ class Trainer:
                  loss_fn: Callable, *, evaluate: Callable[[nn.Module], dict] | None = None,
                  run: RunFolder | None = None, progress: bool = False, desc: str = "train",
                  on_step: Callable[[int, dict], None] | None = None,
-                 flops_per_token: float | None = None, compile_share: int = 1):
+                 flops_per_token: float | Callable[[int | None], float | None] | None = None,
+                 compile_share: int = 1,
+                 log: Callable[[str], None] | None = None):
         """Store what the run is made of; nothing is built or written until ``setup``.
         ``compile_share``: the runs, this one included, that will compile the same blocks
-        (a comparison's; ``compiling.shares``): ``--compile auto`` splits one compile between them."""
-        self.compile_share = compile_share
+        (a comparison's; ``compiling.shares``): ``--compile auto`` splits one compile between them.
+        ``log``: where notes go (what ``--init-from`` changes), rank 0 only; None: nowhere.
+        ``flops_per_token``: forward FLOPs per token for MFU, a number or a function of a
+        step's depth (``tc.depth_sample``; None: the trained depth), asked once per depth."""
+        self.compile_share, self.log = compile_share, log
         self.build, self.tc, self.batches, self.loss_fn, self.evaluate = build, tc, batches, loss_fn, evaluate
-        self.flops_per_token = flops_per_token  # forward, for MFU
+        self.flops = FlopCount(flops_per_token)  # forward FLOPs of the tokens trained, per step's depth
         self.run, self.progress, self.desc, self.on_step = run, progress, desc, on_step
         self.world = dist.world()
         self.device = resolve_device(dist.local_device(tc.device, self.world))
         self.step, self.elapsed, self.tokens, self.skipped = 0, 0.0, 0, 0
         self.saved: int | None = None  # step of the checkpoint on disk
         self.ran = 0  # steps run by this process (0 when resuming a finished run)
-        self.records: list[dict] = []
-        self.last_eval: dict = {}
+        self.records, self.last_eval = [], {}  # the logged records; the last evaluation
         self.stats: dict = {}  # the last micro-batch's ModelOutput.stats (ACT ponder times)
         self.trackers = Trackers()  # --log-to: opened by fit, in the process that writes the run
         self._ready = False
@@ -147,11 +152,11 @@ class Trainer:
         self.model = self.build().to(self.device)
         if self.world.rank > 0:  # dropout masks differ between ranks
             self._seed_rank(0)
+        self.flops.at(None)  # counted here, not during the first step
         ckpt = run.checkpoint if run is not None else None
         restored = self._restore_model(ckpt) if ckpt is not None else None
         if restored is None and tc.init_from is not None:  # a new run from another run's weights
-
-            load_init(self.model, tc.init_from)
+            load_init(self.model, tc.init_from, self.log if self.world.main else None)
         if tc.checkpoint_activations:  # before FSDP2 wraps the blocks, as torchtitan does
             dist.checkpoint_activations(self.model)
         self.compiler = compiling.RunCompiler(  # block mode compiles before DDP / FSDP2 wrap
@@ -203,6 +208,7 @@ class Trainer:
         self.batches.set_state(data_state(tensors))
         self.step, self.elapsed = meta["step"], meta.get("elapsed", 0.0)
         self.tokens, self.skipped, self.saved = meta.get("tokens", 0), meta.get("skipped", 0), meta["step"]
+        self.flops.restore(meta.get("flops"), self.tokens)
 
     def _seed_rank(self, step: int) -> None:
         """A rank's own RNG stream (ranks > 0, or a rank new to a resumed run)."""
@@ -230,6 +236,7 @@ class Trainer:
             self.trackers.flush()  # what the checkpoint covers is in the trackers' files first
             save_checkpoint(self.run.path, model_state, optim_state, self.step, self.batches.state(),
                             {"elapsed": self.elapsed, "tokens": self.tokens, "skipped": self.skipped,
+                             **({"flops": self.flops.total} if self.flops.total is not None else {}),
                              "world_size": self.world.size,
                              **({"compile": self.compiler.chosen} if self.compiler.chosen else {})},
                             rng=rng, config=self.run.config)
@@ -257,12 +264,12 @@ class Trainer:
     def _snapshot(self):
         """What a step consumes (data position, random state, token count): the compile
         fallback re-runs a failed first compiled step from here."""
-        return self.batches.state(), torch.get_rng_state(), self.tokens
+        return self.batches.state(), torch.get_rng_state(), self.tokens, self.flops.total
 
     def _rewind(self, snap) -> None:
         self.batches.set_state(snap[0])
         torch.set_rng_state(snap[1])
-        self.tokens = snap[2]
+        self.tokens, self.flops.total = snap[2], snap[3]
         self.optimizer.zero_grad(set_to_none=True)
 
     def _train_step(self, fwd) -> dict:
@@ -272,7 +279,8 @@ class Trainer:
             g["lr"] = lr
         loss: torch.Tensor | float = 0.0
         aux: dict[str, torch.Tensor] = {}
-        with sampled_depth(self.model, tc, self.step):  # the step's depth (tc.depth_sample), if any
+        tokens = self.tokens
+        with sampled_depth(self.model, tc, self.step) as depth:  # the step's depth (tc.depth_sample), if any
             for i in range(tc.grad_accum):
                 with dist.no_sync(fwd, sync=i == tc.grad_accum - 1), autocast(dev):
                     out = self.loss_fn(fwd, ignore_targets(self.batches.next(), tc.loss_ignore_id), dev)
@@ -283,6 +291,7 @@ class Trainer:
                     aux[k] = aux.get(k, 0.0) + v.detach() / tc.grad_accum
                 self.tokens += out.logits.shape[0] * out.logits.shape[1] * self.world.size
         self.stats = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.stats.items()}
+        self.flops.add(self.tokens - tokens, depth)
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor of the global norm
             gnorm = gnorm.full_tensor()
@@ -314,31 +323,33 @@ class Trainer:
         tc = self.tc
         bar = None
         if self.progress and self.world.main:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=tc.steps, initial=self.step, desc=self.desc, unit="step",
-                       dynamic_ncols=True)
+            bar = progress.bar(total=tc.steps, initial=self.step, desc=self.desc, unit="step")
         self.model.train()
         if self.writes and self.step < tc.steps:  # a finished run resumed: nothing to log
             self.trackers = Trackers.open(tc.log_to, self.run.path, self.step, self.run.config)
-        t_last, tok_last = time.perf_counter(), self.tokens
+        self.flops.uncounted_s = 0.0  # setup's count (the trained depth) is before the clock starts
+        t_last, tok_last, flops_last = time.perf_counter(), self.tokens, self.flops.total
         try:
             while self.step < tc.steps and (stop_after is None or self.ran < stop_after):
                 rec = self.compiler.step(self._train_step, self._snapshot, self._rewind, tc.steps - self.step)
+                t_last, self.flops.uncounted_s = t_last + self.flops.uncounted_s, 0.0  # counting: not training
                 self.ran += 1
                 last = self.step == tc.steps
                 if self.step % tc.log_every == 0 or last:
                     dt = time.perf_counter() - t_last
                     self.elapsed += dt
                     tps = (self.tokens - tok_last) / max(dt, 1e-9)
-                    util = dist.mfu(tps, self.flops_per_token, self.peak, self.world.size)
+                    done = self.flops.total
+                    fpt = FlopCount.mean(None if flops_last is None or done is None else done - flops_last,
+                                         self.tokens - tok_last)
+                    util = dist.mfu(tps, fpt, self.peak, self.world.size)  # the steps' own depths
                     rec = {"step": self.step, **{k: float(v) for k, v in rec.items()},
                            "tokens": self.tokens, "tok_per_s": tps, **({"mfu": util} if util is not None else {}),
                            "elapsed_s": self.elapsed, **({"skipped_steps": self.skipped} if self.skipped else {})}
                     self._log(rec)
                     if bar is not None:
                         bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tok_per_s']:.0f}")
-                    t_last, tok_last = time.perf_counter(), self.tokens
+                    t_last, tok_last, flops_last = time.perf_counter(), self.tokens, self.flops.total
                 if bar is not None:
                     bar.update(1)
                 t0 = time.perf_counter()  # evaluation and checkpoints are not training time
@@ -346,6 +357,8 @@ class Trainer:
                 if self.evaluate is not None and (self.step % tc.eval_every == 0 or last):
                     self.last_eval = self.evaluate(self.model)
                     self._log({"step": self.step, **self.last_eval, **self._diagnostics(), "elapsed_s": self.elapsed})
+                    if bar is not None and bar.disable:  # no terminal: one line an evaluation, not frames
+                        dist.say(progress.eval_line(self.desc, self.step, tc.steps, self.records, self.last_eval))
                     best = self.keeper.evaluated(self.step, self.last_eval)  # checkpointed below
                 if self.run is not None and (self.step % tc.ckpt_every == 0 or last or best):
                     self.save()  # every rank: gathering the state is a collective
@@ -375,7 +388,8 @@ class Trainer:
                 "finished": self.step >= self.tc.steps,
                 "params": sum(p.numel() for p in self.model.parameters()),
                 "elapsed_s": self.elapsed, "tok_per_s": self.tokens / max(self.elapsed, 1e-9),
-                **({"mfu": u} if (u := dist.mfu(self.tokens / max(self.elapsed, 1e-9), self.flops_per_token,
+                **({"mfu": u} if (u := dist.mfu(self.tokens / max(self.elapsed, 1e-9),
+                                               FlopCount.mean(self.flops.total, self.tokens),
                                                self.peak, self.world.size)) is not None else {}),
                 "peak_memory_mb": peak_memory_mb(self.device),
                 **({"skipped_steps": self.skipped} if self.skipped else {}),

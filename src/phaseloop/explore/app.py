@@ -1,8 +1,9 @@
 """The explore web app: Starlette routes for pages and ``/api`` endpoints.
 
 Pages are Jinja2 templates (``templates/``) that fetch their numbers from ``/api/...``
-with ``static/explore.js``; charts use the plotly.min.js shipped in the plotly wheel,
-served from ``/static/plotly.min.js`` (no CDN, no external URL anywhere).
+with ``static/explore.js`` (every ``/api/`` answer is JSON, errors included); charts use
+the plotly.min.js shipped in the plotly wheel, served from ``/static/plotly.min.js`` (no
+CDN, no external URL anywhere).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from phaseloop.explore.web import (
     Route,
     Starlette,
     StaticFiles,
+    api_errors,
     missing_extra,
     page,
 )
@@ -41,7 +43,7 @@ def create_app(ctx: ServerContext | None = None) -> Starlette:
         Route("/static/plotly.min.js", lambda request: FileResponse(plotly_js)),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, exception_handlers=api_errors())
     app.state.ctx = ctx
     app.state.nav = nav
     groups: dict[str, list[dict]] = {}  # in registration order: Learn, Runs, Inside

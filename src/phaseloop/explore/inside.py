@@ -1,5 +1,6 @@
 """Explore's "Inside a trained model" page: a served run and a prompt (typed,
-or one of its validation windows) through ``phaseloop.analysis.probe``. Prompts are bounded by
+or one of its validation windows, with the document inputs it trained with) through
+``phaseloop.analysis.probe``. Prompts are bounded by
 the model's max_seq_len, one evaluation runs at a time (``ctx.model_lock``), models and
 the latest analyses sit in bounded caches; the endpoints only call probe's functions."""
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 
 from phaseloop.analysis import probe
-from phaseloop.data.corpus import eval_windows
+from phaseloop.data.corpus import Documents, eval_starts, eval_windows
 from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_corpus, run_tokenizer
 from phaseloop.explore import rundata
 from phaseloop.explore.context import BadInput, ServerContext, number
@@ -24,12 +25,19 @@ TOP = 10  # next tokens listed
 MAX_DEPTH_SWEEP = 16
 
 
-def validation_windows(run_dir, run_cfg: dict, seq_len: int, n_windows: int = 8) -> list[torch.Tensor]:
-    """[seq_len + 1] ids each: the ``n_windows`` evenly spaced validation windows of the
-    run's own data (``data.eval_windows``, as evaluation reads them)."""
+def validation_windows(run_dir, run_cfg: dict, seq_len: int, n_windows: int = 8) -> list[tuple[torch.Tensor, dict]]:
+    """(ids [seq_len + 1], document inputs) each: the ``n_windows`` evenly spaced validation
+    windows of the run's own data (``data.eval_windows``, as evaluation reads them), with
+    the ``doc_ids_BT`` / ``positions_BT`` rows [seq_len + 1] of a run trained with
+    ``--doc-mask`` / ``--doc-positions`` (``data.Documents``, as ``lm.train.eval_set``
+    builds them; {} otherwise)."""
     corpus = run_corpus(run_dir, run_cfg)
-    _, val = corpus.split(run_cfg.get("train", {}).get("val_fraction", 0.1), seq_len + 1)
-    return list(eval_windows(val, seq_len, n_windows))
+    train = run_cfg.get("train", {})
+    _, val = corpus.split(train.get("val_fraction", 0.1), seq_len + 1)
+    windows = eval_windows(val, seq_len, n_windows)
+    docs = Documents.of(corpus, val, bool(train.get("doc_mask")), bool(train.get("doc_positions")))
+    inputs = docs.inputs(eval_starts(len(val), seq_len, n_windows), seq_len + 1) if docs is not None else {}
+    return [(w, {k: v[i] for k, v in inputs.items()}) for i, w in enumerate(windows)]
 
 
 class Inside:
@@ -55,7 +63,9 @@ class Inside:
         key = (str(run), str(ckpt), stamp)
         return (*self.ctx.model(key, load), key)
 
-    def ids(self, run: Path, params: dict):
+    def ids(self, run: Path, params: dict) -> tuple[torch.Tensor, dict]:
+        """(ids, document inputs): a validation window as the run trained (``window``), or
+        the typed prompt (one document: no document inputs)."""
         model, run_cfg, tok, key = self.loaded(run)
         L = model.cfg.max_seq_len
         if params.get("window") not in (None, ""):
@@ -68,21 +78,21 @@ class Inside:
             if k >= len(self.windows[key]):
                 raise BadInput(f"window must be between 0 and {len(self.windows[key]) - 1}, got {k}")
             return self.windows[key][k]
-        return probe.encode_prompt(tok, params.get("prompt"), L)
+        return probe.encode_prompt(tok, params.get("prompt"), L), {}
 
     def analysis(self, params: dict):
         run = target(self.ctx, params, "run")
         model, run_cfg, tok, loaded = self.loaded(run)
-        ids = self.ids(run, params)
-        key = (loaded, tuple(ids.tolist()))
+        ids, docs = self.ids(run, params)
+        key = (loaded, tuple(ids.tolist()), tuple((k, tuple(v.tolist())) for k, v in sorted(docs.items())))
         if key in self.analyses:
             self.analyses.move_to_end(key)
         else:
             with self.ctx.model_lock:
-                self.analyses[key] = probe.analyze(model, ids)
+                self.analyses[key] = probe.analyze(model, ids, docs=docs)
             while len(self.analyses) > ANALYSES:
                 self.analyses.popitem(last=False)
-        return run, model, tok, ids, self.analyses[key]
+        return run, model, tok, ids, docs, self.analyses[key]
 
 
 def _tokens(tok, ids) -> list[str]:
@@ -101,14 +111,15 @@ def routes(ctx: ServerContext) -> list:
         return {"runs": out}
 
     def analyze(ctx: ServerContext, params: dict) -> dict:
-        run, model, tok, ids, a = inside.analysis(params)
+        run, model, tok, ids, docs, a = inside.analysis(params)
         cfg = model.cfg
         return {**a.summary(), "tokens": _tokens(tok, ids), "arch": cfg.arch, "max_seq_len": cfg.max_seq_len,
                 "vocab_size": cfg.vocab_size, "dynamic_depth": bool(model.trunk.dynamic_depth),
-                "n_phases": getattr(cfg, "n_phases", 1)}
+                "n_phases": getattr(cfg, "n_phases", 1),  # the document inputs the window was read with
+                "doc_ids": docs.get("doc_ids_BT"), "positions": docs.get("positions_BT")}
 
     def attention(ctx: ServerContext, params: dict) -> dict:
-        run, model, tok, ids, a = inside.analysis(params)
+        run, model, tok, ids, docs, a = inside.analysis(params)
         if not a.attention:
             raise BadInput("this model has no self-attention to draw")
         site = number(params, "site", int, default=0, lo=0, hi=len(a.attention) - 1)
@@ -117,7 +128,7 @@ def routes(ctx: ServerContext) -> list:
         return {"site": name, "head": head, "weights": p_HTT[head], "tokens": _tokens(tok, ids)}
 
     def next_token(ctx: ServerContext, params: dict) -> dict:
-        run, model, tok, ids, a = inside.analysis(params)
+        run, model, tok, ids, docs, a = inside.analysis(params)
         pos = number(params, "pos", int, default=len(ids) - 1, lo=0, hi=len(ids) - 1)
         temperature = number(params, "temperature", float, default=1.0, lo=0.01, hi=100.0)
         top_k = number(params, "top_k", int, default=model.cfg.vocab_size, lo=1, hi=model.cfg.vocab_size)
@@ -129,12 +140,12 @@ def routes(ctx: ServerContext) -> list:
                 "top_k": top_k, "tokens": rows, "actual": None if actual is None else tok.decode([actual])}
 
     def depth(ctx: ServerContext, params: dict) -> dict:
-        run, model, tok, ids, a = inside.analysis(params)
+        run, model, tok, ids, docs, a = inside.analysis(params)
         if not model.trunk.dynamic_depth:
             raise BadInput(f"a {model.cfg.arch} model has a fixed depth: no loss against depth to draw")
         hi = number(params, "max_depth", int, default=8, lo=1, hi=MAX_DEPTH_SWEEP)
         with ctx.model_lock:
-            return {"rows": probe.loss_vs_depth(model, ids, list(range(1, hi + 1)))}
+            return {"rows": probe.loss_vs_depth(model, ids, list(range(1, hi + 1)), docs)}
 
     return [
         Route("/inside", page("inside/index.html", "Inside a trained model")),

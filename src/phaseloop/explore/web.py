@@ -26,7 +26,7 @@ def missing_extra(e: ImportError):
 try:  # the app (app.py) is built from these too
     from starlette.applications import Starlette  # noqa: F401
     from starlette.requests import Request
-    from starlette.responses import FileResponse, Response  # noqa: F401
+    from starlette.responses import FileResponse, PlainTextResponse, Response  # noqa: F401
     from starlette.routing import Mount, Route  # noqa: F401
     from starlette.staticfiles import StaticFiles  # noqa: F401
     from starlette.templating import Jinja2Templates
@@ -55,21 +55,13 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 
 def api(fn: Callable[[ServerContext, dict], Any]):
-    """An endpoint from ``fn(ctx, params) -> JSON-able``; bad input is a 400 with the message."""
+    """A GET endpoint from ``fn(ctx, params) -> JSON-able`` (params: the query and path
+    parameters); bad input is a 400 with the message."""
 
     @functools.wraps(fn)
     async def endpoint(request: Request) -> Response:
         ctx: ServerContext = request.app.state.ctx
-        params = dict(request.query_params)
-        if request.method == "POST":
-            try:
-                body = await request.json()
-            except ValueError:
-                return json_response({"error": "the request body must be JSON"}, 400)
-            if not isinstance(body, dict):
-                return json_response({"error": "the request body must be a JSON object"}, 400)
-            params.update(body)
-        params.update(request.path_params)
+        params = {**request.query_params, **request.path_params}
         try:
             return json_response(fn(ctx, params))
         except (BadInput, PhaseloopError, ValueError) as e:
@@ -77,6 +69,37 @@ def api(fn: Callable[[ServerContext, dict], Any]):
                                  400)
 
     return endpoint
+
+
+API = "/api/"  # every answer under it is JSON, errors included (``api_errors``)
+
+
+def api_errors() -> dict:
+    """Starlette exception handlers: under ``/api/`` an unknown path (404), another method
+    than GET (405) or an error of the server (500) is a JSON ``{"error": ...}``; other paths
+    get Starlette's own plain-text answers."""
+
+    async def http_error(request: Request, exc) -> Response:
+        if not request.url.path.startswith(API):
+            return PlainTextResponse(str(exc.detail), status_code=exc.status_code, headers=exc.headers)
+        if exc.status_code == 404:
+            known = sorted(r.path for r in request.app.routes if getattr(r, "path", "").startswith(API))
+            why = f"no endpoint {request.url.path}; the endpoints are {', '.join(known)} (docs/explore.md)"
+        elif exc.status_code == 405:
+            why = f"{request.url.path} answers GET, not {request.method}"
+        else:
+            why = str(exc.detail)
+        response = json_response({"error": why}, exc.status_code)
+        response.headers.update(getattr(exc, "headers", None) or {})  # 405: Allow
+        return response
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        if not request.url.path.startswith(API):
+            return PlainTextResponse("Internal Server Error", status_code=500)
+        return json_response({"error": f"internal error ({type(exc).__name__}); the server's log has the "
+                              "traceback"}, 500)
+
+    return {404: http_error, 405: http_error, Exception: server_error}
 
 
 def page(template: str, title: str, **extra):

@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 
 from phaseloop import registry
 from phaseloop.config import ModelConfig
+from phaseloop.errors import ConfigError
 
 # transformers' names for ModelConfig fields; num_hidden_layers is the arch's layer field
 # (ArchSpec.layers_name). Properties over ``config.phaseloop``: one source of truth.
@@ -28,7 +29,9 @@ class PhaseloopConfig(PretrainedConfig):
     ``max_position_embeddings`` read and write it (a value the architecture refuses
     raises ``ConfigError``); passed to ``__init__`` (or ``from_pretrained``) they
     override its fields. ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: None by
-    default (phaseloop models train on raw text, with no special tokens)."""
+    default (phaseloop models train on raw text, with no special tokens).
+    ``phaseloop_arch_plugin`` (an export of a plugin's architecture: the package that
+    registered it) names what to install where the plugin is missing."""
 
     model_type = "phaseloop"
 
@@ -36,7 +39,14 @@ class PhaseloopConfig(PretrainedConfig):
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                  phaseloop_depth: int | None = None, phaseloop_extend_loops: str | None = None,
                  **kwargs):
-        d = ModelConfig.from_dict(phaseloop or {}).to_dict()
+        try:
+            d = ModelConfig.from_dict(phaseloop or {}).to_dict()
+        except registry.UnknownArch as e:  # an export of a plugin's architecture, without the plugin
+            plugin = kwargs.get("phaseloop_arch_plugin")
+            raise ConfigError(f"this Hugging Face folder holds a phaseloop model of arch {e.name!r}, which no "
+                              "package installed here registers; "
+                              + registry.missing_plugin(e.name, plugin if isinstance(plugin, str) else None)
+                              .replace("run this again", "load the folder again")) from None
         # depth at inference (``Trunk.set_depth``): None = the trained depth
         if phaseloop_depth is not None or phaseloop_extend_loops is not None:
             self.phaseloop_depth, self.phaseloop_extend_loops = phaseloop_depth, phaseloop_extend_loops

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from phaseloop import registry
 from phaseloop.depth import set_model_depth
 from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_folder, run_tokenizer
-from phaseloop.errors import CheckpointError, PhaseloopError
+from phaseloop.errors import CheckpointError, PhaseloopError, first_line
 from phaseloop.files import check_out_dir, dumps, read_json, writing
 from phaseloop.files import sha256_file as file_sha256
 from phaseloop.hf.modeling import PhaseloopForCausalLM
@@ -50,7 +51,7 @@ def _quantized_weights(model, path: Path) -> dict:
     try:
         load_quantized_state_dict(path, model)
     except RuntimeError as e:
-        raise CheckpointError(f"--quantized {path} does not fit this run's model ({str(e)[:80]}); "
+        raise CheckpointError(f"--quantized {path} does not fit this run's model ({first_line(e, 80)}); "
                               "pass the file quantised from this run") from None
     report = path.with_suffix(".json")
     info = read_json(report) if report.is_file() else {}
@@ -168,6 +169,9 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{_tmp_prefix(out)}{os.getpid()}-"))
     try:
         hf.config.auto_map = dict(AUTO_MAP)
+        plugin = registry.provider(hf.config.phaseloop["arch"])
+        if plugin:  # loading without it then says what to install
+            hf.config.phaseloop_arch_plugin = plugin
         with writing(out / "model.safetensors"), _no_progress_bar():  # a full disk: an OSError
             hf.save_pretrained(tmp)
         fast.save_pretrained(tmp)

@@ -29,7 +29,7 @@ from pathlib import Path
 from phaseloop.data.sources import _articles
 from phaseloop.engine import resolve_device
 from phaseloop.engine.checkpoint import run_folder
-from phaseloop.errors import ConfigError, PhaseloopError
+from phaseloop.errors import ConfigError, PhaseloopError, first_line
 from phaseloop.files import atomic_write_bytes, dumps, why_missing
 from phaseloop.hf import require
 from phaseloop.hf.export import from_run
@@ -134,7 +134,7 @@ def _check_include_path(include_path: str | Path | None) -> None:
         try:
             TaskIndex.process_cfg(load_yaml(yaml_path, resolve_func=False), yaml_path, {})
         except Exception as e:  # yaml.YAMLError, ValueError, KeyError, ...: lm-eval's "skip"
-            first = " ".join(str(e).replace(str(Path(yaml_path).resolve()), "it").split())[:160]
+            first = first_line(" ".join(str(e).replace(str(Path(yaml_path).resolve()), "it").split()), 160)
             raise PhaseloopError(f"--include-path {path}: {yaml_path} is not a task lm-eval can read "
                                  f"({type(e).__name__}: {first}); fix or remove it") from None
 

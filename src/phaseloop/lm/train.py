@@ -118,9 +118,11 @@ def eval_set(corpus: Corpus, tokens, seq_len: int, n_windows: int, train_cfg: di
     return windows, docs.inputs(eval_starts(len(tokens), seq_len, n_windows), seq_len)
 
 
-def init_section(tc: TrainConfig, data: dict, out_dir: str | Path, resume: bool) -> dict:
+def init_section(tc: TrainConfig, data: dict, out_dir: str | Path, resume: bool,
+                 model_cfg: ModelConfig | None = None) -> dict:
     """{"init": provenance} of a run started from another run's weights (``initfrom``),
-    its tokenizer checked; a resumed run past its first checkpoint keeps the one recorded."""
+    its tokenizer checked, the model fields that differ from the source's recorded; a
+    resumed run past its first checkpoint keeps the one recorded."""
     if tc.init_from is None:
         return {}
 
@@ -130,7 +132,7 @@ def init_section(tc: TrainConfig, data: dict, out_dir: str | Path, resume: bool)
         if isinstance(saved, dict) and "init" in saved:
             return {"init": saved["init"]}
     check_tokenizer(tc.init_from, data, tc.allow_new_tokenizer)
-    return {"init": provenance(tc.init_from)}
+    return {"init": provenance(tc.init_from, model_cfg)}
 
 
 def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib",
@@ -149,8 +151,8 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     seq_len = tc.seq_len or model_cfg.max_seq_len
     check_seq_len(seq_len, model_cfg)
     run_cfg = {"model": model_cfg.to_dict(), "train": tc.to_dict(), "data": corpus.describe(),
-               "parallel": {"world_size": dist.world().size}, "software": software_versions(),
-               **init_section(tc, corpus.describe(), out_dir, resume)}
+               "parallel": {"world_size": dist.world().size}, "software": software_versions(model_cfg.arch),
+               **init_section(tc, corpus.describe(), out_dir, resume, model_cfg)}
     run = RunFolder.open(out_dir, run_cfg, resume, log if dist.world().main else None)
     dist.barrier()  # every rank has checked the folder before rank 0 writes to it
     train_tok, val_tok = corpus.split(tc.val_fraction, seq_len + 1)
@@ -162,8 +164,9 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
                       evaluate=lambda m: evaluate(m, windows, corpus.tokenizer, tc.batch_size, trainer.device,
                                                   tc.loss_ignore_id, docs),
                       run=run, progress=progress, desc=run.path.name, on_step=on_step,
-                      flops_per_token=measure(model_cfg, seq_len)["flops_per_token"],  # None: no MFU
-                      compile_share=compile_share)
+                      flops_per_token=lambda depth: measure(model_cfg, seq_len, depth,  # None: no MFU
+                                                            tc.extend_loops if depth else None)["flops_per_token"],
+                      compile_share=compile_share, log=log)
     trainer.setup()  # writes config.json: the tokenizer's copy goes in beside it
     if w.main and corpus.tokenizer.path is not None and not (run.path / TOKENIZER_COPY).exists():
         atomic_write_bytes(run.path / TOKENIZER_COPY, corpus.tokenizer.path.read_bytes())

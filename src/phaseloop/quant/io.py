@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
-from phaseloop.errors import CheckpointError, ConfigError
+from phaseloop.errors import CheckpointError, ConfigError, first_line
 from phaseloop.files import save_safetensors
 from phaseloop.quant.core import QUANT_ATTR, QuantizedWeight
 
@@ -80,7 +80,7 @@ def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cp
         try:
             sd = load_file(os.fspath(src), device=str(device))
         except Exception as e:
-            why = (str(e).splitlines() or [type(e).__name__])[0][:100]
+            why = first_line(e, 100)
             raise CheckpointError(f"quantised file {os.fspath(src)} is damaged or not a safetensors file "
                                   f"({why}); run `phaseloop quantize` on the run again to rewrite it") from None
     else:

@@ -107,7 +107,7 @@ def run_examples(model_cfg: ModelConfig, train: Sequence[Example], test: Sequenc
                 **(describe or {})}
         run_cfg = {"model": cfg.to_dict(), "train": tc.to_dict(), "task": task,
                    "data": {"examples": [len(tr), len(te)], "fingerprint": _fingerprint(tr, te)},
-                   "software": software_versions()}
+                   "software": software_versions(cfg.arch)}
         run = RunFolder.open(run_dir, run_cfg, resume and (Path(run_dir) / "config.json").exists())
     t0 = time.perf_counter()
     trainer = train_pairs(cfg, tr, tc, arch, max_offset, run, log)

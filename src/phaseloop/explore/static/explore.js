@@ -1,6 +1,9 @@
 // Shared page helpers: every number comes from /api (the pages never compute one).
 "use strict";
 
+// Every plot's config: no plotly logo in the mode bar (a link to plotly.com; the app is offline).
+if (typeof Plotly !== "undefined") Plotly.setPlotConfig({displaylogo: false});
+
 async function api(path, params) {
   const url = new URL(path, window.location.origin);
   for (const [k, v] of Object.entries(params || {})) url.searchParams.set(k, v);

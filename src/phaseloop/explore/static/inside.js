@@ -61,9 +61,12 @@ async function analyse() {
   $("ponder-section").hidden = !a.ponder;
   if (a.ponder) {
     tokenSpans($("ponder"), a.tokens, a.ponder, i => `ponder ${a.ponder[i].toFixed(3)}; p per step: ` +
-      a.halting.map((row, t) => `${t + 1}: ${row[i].toFixed(3)}`).join(", "));
-    heat("halting-chart", a.halting, [...Array(T).keys()], a.halting.map((_, t) => `step ${t + 1}`),
-         "halting probability per step and position", null, {xaxis: {title: "position"}});
+      a.halting.map((row, t) => `${t + 1}: ${a.halted[t][i] ? "halted" : row[i].toFixed(3)}`).join(", "));
+    // a.halted (from the API): the steps after a position halted carry weight 0, shown grey (gaps)
+    heat("halting-chart", a.halting.map((row, t) => row.map((p, i) => a.halted[t][i] ? null : p)),
+         [...Array(T).keys()], a.halting.map((_, t) => `step ${t + 1}`),
+         "halting probability per step and position (grey: halted, weight 0)", {hoverongaps: false},
+         {xaxis: {title: "position"}, plot_bgcolor: "#d0d0d0"});
   }
 
   $("phase-section").hidden = !(a.angles || a.stripes);
