@@ -18,11 +18,13 @@ SRC = Path(phaseloop.__file__).resolve().parent
 REPO = SRC.parents[1]
 MODULES = sorted(SRC.rglob("*.py"))
 # imports inside functions that are allowed: an optional extra imported when a command runs
-# (transformers / lm-eval, starlette / uvicorn / prometheus-client, submitit), and the hf package registering its
-# classes once transformers is imported
+# (transformers / lm-eval, gguf, starlette / uvicorn / prometheus-client, submitit), and the hf package
+# registering its classes once transformers is imported
 LAZY_OK = {"phaseloop.hf", "phaseloop.hf.harness", "phaseloop.hf.modeling", "phaseloop.hf.export",
+           "phaseloop.hf.llama", "phaseloop.hf.gguf",
+           "phaseloop.hf.downstream", "phaseloop.hf.scoring",
            "phaseloop.explore.app", "phaseloop.explore.notebook", "phaseloop.explore.context",
-           "phaseloop.explore.web", "phaseloop.compare.slurm",
+           "phaseloop.explore.web", "phaseloop.compare.slurm", "phaseloop.deploy.run",
            # phaseloop serve (the serve extra), and the chat template's tokenizer (hf.tokenizer)
            "phaseloop.serve.loading", "phaseloop.serve.options", "phaseloop.serve.runner", "phaseloop.serve.schema",
            "phaseloop.hf.tokenizer"}

@@ -21,14 +21,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = sorted(p for p in PRESETS if p.endswith("-tiny"))
 CONFIGS = [(p, {}) for p in TINY] + [("looped-tiny", {"exit": "kl:1e-2"}), ("universal-tiny", {"exit": "argmax:2"}),
-                                     ("hyperloop-tiny", {"hc_transition": "pooled_mlp"})]
+                                     ("hyperloop-tiny", {"hc_transition": "pooled_mlp"}),
+                                     # rows exiting after different passes: the pass gathers the running ones
+                                     ("looped-tiny", {"exit": "state:1.5", "fill": "latest"}),
+                                     ("hyperloop-tiny", {"exit": "state:1.5"})]
 CONFIGS += [(f"arch={a}", {}) for a in registry.arch_names() if a not in {PRESETS[p]["arch"] for p in TINY}]
 IDS = [f"{p}-{'-'.join(f'{k}={v}' for k, v in o.items())}" if o else p for p, o in CONFIGS]
 
 
 def _model(name: str, over: dict, dtype=torch.float64):
     over = dict(over)
-    rule = over.pop("exit", None)
+    rule, fill = over.pop("exit", None), over.pop("fill", "recompute")
     cfg = ModelConfig(arch=name[5:]) if name.startswith("arch=") else ModelConfig.from_preset(name, **over)
     torch.manual_seed(0)
     model = build_model(cfg).to(dtype).eval()
@@ -36,7 +39,7 @@ def _model(name: str, over: dict, dtype=torch.float64):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     if rule:
-        set_exit(model, parse_exit(rule)[0])
+        set_exit(model, parse_exit(rule)[0], fill)
     return model
 
 

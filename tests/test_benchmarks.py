@@ -129,3 +129,48 @@ def test_bench_serve_runs(capsys, one_thread):
                              "--rounds", "1", "--max-batch", "4", "--threads", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 4 and all(line.split("|")[8].strip() == "0" for line in rows)  # 0 errors
+
+
+def test_bench_adaptive_runs(capsys, one_thread, tmp_path):
+    import bench_adaptive
+
+    out = tmp_path / "adaptive.json"
+    assert bench_adaptive.main(["--models", "looped-tiny", "--rounds", "1", "--warmup", "0", "--decode", "3",
+                                "--prefill", "12", "--windows", "2", "--seq", "12", "--json", str(out)]) == 0
+    rows = {r["row"].split(":")[0].split(" ")[0]: r for r in json.loads(out.read_text())[0]["rows"]}
+    assert {"full", "pass", "kl", "kl-lens", "entropy", "state", "kv-share", "speculative"} <= set(rows)
+    assert rows["speculative"]["greedy_identical"] and "| full |" in capsys.readouterr().out
+
+
+def test_bench_deploy_executorch_runs(tmp_path, capsys, one_thread):
+    """The ExecuTorch rows at one layer on the portable kernels (the table's own rows export
+    with XNNPACK, minutes each): export, the check, eager and the file in their own processes."""
+    import os
+
+    if not os.environ.get("CI"):  # CI installs the deploy extra
+        pytest.importorskip("executorch")
+    import bench_deploy
+
+    assert bench_deploy.main(["executorch", "--rows", "rope-tiny-L1", "--shapes", "small", "--engines",
+                              "eager,fp32", "--rounds", "1", "--prompt", "8", "--new", "4", "--backend", "portable",
+                              "--cache", str(tmp_path), "--json", str(tmp_path / "rows.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| rope-tiny-L1 | small | 0.15M | fp32 |" in out and "max|d|" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["engine"] for r in rows] == ["eager", "fp32"] and rows[1]["decode_vs_eager"] > 0
+
+
+def test_bench_deploy_smoke_runs(capsys, tmp_path, one_thread):
+    """Every engine that can run here, one process each, on rope-tiny: the table, its
+    floors and the greedy-token comparison (transformers' Llama computes phaseloop's logits)."""
+    import bench_deploy
+
+    out_json = tmp_path / "deploy.json"
+    assert bench_deploy.main(["--smoke", "--work", str(tmp_path / "w"), "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "| engine | weight MB | RSS MB: running (peak) | decode tok/s | floor tok/s |" in out
+    rows = json.loads(out_json.read_text())["shapes"]["rope-tiny"]
+    assert {"phaseloop-fp32", "phaseloop-int8", "phaseloop-int4", "transformers"} <= set(rows)
+    assert rows["transformers"]["same_tokens"] and rows["phaseloop-int4"]["weight_bytes"] < \
+        0.4 * rows["phaseloop-fp32"]["weight_bytes"]
+    assert all(r["decode_tok_s"] > 0 and r["floor_tok_s"] > 0 for k, r in rows.items() if k != "ratios")

@@ -208,8 +208,10 @@ def test_paired_t_test_verdicts():
     assert r["t"] == pytest.approx(3.4641, abs=1e-3) and r["p"] == pytest.approx(0.0742, abs=1e-3)
     assert r["verdict"] == "indistinguishable"
     assert paired_t_test([1.0], [0.5])["verdict"] == "n/a"
-    same = paired_t_test([1.0, 2.0], [0.5, 1.5])  # identical differences: no noise
-    assert same["verdict"] == "better" and same["p"] == 0.0 and same["t"] is None
+    same = paired_t_test([1.0, 2.0], [0.5, 1.5])  # identical differences: no noise estimate
+    assert same["verdict"] == "n/a" and same["p"] is None and same["t"] is None and "-0.5" in same["note"]
+    tie = paired_t_test([1.0, 2.0], [1.0, 2.0])
+    assert tie["verdict"] == "indistinguishable" and tie["p"] == 1.0 and tie["t"] is None
     assert "2 seeds" in paired_t_test([1.0, 1.1], [0.5, 0.7])["note"]
 
 

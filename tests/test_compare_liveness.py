@@ -149,7 +149,7 @@ def test_a_signal_to_the_local_launchers_parent_stops_its_workers(tmp_path, caps
     names = ["rope-s0", "rope-s1"]
     try:
         if sig == signal.SIGINT:
-            _wait_for(lambda: all(_step(out / "runs" / n) >= 10 for n in names), p)
+            _wait_for(lambda: all(_step(out / "runs" / n) >= 10 and "pid" in _state(out, n) for n in names), p)
         else:
             _wait_for(lambda: all(_state(out, n).get("state") == "running" for n in names), p)
         workers = [_state(out, n)["pid"] for n in names]

@@ -111,7 +111,7 @@ def test_act_threshold_at_inference():
 def test_an_exited_position_is_frozen(preset, over, monkeypatch):
     m = _model(preset, **over)
     idx = _idx()
-    _mixed(m, idx, "state")
+    passes = _mixed(m, idx, "state")
     seen, step = [], Monitor.step
 
     def spy(self, before, after):
@@ -122,7 +122,7 @@ def test_an_exited_position_is_frozen(preset, over, monkeypatch):
 
     monkeypatch.setattr(Monitor, "step", spy)
     m(idx)
-    assert len(seen) == D and seen[-1][0].any()
+    assert len(seen) == int(passes.max()) and seen[-1][0].any()  # the loop stops once none runs
     for done, before, x in seen:
         assert torch.equal(x[done], before[done])
         assert done.all() or not torch.equal(x[~done], before[~done])  # running ones move
@@ -159,8 +159,9 @@ def _flops(fn, *args) -> int:
 
 @pytest.mark.parametrize("preset", ["looped-tiny", "universal-tiny"])
 def test_exit_flops(preset):
-    """F(D) without exits; all exiting after pass 1: F(1) + (D - 1) x the keys/values of a
-    pass (+ 2 readouts of the head for kl), each counted here on its own."""
+    """F(D) without exits; all exiting after pass 1: F(1) + readouts of the head (kl-lens:
+    p_0 and p_1; kl: p_1 through the end block), + (D - 1) x the keys/values of a pass where
+    a cache waits for them (recompute), each counted here on its own."""
     m = _model(preset)
     T = 16
     idx = _idx(T)
@@ -170,12 +171,15 @@ def test_exit_flops(preset):
     x1 = torch.zeros(1, 1, m.cfg.d_model, dtype=torch.float64)
     kv = sum(_flops(b.attn.kv_proj, x1) for b in blocks)
     head = _flops(m.head, x1)
-    for text, readouts in (("state:1e9", 0), ("kl:1e9", 2)):
+    end = (flops_per_token(m.cfg, T, 2, "last") - F1) / len(blocks) * len(getattr(m.trunk, "end", []))
+    for text, readouts, each in (("state:1e9", 0, 0), ("kl-lens:1e9", 2, head), ("kl:1e9", 1, head + end)):
         set_exit(m, _rule(text))
-        with tally(m) as t:
-            m(idx)
-        assert t.mean("passes") == 1 and t.mean("readouts") == readouts
-        assert exit_flops(m, T, t) == F1 + (D - 1) * kv + readouts * head
+        for cache in (None, KVCache()):
+            with tally(m) as t:
+                m(idx, cache=cache)
+            assert t.mean("passes") == 1 and t.mean("readouts") == readouts
+            filled = 0 if cache is None else (D - 1) * kv  # nobody reads the later passes' keys uncached
+            assert exit_flops(m, T, t) == round(F1 + filled + readouts * each)
 
 
 @pytest.mark.parametrize("text,pattern", [

@@ -1,6 +1,7 @@
 """explore's Inside page (issue 26) on tiny trained runs: every /api/inside endpoint against
-phaseloop.analysis.probe and the loaded model (bad input -> 400 with the message), and the page in
-a real headless Chromium (type a prompt, read the per-token loss, move the sliders)."""
+phaseloop.analysis.probe (the generation against phaseloop.inference.generate, issue 39) and the
+loaded model (bad input -> 400 with the message), and the page in a real headless Chromium (type
+a prompt, read the per-token loss, move the sliders, generate with an exit rule)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from starlette.testclient import TestClient
 
 from phaseloop.analysis import probe
 from phaseloop.decoding import sampling_probs
+from phaseloop.early_exit import parse_exit
 from phaseloop.engine.checkpoint import load_run
 from phaseloop.explore.app import create_app
 from phaseloop.explore.context import ServerContext
+from phaseloop.inference import Options, generate
 
 PROMPT = "the quick brown fox"
 PAGE_PROMPT = "The quick brown fox jumps over the lazy dog."  # the page's default
@@ -191,6 +194,20 @@ def test_validation_window(client, q, monkeypatch):
     assert a["tokens"] != b["tokens"] and len(reads) <= 1  # the corpus read once for the run
 
 
+@pytest.mark.parametrize("name,extra", [
+    ("act", {}), ("hyper3pt", {"exit": "state:0.5", "kv_fill": "latest"}),
+    ("hyper3pt", {"speculative": 1, "max_new_tokens": 9}), ("act", {"exit": "act:0.5", "kv_share": 1}),
+])
+def test_generation_is_the_library_s(client, served, q, name, extra):
+    g = client.get("/api/inside/generate", params=q(name, **extra)).json()
+    model, _ = load_run(served / name / "run")
+    opts = {"max_new_tokens": 24, **extra, **({"exit": parse_exit(extra["exit"])[0]} if "exit" in extra else {})}
+    want = generate(model, torch.tensor([list(PROMPT.encode())]), Options(**opts))
+    assert g["ids"] == want.tokens[0].tolist() and g["passes"] == pytest.approx(want.passes)
+    assert g["prompt"] == list(PROMPT) and len(g["tokens"]) == len(g["ids"]) and g["depth"] == model.trunk.passes
+    assert g["kv_cache_bytes"] == want.kv_cache_bytes and (g["acceptance"] is None) == ("speculative" not in extra)
+
+
 @pytest.mark.parametrize("url,over,message", [
     ("/api/inside/analyze", dict(root="nope"), "unknown folder 'nope'"),
     ("/api/inside/analyze", dict(path="../rope/run"), "without '..'"),
@@ -207,6 +224,11 @@ def test_validation_window(client, q, monkeypatch):
     ("/api/inside/attention", dict(head=99), "head must be between"),
     ("/api/inside/attention", dict(site=-1), "site must be between"),
     ("/api/inside/depth", dict(), "fixed depth"),
+    ("/api/inside/generate", dict(path="act/run", exit="foo:1"), "unknown exit rule"),
+    ("/api/inside/generate", dict(exit="kl:1"), "stack of distinct layers"),
+    ("/api/inside/generate", dict(path="act/run", exit="act:0.5,0.6"), "give one value"),
+    ("/api/inside/generate", dict(path="act/run", max_new_tokens=65), "max_new_tokens must be between 1 and 64"),
+    ("/api/inside/generate", dict(path="hyper3pt/run", speculative=9), "the draft runs 1 .. 1 passes"),
     ("/api/inside/depth", dict(path="act/run", max_depth=17), "max_depth must be between 1 and 16"),
 ])
 def test_inside_bad_input_is_a_400_with_the_message(client, q, url, over, message):
@@ -290,6 +312,30 @@ def test_inside_page_in_a_browser(served, client, q, explore_server, browser):
         assert external_urls(browser) == []
         browser.execute_script(f"document.getElementById('{section}').scrollIntoView()")
         screenshot(browser, f"inside_{name}")
+
+
+def test_generation_in_a_browser(served, client, q, explore_server, browser):
+    """Each generated token's passes, as the endpoint computed them, drawn on the page."""
+    base = explore_server([served])
+    browser.get(f"{base}/inside?root={served.name}&path=act/run")
+    _wait(browser, lambda: browser.find_element("id", "model-info").get_attribute("data-done") == PAGE_PROMPT)
+    assert browser.find_element("id", "gen-section").is_displayed()
+    browser.find_element("id", "gen-exit").send_keys("act:0.8")
+    temp = browser.find_element("id", "gen-temp")
+    temp.clear()
+    temp.send_keys("1")
+    browser.find_element("id", "gen-go").click()
+    want = client.get("/api/inside/generate", params={"root": served.name, "path": "act/run", "temperature": 1,
+                                                       "prompt": PAGE_PROMPT, "exit": "act:0.8"}).json()
+    assert len(set(want["passes"])) > 1  # tokens that halted after different steps
+    figures = browser.find_element("id", "gen-figures")
+    _wait(browser, lambda: figures.get_attribute("data-done") == "".join(want["tokens"]))
+    spans = browser.find_elements("css selector", "#gen-tokens .tok")
+    assert [float(s.get_attribute("data-value")) for s in spans] == pytest.approx(want["passes"])
+    assert f"mean {want['mean_passes']:.2f} of {want['depth']} passes" in browser.find_element("id", "gen-figures").text
+    assert browser.execute_script("return document.getElementById('gen-chart').data[0].y.length") == len(want["passes"])
+    browser.execute_script("document.getElementById('gen-section').scrollIntoView()")
+    screenshot(browser, "inside_generation")
 
 
 def test_a_newer_checkpoint_is_loaded_again(served):

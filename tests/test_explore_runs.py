@@ -250,3 +250,32 @@ def test_comparison_control_column_is_report_py_s(comparison, tmp_path):
                 if ln.startswith(f"| {summary['variants'][1]['name']} |"))
     assert row["vs_control"] == "indistinguishable (p=0.250) vs rope" and f" {row['vs_control']} |" in line
     assert rundata.comparison(copy)["rows"][0]["vs_control"] == ""
+
+
+def test_comparison_downstream_table_in_a_browser(comparison, tmp_path, explore_server, browser):
+    """A comparison with [eval] results (issue 43): the page's Downstream table shows
+    rundata's cells (report.md's), the average and its verdict, and the chance row."""
+    import shutil
+
+    copy = tmp_path / "ci"
+    shutil.copytree(comparison, copy, symlinks=True)
+    summary = read_json(copy / "summary.json")
+    for i, v in enumerate(summary["variants"]):
+        test = None if i == 0 else {"p": 0.3, "verdict": "indistinguishable", "mean_diff": 0.02, "t": 1.2,
+                                    "df": 1, "n": 2, "note": ""}
+        stat = {"mean": 0.5 + 0.01 * i, "std": 0.004, "per_seed": {"0": 0.5, "1": 0.51}, "vs_reference": test}
+        v["downstream"] = {"seeds": [0, 1], "chance": 0.375, "average": stat,
+                           "tasks": {"piqa": {"metric": "acc_norm", **stat}, "boolq": {"metric": "acc", **stat}}}
+    (copy / "summary.json").write_text(json.dumps(summary))
+    c = rundata.comparison(copy)["downstream"]
+    assert c["tasks"] == ["piqa", "boolq"] and c["rows"][1]["vs_reference"] == "+0.020, indistinguishable (p=0.300)"
+    base = explore_server([copy])
+    browser.get(base + "/runs/compare?root=ci")
+    wait = _waiter(browser)
+    wait(lambda: len(browser.find_elements("css selector", "#downstream-table tbody tr")) == 3)
+    cells = [td.text for td in browser.find_elements("css selector", "#downstream-table tbody tr:nth-child(2) td")]
+    assert cells == [c["rows"][1]["name"], "0, 1", "0.510 ± 0.004", "0.510 ± 0.004", "0.510 ± 0.004",
+                     "+0.020, indistinguishable (p=0.300)"]
+    heads = [th.text for th in browser.find_elements("css selector", "#downstream-table thead th")]
+    assert heads[2:4] == ["piqa (acc_norm)", "boolq (acc)"]
+    assert browser.find_element("css selector", "#downstream-table tbody tr:nth-child(3)").text.split()[-1] == "0.375"

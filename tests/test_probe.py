@@ -72,18 +72,26 @@ def test_recording_changes_no_number(arch, over):
     assert rec.attention and rec.states[0][0] == "embedding"
 
 
+def _probs_times_v_is_the_output(attn: Attention, x: torch.Tensor, ctx) -> torch.Tensor:
+    """``attention_probs`` of ``attn`` on ``x``, checked: times V (GQA heads repeated) and
+    through the output projection they give the module's own output."""
+    B, T, _ = x.shape
+    with torch.no_grad():
+        p_BHTS = attention_probs(attn, x, ctx)
+        _, v_BKSE = attn.project_kv(x)
+        v_BHSE = v_BKSE.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
+        y = attn.o_proj((p_BHTS @ v_BHSE).transpose(1, 2).reshape(B, T, -1))
+        assert torch.allclose(y, attn(x, ctx), atol=1e-5)
+    return p_BHTS
+
+
 @pytest.mark.parametrize("arch,over", [("rope", dict(n_layers=1)), ("three_phase", dict(n_layers=1))])
 def test_attention_probs_are_the_weights_sdpa_applies(arch, over):
     model = _model(arch, phases=arch != "rope", **over)
     attn: Attention = next(m for m in model.modules() if isinstance(m, Attention))
     x = torch.randn(2, 12, 48)
     ctx = ForwardContext.at(model.cfg, 0, 12, x.device)
-    with torch.no_grad():
-        p_BHTS = attention_probs(attn, x, ctx)
-        _, v_BKSE = attn.project_kv(x)
-        v_BHSE = v_BKSE.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
-        y = attn.o_proj((p_BHTS @ v_BHSE).transpose(1, 2).reshape(2, 12, -1))
-        assert torch.allclose(y, attn(x, ctx), atol=1e-5)
+    p_BHTS = _probs_times_v_is_the_output(attn, x, ctx)
     assert torch.allclose(p_BHTS.sum(-1), torch.ones(2, 6, 12))
     assert p_BHTS[..., 0, 1:].abs().max() == 0  # causal: the first token sees itself only
 
@@ -98,12 +106,7 @@ def test_attention_probs_keep_to_documents():
     doc = torch.tensor([[0] * 5 + [1] * 7, [-1] * 3 + [0] * 4 + [1] * 5])  # -1: a partial first document
     pos = torch.tensor([list(range(5)) + list(range(7)), list(range(3)) + list(range(4)) + list(range(5))])
     ctx = ForwardContext.at(model.cfg, 0, 12, x.device, pos, doc_ids=doc)
-    with torch.no_grad():
-        p_BHTS = attention_probs(attn, x, ctx)
-        _, v_BKSE = attn.project_kv(x)
-        v_BHSE = v_BKSE.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)
-        y = attn.o_proj((p_BHTS @ v_BHSE).transpose(1, 2).reshape(2, 12, -1))
-        assert torch.allclose(y, attn(x, ctx), atol=1e-5)
+    p_BHTS = _probs_times_v_is_the_output(attn, x, ctx)
     across = doc[:, None, :, None] != doc[:, None, None, :]
     assert p_BHTS.masked_select(across.expand_as(p_BHTS)).abs().max() == 0
     assert torch.allclose(p_BHTS.sum(-1), torch.ones(2, 6, 12))

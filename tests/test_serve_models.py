@@ -1,8 +1,9 @@
 """What `phaseloop serve` serves: served greedy text equals `phaseloop generate` for every
 architecture, requests in flight together (UT+ACT and the other trunks alike), with a
 depth and an exit rule chosen per request equal to `generate --depth` / `--exit`; an
-exported folder serves as its run does; `--quantized` serves the dequantised weights;
-chat completions through a chat template (and a 400 without one)."""
+exported folder serves as its run does; `--quantized` on an export serves the dequantised
+weights (on a run it serves them packed: tests/test_serve_adaptive.py); chat completions
+through a chat template (and a 400 without one)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -78,15 +79,18 @@ def test_export_serves_as_its_run(runs, tmp_path):
             assert complete(b, p, {"depth": 2}) == complete(a, p, {"depth": 2})
 
 
-def test_quantized_serves_the_dequantised_weights(runs, text_file):
+def test_quantized_export_serves_the_dequantised_weights(runs, text_file, tmp_path):
+    pytest.importorskip("transformers")
     run = runs["rope-tiny"]
     assert main(["quantize", str(run), "--bits", "4", "--group-size", "32", "--windows", "2", "--data",
                  str(text_file)]) == 0
     qfile = run / "quant-w4-g32-rtn.safetensors"
+    assert main(["export", str(run), "--out", str(tmp_path / "exported")]) == 0
     model, _ = load_run(run)
     load_quantized_state_dict(qfile, model)
-    with Background(load(run, quantized=str(qfile)), Config(port=0)) as bg:
-        assert httpx.get(f"{bg.url}/v1/models").json()["data"][0]["phaseloop"]["quantized"]["file"] == qfile.name
+    with Background(load(tmp_path / "exported", quantized=str(qfile)), Config(port=0)) as bg:
+        card = httpx.get(f"{bg.url}/v1/models").json()["data"][0]["phaseloop"]
+        assert card["quantized"]["file"] == qfile.name and not card["quantized"]["packed"]
         for p in PROMPTS:
             ids = torch.tensor([list(p.encode())])
             want = bytes(model.generate(ids, 12, temperature=0)[0, ids.shape[1]:].tolist()).decode("utf-8", "replace")

@@ -258,7 +258,8 @@ def _lazy_lengths(cache, steps):
     assert c[0] == cache.pos
     for t in range(1, steps + 1):
         pend = cache.entries.get(("ut_in", t))
-        assert c[t] <= c[t - 1] and sum(x.shape[1] for x in pend or []) == c[t - 1] - c[t]
+        assert c[t] <= c[t - 1] and (pend.x.shape[1] if pend else 0) == c[t - 1] - c[t]
+        assert pend is None or pend.start == c[t]
     return c[:steps]
 
 

@@ -11,6 +11,7 @@ from phaseloop import _aliases, _startup
 if _startup.started_as_command():  # Ctrl-C while torch imports: one line, exit 130
     _startup.install()
 _aliases.install()  # the modules' import paths before 0.2 (phaseloop.train, ...)
+_startup.quiet_import_noise()  # torchao's import-time lines (_startup.py)
 
 from phaseloop._version import __version__  # noqa: E402
 from phaseloop.config import PRESETS, ModelConfig  # noqa: E402

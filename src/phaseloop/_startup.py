@@ -7,6 +7,7 @@ interruptions it reports itself."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -57,3 +58,24 @@ def uninstall() -> None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
     except (ValueError, OSError):
         pass
+
+
+# Lines other libraries log while they are imported that say nothing to a phaseloop user
+# (torchao, which transformers and the deploy extra import: its CUDA kernels are absent on
+# a CPU machine; torch's pytree: a deprecation in torchao's own registrations). Every
+# command's stderr is its notes and, on failure, one line (docs/reliability.md).
+IMPORT_NOISE = {"torchao": ("Failed to load ",),
+                "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported",)}
+
+
+def _drop_import_noise(record: logging.LogRecord) -> bool:
+    starts = IMPORT_NOISE.get(record.name, ())
+    return not (record.levelno <= logging.WARNING and str(record.msg).startswith(starts))
+
+
+def quiet_import_noise() -> None:
+    """Drop exactly those records (a filter on each logger; every other record stays)."""
+    for name in IMPORT_NOISE:
+        logger = logging.getLogger(name)
+        if _drop_import_noise not in logger.filters:
+            logger.addFilter(_drop_import_noise)

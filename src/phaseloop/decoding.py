@@ -1,8 +1,12 @@
 """Token-by-token decoding: the one loop behind ``DecoderLM.generate``, the
 encoder-decoders' ``generate`` and the task runner's greedy answers; the sampling rule
-(temperature, top-k, top-p); and the rows of a continuous batch in one KV cache
+(temperature, top-k, top-p); the rows of a continuous batch in one KV cache
 (``join_rows`` / ``keep_rows``: sequences of any length join and leave a running batch,
-left-padded, each row at its own positions; ``phaseloop serve``)."""
+left-padded, each row at its own positions; ``phaseloop serve``); and self-speculative
+decoding of a weight-tied trunk (``speculative_decode``: drafts at fewer passes, verified
+at the full depth in one forward; Leviathan et al. 2023, Chen et al. 2023; drafting with
+the model's own shallower computation as LayerSkip, Elhoushi et al. 2024, and Huginn,
+Geiping et al. 2025 §6.4, do)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from phaseloop.layers import KVCache
+from phaseloop.depth import set_model_depth
+from phaseloop.kvcache import KVCache
 
 
 def sampling_probs(logits_BV: torch.Tensor, temperature: float, top_k: int | None = None,
@@ -150,5 +155,94 @@ def keep_rows(cache: KVCache, keep: list[int]) -> None:
             cache.entries[slot] = tuple(t[:, :, :k.shape[2] - m] for t in cache.buffers[slot])
         cache.pos -= m
         cache.pad = cache.pad - m
+        cache.written.clear()  # the columns moved: no slot was written at the new pos
     if cache.pad is not None and (not len(keep) or int(cache.pad.max()) == 0):
         cache.pad = None
+
+
+# ---------------------------------------------------------------------------- speculative
+def accept_probs(p_V: torch.Tensor, q_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's arithmetic for one position (Leviathan et al. 2023 §2.3):
+    a draft token d ~ q is kept with probability min(1, p(d) / q(d)) [..., V], a rejected
+    one is replaced by a sample of norm(max(0, p - q)) [..., V]; the token that comes out
+    is then distributed as p exactly."""
+    keep_V = torch.where(q_V > 0, (p_V / q_V.clamp_min(torch.finfo(q_V.dtype).tiny)).clamp(max=1), 1.0)
+    res_V = (p_V - q_V).clamp_min(0)
+    total = res_V.sum(-1, keepdim=True)
+    return keep_V, torch.where(total > 0, res_V / total.clamp_min(torch.finfo(p_V.dtype).tiny), p_V)
+
+
+def verify(p_BKV: torch.Tensor, q_BKV: torch.Tensor | None, d_BK: torch.Tensor, generator=None):
+    """Accepted draft counts j [B] of K drafts d and the token after them [B] (the
+    replacement at the first rejection, or a sample of p_K, the bonus, when all K were
+    kept). ``p_BKV`` [B, K + 1, V]: the full depth's distributions after each draft prefix;
+    ``q_BKV`` the draft's (None: greedy, keep while the full depth's argmax agrees)."""
+    B, K = d_BK.shape
+    if q_BKV is None:
+        ok_BK = p_BKV[:, :K].argmax(-1) == d_BK
+    else:
+        keep_BKV, _ = accept_probs(p_BKV[:, :K], q_BKV)
+        u_BK = torch.rand(B, K, generator=generator, device=d_BK.device, dtype=p_BKV.dtype)
+        ok_BK = u_BK < keep_BKV.gather(-1, d_BK[..., None])[..., 0]
+    j_B = ok_BK.long().cumprod(1).sum(1)
+    p_j = p_BKV[torch.arange(B, device=d_BK.device), j_B]  # [B, V]
+    if q_BKV is None:
+        return j_B, p_j.argmax(-1)
+    q_j = torch.cat([q_BKV, torch.zeros_like(q_BKV[:, :1])], 1)[torch.arange(B, device=d_BK.device), j_B]
+    _, res_BV = accept_probs(p_j, q_j)  # q = 0 after the last draft: the residual is p_K itself
+    return j_B, torch.multinomial(res_BV, 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draft_passes: int,
+                       draft_tokens: int = 4, temperature: float = 0.0, top_k: int | None = None,
+                       generator: torch.Generator | None = None, eos_id: int | None = None):
+    """Extend ``prompt_BT`` by ``max_new_tokens`` with drafts of ``draft_tokens`` tokens at
+    ``draft_passes`` passes, each round verified in one forward at the trunk's depth.
+    Greedy output is the full depth's greedy output; sampled, each token is distributed as
+    the full depth's (``verify``). The draft's keys/values are rolled back before the
+    verification writes its own (``KVCache.truncate``), so one cache serves both. Rows of a
+    batch keep the accepted prefix all of them reached (the same length each round; a
+    row's tokens are still the full depth's distribution). Returns (ids, info)."""
+    full = model.trunk.passes
+    greedy = temperature <= 0
+
+    def dist(logits_BV):
+        return None if greedy else sampling_probs(logits_BV.float(), temperature, top_k)
+
+    def pick(logits_BV, probs_BV):
+        return logits_BV.argmax(-1) if greedy else torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
+
+    cache = KVCache(capacity=prompt_BT.shape[1] + max_new_tokens + draft_tokens + 1)
+    logits = model(prompt_BT, cache=cache).logits[:, -1]
+    nxt_B = pick(logits, dist(logits))
+    out, new, drafted, kept, rounds, passes = [nxt_B[:, None]], 1, 0, 0, 0, full
+    try:
+        while new < max_new_tokens and not (eos_id is not None and bool((torch.cat(out, 1) == eos_id).any(1).all())):
+            K, n = min(draft_tokens, max_new_tokens - new), cache.pos
+            set_model_depth(model, draft_passes, "last")
+            d, q, inp = [], [], nxt_B[:, None]
+            for _ in range(K):
+                lg = model(inp, cache=cache).logits[:, -1]
+                q.append(dist(lg))
+                d.append(pick(lg, q[-1]))
+                inp = d[-1][:, None]
+            cache.truncate(n)
+            set_model_depth(model, full, "last")
+            d_BK = torch.stack(d, 1)
+            logits_BKV = model(torch.cat([nxt_B[:, None], d_BK], 1), cache=cache).logits.float()
+            p_BKV = logits_BKV if greedy else sampling_probs(
+                logits_BKV.flatten(0, 1), temperature, top_k).view_as(logits_BKV)
+            j_B, after_B = verify(p_BKV, None if greedy else torch.stack(q, 1), d_BK, generator)
+            m = int(j_B.min())  # every row keeps m drafts, then its own next token
+            nxt_B = torch.where(j_B == m, after_B, d_BK[:, min(m, K - 1)])
+            out.append(torch.cat([d_BK[:, :m], nxt_B[:, None]], 1))
+            cache.truncate(n + 1 + m)
+            drafted, kept, rounds = drafted + K * len(j_B), kept + int(j_B.sum()), rounds + 1
+            passes += K * draft_passes + (K + 1) * full
+            new += m + 1
+    finally:
+        set_model_depth(model, full, "last")
+    ids = torch.cat([prompt_BT, *out], 1)[:, :prompt_BT.shape[1] + max_new_tokens]
+    return ids, {"cache": cache, "acceptance": kept / drafted if drafted else None, "rounds": rounds,
+                 "passes": passes}

@@ -1,37 +1,45 @@
-"""Early exit per position at inference: a weight-tied trunk (UT, Looped,
-Hyperloop) stops refining a position once another pass would change little, or, for a UT
-trained with ACT, halts it at another threshold than the trained one.
+"""Early exit per position at inference, and the KV cache shared across passes: a
+weight-tied trunk (UT, Looped, Hyperloop) stops refining a position once another pass
+would change little, or, for a UT trained with ACT, halts it at another threshold.
 
-Rules (``parse_exit``; after every pass t but the last, for each position still running):
+Rules (``parse_exit``; after every pass t but the last, for each position still running;
+p_t is the next-token distribution after pass t, h_t the state):
 
-* ``kl:EPS`` — KL(p_t || p_{t-1}) < EPS between the next-token distributions of two
-  successive passes (CALM's "softmax response" family, Schuster et al. 2022, §3.2, with
-  the distributions' change as the confidence);
-* ``argmax:K`` — the argmax of p has not changed in the last K passes;
-* ``state:EPS`` — ||h_t - h_{t-1}|| / ||h_{t-1}|| < EPS (the state's relative change;
-  Hyperloop: all n streams);
+* ``kl:EPS`` — KL(p_{t-1} || p_t) < EPS with p_0 uniform, p_t read through the end block
+  (if the trunk has one), the final norm and the head (Huginn, Geiping et al. 2025, arXiv
+  2502.05171 §6.1; its code's ``criterion="kl"``, default 5e-4);
+* ``kl-lens:EPS`` — KL(p_t || p_{t-1}) < EPS with p_t read from the state by the norm and
+  the head alone (a logit lens: a looped model's end block skipped), p_0 from the loop's
+  input;
+* ``entropy:EPS`` — |H(p_t) - H(p_{t-1})| < EPS, p_t as for ``kl``, H_0 = 100 nats (Huginn's
+  ``criterion="entropy-diff"``, default 1e-3), so no position exits after the first pass;
+* ``argmax:K`` — the argmax of the lens readout has not changed in the last K passes;
+* ``state:EPS`` — ||h_t - h_{t-1}|| / ||h_{t-1}|| < EPS (Hyperloop: all n streams);
+* ``accel:EPS`` — the second-order rule of Pappone, Crisostomi, Rodolà 2025 ("Two-Scale
+  Latent Dynamics for Recurrent-Depth Transformers", arXiv 2509.23314): a_t =
+  ||Δ_t - Δ_{t-1}||_2 with Δ_t = h_t - h_{t-1}, exit once a_t < EPS at two successive passes
+  (the "two-hit" check; a_t exists from pass 2, so the first exit follows pass 3);
 * ``act:THRESHOLD`` — a UT trained with ACT halts a position once its summed halting
   probability exceeds THRESHOLD instead of the trained 1 - act_epsilon (UT §2.2).
 
-p_t is read from the state as the model reads its output: the final norm and the LM head
-applied to h_t (Hyperloop: to the streams' mean), p_0 from the loop's input. For a looped
-model this skips the end block (a "logit lens"): the rule compares passes, not outputs.
-Those readouts are the rules' extra cost, 2 d_model V FLOPs per running position and pass
-(none after the last pass), counted in ``exit_flops``.
+An exited position's state is copied to every later pass unchanged (as the UT paper says of
+a halted ACT position, §2.2; tensor2tensor instead keeps transforming it, which phaseloop's
+ACT follows). The later passes compute only the positions still running (``passes``); the
+others' keys/values at those passes are filled by ``Exits.fill``: ``recompute`` (projected
+from the frozen state: the result of running every pass with dense masks) or ``latest``
+(the deepest keys/values it computed; Huginn §6). Readouts through the end block read an
+exited position's keys/values from its last readout. Decisions depend on a position's own
+states only, so cached decoding equals the full pass under either fill.
 
-An exited position's state is carried forward unchanged (``Monitor.hold``: the layers of
-a pass read it as their input and their result for it is discarded, each layer's, so a
-pass's every layer projects its keys/values from the frozen state: CALM's state
-propagation, §3.3); later positions keep attending to it. Every pass still runs for every
-position (the masks are dense), so the KV cache holds the keys/values the full pass holds,
-cached decoding equals the full pass with the same exit decisions, and a position's
-decisions depend on its own states only, with or without the cache. The FLOPs an exit
-saves are counted (``exit_flops``: a skipped pass costs its keys/values only), not taken
-off the wall clock. Stacks have no passes to skip and are refused.
+``set_kv_share(model, K)``: pass i reads and writes KV slot i mod K (Huginn §6.2), so the
+cache holds K slots per looped layer instead of one per pass. Decoded tokens then read each
+earlier token's keys of the latest pass in their slot's class, where the full pass reads
+those of the same pass: the output depends on how the sequence is fed (``inference``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,15 +49,21 @@ import torch.nn.functional as F
 from phaseloop import registry
 from phaseloop.errors import ConfigError
 from phaseloop.layers import compute_dtype
+from phaseloop.passes import FILLS, Running
 
-PASS_RULES = ("kl", "argmax", "state")  # any weight-tied trunk without ACT
-RULES = {"kl": "EPS >= 0", "argmax": "K >= 1 passes", "state": "EPS >= 0", "act": "THRESHOLD in (0, 1]"}
-_SYNTAX = "write RULE:V[,V...] with RULE kl:EPS, argmax:K, state:EPS or act:THRESHOLD, e.g. kl:1e-3"
+PASS_RULES = ("kl", "kl-lens", "entropy", "argmax", "state", "accel")  # any weight-tied trunk without ACT
+END_READ = ("kl", "entropy")  # read p_t through the trunk's end block (``Trunk.exit_readout``)
+LENS_READ = ("kl-lens", "argmax")  # read p_t from the state, p_0 included
+RULES = {"kl": "EPS >= 0", "kl-lens": "EPS >= 0", "entropy": "EPS >= 0", "argmax": "K >= 1 passes",
+         "state": "EPS >= 0", "accel": "EPS >= 0", "act": "THRESHOLD in (0, 1]"}
+_SYNTAX = ("write RULE:V[,V...] with RULE kl:EPS, kl-lens:EPS, entropy:EPS, argmax:K, state:EPS, "
+           "accel:EPS or act:THRESHOLD, e.g. kl:5e-4")
+HUGINN_H0 = 100.0  # Huginn's initial entropy (nats)
 
 
 @dataclass(frozen=True)
 class ExitRule:
-    kind: str  # kl | argmax | state | act
+    kind: str  # a key of RULES
     value: float  # EPS, K (an int) or the ACT threshold
 
     @property
@@ -66,7 +80,7 @@ def _value(kind: str, text: str) -> float:
         return v
     if kind == "act" and 0 < v <= 1:
         return v
-    if kind in ("kl", "state") and math.isfinite(v) and v >= 0:
+    if kind not in ("argmax", "act") and math.isfinite(v) and v >= 0:
         return v
     raise ConfigError(f"exit rule {kind}:{text} is out of range: {kind} takes {RULES[kind]}")
 
@@ -88,35 +102,60 @@ def parse_exit(text: str) -> list[ExitRule]:
 
 @dataclass
 class Exits:
-    """What a trunk's ``exits`` holds: the rule and the model's readout (not submodules of
-    the trunk: plain references, so the state dict is unchanged)."""
+    """What a trunk's ``exits`` holds: the rule, the KV fill of skipped passes and the
+    model's readout (plain references, not submodules: the state dict is unchanged)."""
 
     rule: ExitRule
     norm: torch.nn.Module
     head: torch.nn.Module
+    fill: str = "recompute"
 
     def readout(self, h):
         return self.head(self.norm(h))
 
 
-def set_exit(model, rule: ExitRule | None) -> None:
-    """Apply ``rule`` to ``model``'s trunk from now on (None: no early exit, ACT at its
-    trained threshold); one-line ConfigError where the trunk cannot exit."""
+def _tied(attr: str) -> str:
+    return ", ".join(s.name for s in registry.all_archs() if getattr(s.trunk, attr, ()))
+
+
+def refuse_stack(model, what: str, flag: str, attr: str = "exit_rules") -> None:
+    """One-line ConfigError where ``model``'s trunk has no passes for ``what``."""
     trunk = model.trunk
-    rules = getattr(trunk, "exit_rules", ())
-    if not rules:
-        tied = ", ".join(s.name for s in registry.all_archs() if getattr(s.trunk, "exit_rules", ()))
-        what = ("its trunk declares no early-exit rules (Trunk.exit_rules)" if trunk.dynamic_depth
-                else "it is a stack of distinct layers")
-        raise ConfigError(f"a {model.cfg.arch} model cannot exit early per position: {what} "
-                          f"(--exit applies to: {tied})")
-    if rule is not None and rule.kind not in rules:
+    if getattr(trunk, attr, ()):
+        return
+    why = (f"its trunk declares no support (Trunk.{attr})" if trunk.dynamic_depth
+           else "it is a stack of distinct layers")
+    raise ConfigError(f"a {model.cfg.arch} model cannot {what}: {why} ({flag} applies to: {_tied(attr)})")
+
+
+def set_exit(model, rule: ExitRule | None, fill: str = "recompute") -> None:
+    """Apply ``rule`` to ``model``'s trunk from now on (None: no early exit, ACT at its
+    trained threshold), the skipped passes' keys/values filled by ``fill``; one-line
+    ConfigError where the trunk cannot."""
+    refuse_stack(model, "exit early per position", "--exit")
+    trunk = model.trunk
+    if fill not in FILLS:
+        raise ConfigError(f"--kv-fill {fill!r}: choose recompute or latest")
+    if rule is not None and rule.kind not in trunk.exit_rules:
         if rule.kind == "act":
             raise ConfigError(f"exit rule {rule.label} sets an ACT halting threshold, but this "
-                              f"{model.cfg.arch} model has no ACT; use kl, argmax or state")
+                              f"{model.cfg.arch} model has no ACT; use {', '.join(PASS_RULES)}")
         raise ConfigError(f"exit rule {rule.label}: this {model.cfg.arch} model halts by ACT; "
                           "change its threshold with act:THRESHOLD (e.g. act:0.9)")
-    trunk.exits = None if rule is None else Exits(rule, model.norm, model.head)
+    if fill != "recompute" and (rule is None or rule.kind == "act"):
+        raise ConfigError(f"--kv-fill {fill} applies to the pass rules ({', '.join(PASS_RULES)}): "
+                          + ("add --exit RULE:V" if rule is None else "ACT keeps transforming a halted "
+                             "position while the loop runs (tensor2tensor's semantics), so no pass is skipped"))
+    trunk.exits = None if rule is None else Exits(rule, model.norm, model.head, fill)
+
+
+def set_kv_share(model, k: int | None) -> None:
+    """Pass i of the trunk's loop uses KV slot i mod ``k`` from now on (Huginn §6.2; None:
+    one slot per pass); one-line ConfigError for a stack."""
+    refuse_stack(model, "share its KV cache across passes", "--kv-share", "shares_kv")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ConfigError(f"--kv-share {k!r}: must be a positive integer (slots per looped layer)")
+    model.trunk.kv_share = k
 
 
 def monitor(trunk, x0, ctx, n_passes: int, merge=None) -> Monitor | None:
@@ -124,25 +163,47 @@ def monitor(trunk, x0, ctx, n_passes: int, merge=None) -> Monitor | None:
     exits = trunk.exits
     if exits is None or exits.rule.kind not in PASS_RULES:
         return None
-    return Monitor(exits, x0, ctx, n_passes, merge)
+    return Monitor(trunk, x0, ctx, n_passes, merge)
 
 
 class Monitor:
-    """Exit decisions of one forward call, per position ([B, T]); the trunk calls
-    ``hold(before, after)`` after each layer of a pass and ``step(before, after)`` once per
-    pass. ``ctx.stats``: ``exit_passes`` (passes each position ran) and ``exit_readouts``
-    (readouts of the norm + head for it)."""
+    """Exit decisions of one forward call, per position ([B, T]). The trunk runs each pass
+    under ``ctx`` (its ``running``: the positions still computing), calls ``hold(before,
+    after)`` where a result of an exited position must be discarded and ``step(before,
+    after)`` once per pass; ``finished``: nothing is left to compute or fill.
+    ``ctx.stats``: ``exit_passes`` (passes each position ran), ``exit_readouts``."""
 
-    def __init__(self, exits: Exits, x0, ctx, n_passes: int, merge=None):
-        self.rule, self.exits, self.n, self.merge = exits.rule, exits, n_passes, merge
+    def __init__(self, trunk, x0, ctx, n_passes: int, merge=None):
+        exits = trunk.exits
+        self.trunk, self.rule, self.exits, self.n, self.merge = trunk, exits.rule, exits, n_passes, merge
         B, T = x0.shape[:2]
         self.done = torch.zeros(B, T, dtype=torch.bool, device=x0.device)
         self.passes = ctx.stats["exit_passes"] = torch.zeros(B, T, dtype=torch.long, device=x0.device)
         self.readouts = ctx.stats["exit_readouts"] = torch.zeros_like(self.passes)
-        self.t = 0
-        if self.rule.kind != "state":
-            self.prev = self._read(x0, ~self.done)
-            self.same = torch.zeros_like(self.passes)  # argmax: passes that kept it
+        self.t, self.base = 0, ctx
+        self.latest, self.read_latest = {}, {}
+        self._set_running()
+        kind, dtype = self.rule.kind, compute_dtype(x0.dtype)
+        if kind in LENS_READ:
+            self.prev = self._read(x0, None)  # p_0 from the loop's input
+            self.same = torch.zeros(B * T, dtype=torch.long, device=x0.device)  # argmax: passes kept
+        elif kind == "kl":
+            V = exits.head.out_features
+            self.prev = torch.full((B * T, V), -math.log(V), dtype=dtype, device=x0.device)
+        elif kind == "entropy":
+            self.prev = torch.full((B * T,), HUGINN_H0, dtype=dtype, device=x0.device)
+        elif kind == "accel":
+            self.delta = torch.zeros(B * T, x0[0, 0].numel(), dtype=x0.dtype, device=x0.device)
+            self.hits = torch.zeros(B * T, dtype=torch.long, device=x0.device)
+
+    def _set_running(self):
+        self.run = Running(~self.done, self.exits.fill, self.latest)
+        self.ctx = dataclasses.replace(self.base, running=self.run)
+
+    @property
+    def finished(self) -> bool:
+        """No position runs and no cache waits for this pass's keys/values."""
+        return not self.run.any and self.base.cache is None
 
     def _mask(self, x):
         return self.done.view(*self.done.shape, *[1] * (x.dim() - 2))
@@ -154,28 +215,70 @@ class Monitor:
     def step(self, before, after):
         """End of a pass: freeze the exited positions, then decide who exits now."""
         x = self.hold(before, after)
-        running = ~self.done
-        self.passes += running
+        run = self.run
+        self.passes += run.mask
         self.t += 1
-        if self.t < self.n:  # nothing to decide after the last pass
-            self.done = self.done | (running & self._stop(before, x, running))
+        self.base.stats["exit_loop"] = torch.tensor(self.t)  # passes run (the keys filled)
+        if self.t < self.n and run.any:  # nothing to decide after the last pass
+            rows = None if run.all else run.flat_N
+            stop_N = self._stop(before, x, rows)
+            if rows is not None:
+                stop_N = torch.zeros_like(self.done).view(-1).index_copy(0, rows, stop_N)
+            self.done = self.done | stop_N.view_as(self.done)
+        elif self.t < self.n and self.rule.kind in END_READ and self.base.cache is not None:
+            self._end_readout(x)  # nobody runs: the readout's cache slot still gets every position's keys
+        self._set_running()
         return x
 
-    def _read(self, x, running):
-        """log p of the next token read from state ``x`` (fp32 at least; float64 kept)."""
-        self.readouts += running
-        h = x if self.merge is None else self.merge(x)
-        return F.log_softmax(self.exits.readout(h).to(compute_dtype(h.dtype)), dim=-1)
+    @staticmethod
+    def _rows(x, rows, flat: bool = False):
+        """[N, ...] rows of [B, T, ...] (of [B*T, ...] if ``flat``; all when ``rows`` is None)."""
+        x = x if flat else x.flatten(0, 1)
+        return x if rows is None else x.index_select(0, rows)
 
-    def _stop(self, before, x, running):
-        eps = self.rule.value
-        if self.rule.kind == "state":
-            change = (x - before).flatten(2).norm(dim=-1)
-            return change < eps * before.flatten(2).norm(dim=-1)  # eps = 0: never
-        logp = self._read(x, running)
-        prev, self.prev = self.prev, logp
-        if self.rule.kind == "kl":  # KL(p_t || p_{t-1}) >= 0 (rounding clamped): eps = 0 never exits
+    def _read(self, x, rows, end: bool = False):
+        """log p [N, V] of the next token for ``rows``, read from state ``x`` (fp32 at least)."""
+        h = self._end_readout(x) if end else x if self.merge is None else self.merge(x)
+        counted = self.readouts.view(-1)
+        counted.index_add_(0, rows, torch.ones_like(rows)) if rows is not None else counted.add_(1)
+        h_N = self._rows(h, rows)
+        return F.log_softmax(self.exits.readout(h_N).to(compute_dtype(h_N.dtype)), dim=-1)
+
+    def _end_readout(self, x):
+        """The state after this pass through the trunk's end block, over the running
+        positions; the others' keys/values there are those of their last readout."""
+        ctx = dataclasses.replace(self.base, running=self.run.with_fill("latest", self.read_latest))
+        return self.trunk.exit_readout(x if self.merge is None else self.merge(x), ctx, self.t - 1)
+
+    def _stop(self, before, x, rows):
+        eps, kind = self.rule.value, self.rule.kind
+        if kind in ("state", "accel"):
+            delta = (self._rows(x, rows) - self._rows(before, rows)).flatten(1)
+            if kind == "state":  # eps = 0: never
+                return delta.norm(dim=-1) < eps * self._rows(before, rows).flatten(1).norm(dim=-1)
+            prev = self._rows(self.delta, rows, flat=True)
+            hit = (delta - prev).norm(dim=-1) < eps
+            hits = torch.where(hit, self._rows(self.hits, rows, flat=True) + 1, 0) * (self.t >= 2)
+            self._put("delta", rows, delta)
+            self._put("hits", rows, hits)
+            return hits >= 2
+        logp = self._read(x, rows, end=kind in END_READ)
+        prev = self._rows(self.prev, rows, flat=True)
+        if kind == "entropy":
+            H = -(logp.exp() * logp).sum(-1)
+            self._put("prev", rows, H)
+            return (H - prev).abs() < eps
+        self._put("prev", rows, logp)
+        if kind == "kl":  # KL(p_{t-1} || p_t), as Huginn's F.kl_div(log p_t, log p_{t-1}, log_target=True)
+            return (prev.exp() * (prev - logp)).sum(-1).clamp_min(0) < eps
+        if kind == "kl-lens":  # KL(p_t || p_{t-1}) >= 0 (rounding clamped): eps = 0 never exits
             return (logp.exp() * (logp - prev)).sum(-1).clamp_min(0) < eps
         kept = logp.argmax(-1) == prev.argmax(-1)
-        self.same = torch.where(kept, self.same + 1, 0)
-        return self.same >= eps
+        same = torch.where(kept, self._rows(self.same, rows, flat=True) + 1, 0)
+        self._put("same", rows, same)
+        return same >= eps
+
+    def _put(self, name, rows, value):
+        """Store ``value`` [N, ...] as the rows of attribute ``name`` [B*T, ...]."""
+        old = getattr(self, name)
+        setattr(self, name, value.to(old.dtype) if rows is None else old.index_copy(0, rows, value.to(old.dtype)))

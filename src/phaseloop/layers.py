@@ -23,6 +23,8 @@ from torch import nn
 
 from phaseloop import docattn, registry
 from phaseloop.config import ModelConfig
+from phaseloop.kvcache import KVCache, StaticKVCache  # the caches callers import from here
+from phaseloop.passes import Running, merged_kv, rope_rows
 
 
 # ---------------------------------------------------------------------------- options
@@ -121,59 +123,7 @@ def timing_signal(positions: torch.Tensor, d: int, min_timescale: float = 1.0,
     return nn.functional.pad(sig_TD, (0, d % 2))
 
 
-# ---------------------------------------------------------------------------- KV cache
-@dataclass
-class KVCache:
-    """Keys/values per *slot*. A slot is one application of an attention layer: layer i
-    of a plain stack, or (layer, pass) of a weight-shared block, so looped and universal
-    trunks keep one entry per pass. ``pos`` is the absolute position of the next token, or
-    with ``pad`` (rows of a continuous batch, ``decoding.join_rows``) the next column: row
-    b's first ``pad[b]`` columns are padding, column j holds its position j - pad[b]."""
-
-    entries: dict = field(default_factory=dict)
-    pos: int = 0
-    pad: torch.Tensor | None = None  # [B] leading padding columns per row; None: no padding
-    # positions to preallocate per slot: keys/values are then written in place into one
-    # buffer (``entries`` holds views of its filled part) instead of grown by torch.cat;
-    # None: grown. A slot that outgrows it doubles its buffer.
-    capacity: int | None = None
-    buffers: dict = field(default_factory=dict)
-
-    def update(self, slot, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor):
-        if self.capacity is None:
-            if slot in self.entries:
-                k_old, v_old = self.entries[slot]
-                k_BKTE = torch.cat([k_old, k_BKTE], dim=2)
-                v_BKTE = torch.cat([v_old, v_BKTE], dim=2)
-            self.entries[slot] = (k_BKTE, v_BKTE)
-            return k_BKTE, v_BKTE
-        n = self.entries[slot][0].shape[2] if slot in self.entries else 0
-        T = k_BKTE.shape[2]
-        buf = self.buffers.get(slot)
-        if buf is None or n + T > buf[0].shape[2]:
-            size = max(self.capacity, 2 * (n + T)) if buf is not None else max(self.capacity, T)
-            B, K, _, E = k_BKTE.shape
-            new = (k_BKTE.new_empty(B, K, size, E), v_BKTE.new_empty(B, K, size, E))
-            if n:
-                new[0][:, :, :n], new[1][:, :, :n] = self.entries[slot]
-            buf = self.buffers[slot] = new
-        buf[0][:, :, n:n + T] = k_BKTE
-        buf[1][:, :, n:n + T] = v_BKTE
-        self.entries[slot] = (buf[0][:, :, :n + T], buf[1][:, :, :n + T])
-        return self.entries[slot]
-
-    def select_rows(self, idx_R: torch.Tensor) -> None:
-        """Keep rows ``idx_R`` of every entry, in that order (beam search reorders)."""
-        self.pad = None if self.pad is None else self.pad.index_select(0, idx_R)
-        self.buffers = {s: tuple(t.index_select(0, idx_R) for t in buf) for s, buf in self.buffers.items()}
-        for slot, entry in self.entries.items():
-            if slot in self.buffers:
-                n = entry[0].shape[2]
-                self.entries[slot] = tuple(t[:, :, :n] for t in self.buffers[slot])
-            else:  # (keys, values), or a list of pending ACT step inputs
-                self.entries[slot] = type(entry)(t.index_select(0, idx_R) for t in entry)
-
-
+# ---------------------------------------------------------------------------- context
 @dataclass
 class Memory:
     """What a decoder cross-attends to (an encoder's output, Vaswani §3.2.3): its states,
@@ -198,7 +148,7 @@ class ForwardContext:
     cos: torch.Tensor
     sin: torch.Tensor
     start_pos: int = 0
-    cache: KVCache | None = None
+    cache: KVCache | StaticKVCache | None = None
     causal: bool = True  # False: bidirectional self-attention (seq2seq encoder)
     # bool [B, 1, 1|T, S], True = attend: the bidirectional encoder's key mask, or the causal
     # mask of left-padded cached rows (KVCache.pad: DecoderLM.forward builds it)
@@ -208,10 +158,12 @@ class ForwardContext:
     stats: dict = field(default_factory=dict)  # tensors for analysis (ACT ponder times)
     # documents in a training window (no cache): each token's position in its
     # document [B, T] (read by RoPE, the 3PT horn, the UT coordinate signal), and its
-    # document's index [B, T] (attention stays within a document)
+    # document's index [B, T] (attention stays within a document); with a StaticKVCache,
+    # the new tokens' absolute positions (where their keys are written)
     positions: torch.Tensor | None = None
     doc_ids: torch.Tensor | None = None
     doc_block_mask: object = None  # FlexAttention's BlockMask of doc_ids (docattn), built once
+    running: Running | None = None  # one pass of a loop over the positions still running (passes.py)
 
     @classmethod
     def at(cls, cfg: ModelConfig, start: int, T: int, device, positions: torch.Tensor | None = None,
@@ -285,7 +237,12 @@ class Attention(nn.Module):
         k_BKTE, v_BKTE = self.project_kv(x_BTD)
         if self.use_rope:
             q_BHTE, k_BKTE = self.rotate(q_BHTE, k_BKTE, ctx.cos, ctx.sin)
+        if ctx.running is not None and ctx.running.fill == "latest":  # every position ran: the deepest
+            ctx.running.latest[id(self)] = (k_BKTE.transpose(1, 2), v_BKTE.transpose(1, 2))
         past = 0
+        if ctx.cache is not None and ctx.cache.static:  # every position's buffer, masked
+            k_BKSE, v_BKSE, visible_B1TS = ctx.cache.update(slot, k_BKTE, v_BKTE, ctx.positions)
+            return q_BHTE, k_BKSE, v_BKSE, visible_B1TS, False
         if ctx.cache is not None:
             k_BKTE, v_BKTE = ctx.cache.update(slot, k_BKTE, v_BKTE)
             past = k_BKTE.shape[2] - T
@@ -302,6 +259,38 @@ class Attention(nn.Module):
         elif past and T > 1:  # chunked prefill after a cached prefix: offset causal mask
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=past)
         return q_BHTE, k_BKTE, v_BKTE, mask, causal
+
+
+    def forward_running(self, h_BTD, h_ND, ctx: ForwardContext, slot, run: Running, T: int):
+        """One pass over the running positions only (``passes``): [N, D] output of their
+        queries, or None when none runs (then only this pass's keys/values are filled into
+        the cache: ``h_BTD``, every position's normed input, with ``fill=recompute``)."""
+        if self.cross or not ctx.causal:
+            raise ValueError("a pass over running positions is causal self-attention only")
+        cos, sin = (rope_rows(t, run, T) for t in (ctx.cos, ctx.sin)) if run.any else (None, None)
+        if run.fill == "recompute":
+            k_BKTE, v_BKTE = self.project_kv(h_BTD)
+            if self.use_rope:
+                k_BKTE = apply_rope(k_BKTE, ctx.cos, ctx.sin)
+        else:  # latest: the running rows' fresh keys, the others' deepest
+            fresh = ()
+            if run.any:
+                fresh = self.kv_proj(h_ND).view(len(h_ND), 2, self.n_kv_heads, self.head_dim).unbind(1)
+                fresh = (apply_rope(fresh[0], cos, sin) if self.use_rope else fresh[0], fresh[1])
+            k_BTKE, v_BTKE = merged_kv(self, run, fresh) if fresh else run.latest[id(self)]
+            k_BKTE, v_BKTE = k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
+        if ctx.cache is not None:
+            k_BKTE, v_BKTE = ctx.cache.update(slot, k_BKTE, v_BKTE)
+        if not run.any:
+            return None
+        q_NHE = self.q_proj(h_ND).view(len(h_ND), self.n_heads, self.head_dim)
+        q_BHQE = run.pad(apply_rope(q_NHE, cos, sin) if self.use_rope else q_NHE).transpose(1, 2)
+        S = k_BKTE.shape[2]
+        mask = run.mask_BQS(S - T, S, ctx.doc_ids if ctx.cache is None else None, ctx.key_mask)
+        y_BHQE = F.scaled_dot_product_attention(q_BHQE, k_BKTE, v_BKTE, attn_mask=mask,
+                                                dropout_p=self.dropout if self.training else 0.0,
+                                                enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.o_proj(run.unpad(y_BHQE.transpose(1, 2)).flatten(1))
 
 
 class SwiGLU(nn.Module):
@@ -370,11 +359,27 @@ class Block(nn.Module):
         return self.drop(self.ffn(self.ffn_norm(x_BTD)))
 
     def forward(self, x_BTD: torch.Tensor, ctx: ForwardContext, slot=None) -> torch.Tensor:
+        if ctx.running is not None and not ctx.running.all:
+            return self._running(x_BTD, ctx, slot, ctx.running)
         x_BTD = x_BTD + self.attn_branch(x_BTD, ctx, slot)
         if self.cross_attn is not None:
             x_BTD = x_BTD + self.cross_branch(x_BTD, ctx)
         x_BTD = self.between(x_BTD)
         return x_BTD + self.ffn_branch(x_BTD)
+
+
+    def _running(self, x_BTD, ctx: ForwardContext, slot, run: Running) -> torch.Tensor:
+        """The running rows only (passes.py); an exited row leaves the block unchanged."""
+        if not run.any and ctx.cache is None:
+            return x_BTD  # no query reads this pass's keys
+        x_ND = run.gather(x_BTD) if run.any else None
+        h_BTD = self.attn_norm(x_BTD) if run.fill == "recompute" else None
+        h_ND = (run.gather(h_BTD) if h_BTD is not None else self.attn_norm(x_ND)) if run.any else None
+        a_ND = self.attn.forward_running(h_BTD, h_ND, ctx, slot, run, x_BTD.shape[1])
+        if a_ND is None:
+            return x_BTD
+        x_ND = self.between((x_ND + self.drop(a_ND))[None])[0]
+        return run.scatter(x_BTD, x_ND + self.ffn_branch(x_ND))
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig, n_residual_layers: int) -> None:

@@ -19,7 +19,8 @@ from torch import nn
 from phaseloop.config import MAX_DEPTH, ModelConfig
 from phaseloop.decoding import decode, padded_rows
 from phaseloop.errors import ConfigError
-from phaseloop.layers import Block, ForwardContext, KVCache, init_weights, make_norm, option_modules
+from phaseloop.kvcache import KVCache, StaticKVCache
+from phaseloop.layers import Block, ForwardContext, init_weights, make_norm, option_modules
 from phaseloop.trunk import Trunk, reset_derived_buffers
 
 
@@ -67,9 +68,9 @@ class TokenEmbedding(nn.Module):
             elif "positions_BT" in inspect.signature(option.forward).parameters:
                 x_BTD = option(x_BTD, start_pos, positions_BT=positions_BT)
             else:
-                raise ConfigError(f"the embedding option {name!r} reads no per-token positions, so "
-                                  "documents cannot restart its positions (drop --doc-positions), "
-                                  "nor left-padded rows share a batch")
+                raise ConfigError(f"the embedding option {name!r} reads no per-token positions (positions_BT), "
+                                  "which documents (--doc-positions), left-padded rows sharing a batch and a "
+                                  "static cache (export) give it")
         return self.drop(x_BTD)
 
 
@@ -104,20 +105,25 @@ class DecoderLM(nn.Module):
             self.head.weight = self.embed.tok.weight
 
     def forward(self, idx_BT: torch.Tensor | None, targets_BT: torch.Tensor | None = None,
-                cache: KVCache | None = None, embeds_BTD: torch.Tensor | None = None,
+                cache: KVCache | StaticKVCache | None = None, embeds_BTD: torch.Tensor | None = None,
                 positions_BT: torch.Tensor | None = None, doc_ids_BT: torch.Tensor | None = None) -> ModelOutput:
         """Targets equal to -100 are ignored (e.g. prompt tokens of a task). ``embeds_BTD``
         replaces the token embedding of ``idx_BT`` (pass None for ``idx_BT`` then); the
         embedding's scale and options (the 3PT horn) still apply. Windows holding several
         documents (no cache): ``positions_BT`` each token's position in its
         document, ``doc_ids_BT`` its document's index (attention stays within it). A cache
-        with left-padded rows (``KVCache.pad``) sets each row's positions and mask itself."""
+        with left-padded rows (``KVCache.pad``) sets each row's positions and mask itself. With a
+        ``StaticKVCache``, ``positions_BT`` are the new tokens' absolute positions (default:
+        the cache's ``pos`` on)."""
         src = idx_BT if embeds_BTD is None else embeds_BTD
         B, T = src.shape[:2]
         start = cache.pos if cache is not None else 0
-        if cache is not None and (positions_BT is not None or doc_ids_BT is not None):
+        static = cache is not None and cache.static
+        if cache is not None and (doc_ids_BT is not None or (positions_BT is not None and not static)):
             raise ConfigError("document positions and masks apply to training windows, not to "
                               "cached decoding (one sequence is one document there)")
+        if static and positions_BT is None:  # else: the new tokens' positions (export's input_pos)
+            positions_BT = cache.positions(B, T, src.device)
         for name, t in (("positions_BT", positions_BT), ("doc_ids_BT", doc_ids_BT)):
             if t is not None and tuple(t.shape) != (B, T):
                 raise ConfigError(f"{name} has shape {tuple(t.shape)}; it must be [batch, tokens] = {(B, T)}")

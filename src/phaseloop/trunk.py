@@ -49,7 +49,11 @@ class Trunk(nn.Module):
     * ``exit_rules``: the ``early_exit`` rules the trunk applies (its loop calls
       ``early_exit.monitor``), set by ``early_exit.set_exit`` into ``exits``;
       ``pass_blocks``: the blocks one pass applies (FLOPs of an exited position);
-      ``passes``: the passes a forward runs now (set_depth's n).
+      ``passes``: the passes a forward runs now (set_depth's n); ``exit_readout(h, ctx, t)``:
+      the state h after pass t as the ``kl`` / ``entropy`` rules read it (through the end
+      block, ``readout_blocks`` blocks, where the trunk has one; identity by default).
+    * ``shares_kv``: the loop names its pass slots through ``kv_slot(i)``, so that
+      ``early_exit.set_kv_share`` sets ``kv_share`` (pass i uses slot i mod K).
     """
 
     depth: int
@@ -58,6 +62,16 @@ class Trunk(nn.Module):
     exits = None  # early_exit.Exits while a rule is set
     pass_blocks = 1
     passes: int | None = None
+    readout_blocks = 0
+    shares_kv = False
+    kv_share: int | None = None
+
+    def kv_slot(self, i: int) -> int:
+        """The KV-cache slot index of pass ``i`` (i mod K with ``--kv-share K``, Huginn §6.2)."""
+        return i if self.kv_share is None else i % self.kv_share
+
+    def exit_readout(self, h_BTD, ctx, t: int):
+        return h_BTD
 
     def blocks(self) -> list[nn.Module]:
         return [m for m in self.modules() if isinstance(m, Block)]

@@ -10,13 +10,14 @@ from contextlib import contextmanager
 
 from phaseloop.analysis.params import flops_per_token
 from phaseloop.config import ModelConfig
+from phaseloop.early_exit import END_READ
 
 
 class Tally:
     """Sums of ``exit_passes`` / ``exit_readouts`` (and ACT's steps run) over forwards."""
 
     def __init__(self):
-        self.positions = self.passes = self.readouts = self.run = 0
+        self.positions = self.passes = self.readouts = self.run = self.loop = 0
 
     def __call__(self, module, args, out) -> None:
         s = out.stats
@@ -26,6 +27,7 @@ class Tally:
         self.positions += n
         self.passes += float(s["exit_passes"].sum())  # ACT: n_updates, a float count
         self.readouts += int(s["exit_readouts"].sum()) if "exit_readouts" in s else 0
+        self.loop += int(s.get("exit_loop", 0)) * n  # passes the loop ran (filling the exited ones' keys)
         if "halting_probs" in s:  # ACT: the loop ran this many steps for every position
             self.run += s["halting_probs"].shape[0] * n
 
@@ -59,17 +61,26 @@ def _pass_costs(cfg_json: str, seq_len: int, depth: int, extend: str | None) -> 
 def exit_flops(model, seq_len: int, t: Tally | None = None, extend: str | None = None) -> int | None:
     """Forward FLOPs per token at the trunk's depth D (``trunk.passes``) with the exit
     statistics ``t``, from ``params.flops_per_token`` (meta device): F(D) - skipped passes x
-    (pass - its keys/values) + readouts x 2 d_model V; under ACT F(1) + (steps the loop
-    ran - 1) x pass (a halted position is still transformed while the loop runs: later
-    positions attend to it, UT §2.2). No statistics (no rule, or ``t`` None): F(D). Not
-    counted: the state rule's norms and, in a Hyperloop, the mixing of an exited position's
-    streams into its layers' input (O(n d_model) each)."""
-    cfg, D = model.cfg, model.trunk.passes
+    a pass + passes the loop ran past a position's exit x its keys/values (``fill=recompute``;
+    ``latest`` projects none) + readouts x (2 d_model V, plus the end block's blocks for
+    ``kl`` / ``entropy``: a block costs a pass / ``pass_blocks``). Under ACT F(1) + (steps
+    the loop ran - 1) x a step (tensor2tensor keeps transforming a halted position while
+    the loop runs; the UT paper, §2.2, copies it). No statistics (no rule, or ``t`` None):
+    F(D). Not counted: norms and, in a Hyperloop, the hyper-connections' coefficients of
+    an exited position (O(n d_model) each), which every pass still computes."""
+    cfg, trunk = model.cfg, model.trunk
+    D = trunk.passes
     full, one, per_pass = _pass_costs(json.dumps(cfg.to_dict(), sort_keys=True), seq_len, D, extend)
     if full is None or t is None or not t.positions:
         return full
     if t.run:
         return round(one + (t.mean("run") - 1) * per_pass)
-    kv = model.trunk.pass_blocks * 2 * cfg.d_model * 2 * cfg.n_kv_heads * cfg.head_dim
+    exits = trunk.exits
+    kv = trunk.pass_blocks * 2 * cfg.d_model * 2 * cfg.n_kv_heads * cfg.head_dim
+    if exits is not None and exits.fill == "latest":
+        kv = 0
     readout = 2 * cfg.d_model * cfg.vocab_size
-    return round(full - (D - t.mean("passes")) * (per_pass - kv) + t.mean("readouts") * readout)
+    if exits is not None and exits.rule.kind in END_READ:
+        readout += trunk.readout_blocks * per_pass / trunk.pass_blocks
+    passes = t.mean("passes")
+    return round(full - (D - passes) * per_pass + (t.mean("loop") - passes) * kv + t.mean("readouts") * readout)

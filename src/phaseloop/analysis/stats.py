@@ -56,11 +56,13 @@ def paired_t_test(ref: list[float], var: list[float], alpha: float = 0.05) -> di
     if n < 2:
         return {**out, "verdict": "n/a", "note": "one seed: no noise estimate"}
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
-    if sd == 0:  # identical differences: no noise at all (t undefined, kept out of JSON)
-        t, p = None, 1.0 if mean == 0 else 0.0
-    else:
-        t = mean / (sd / math.sqrt(n))
-        p = t_two_sided_p(t, n - 1)
+    if sd == 0:  # identical differences: t is undefined (0/0 or x/0), and so is p
+        if mean == 0:
+            return {**out, "p": 1.0, "verdict": "indistinguishable", "note": "identical results"}
+        return {**out, "verdict": "n/a", "note": f"the same difference on every seed ({mean:+.4g}): no noise "
+                "estimate, the t-test is undefined"}
+    t = mean / (sd / math.sqrt(n))
+    p = t_two_sided_p(t, n - 1)
     verdict = "indistinguishable" if p >= alpha else ("better" if mean < 0 else "worse")
     note = ("2 seeds: 1 degree of freedom, only large consistent differences count"
             if n == 2 else "")

@@ -104,6 +104,33 @@ class ACTState:
         return update_weights
 
 
+class PendingInputs:
+    """The UT's KV-cache entry ``("ut_in", t)`` under ACT (lazy step extension, universal.py):
+    the step-t inputs x [B, n, D] of the positions start .. start + n - 1, which stopped
+    before step t; rolls back with the cache (``truncate``)."""
+
+    def __init__(self, start: int, x_BND: torch.Tensor):
+        self.start, self.x = start, x_BND
+
+    def extend(self, start: int, x_BND: torch.Tensor) -> None:
+        if start != self.start + self.x.shape[1]:
+            raise ValueError(f"pending step inputs from position {start} do not follow those up to "
+                             f"{self.start + self.x.shape[1]}")
+        self.x = torch.cat([self.x, x_BND], 1)
+
+    def truncate(self, n: int) -> PendingInputs | None:
+        """Only the positions < n (None: none left)."""
+        keep = n - self.start
+        return None if keep <= 0 else PendingInputs(self.start, self.x[:, :keep])
+
+    def select_rows(self, idx_R: torch.Tensor) -> PendingInputs:
+        return PendingInputs(self.start, self.x.index_select(0, idx_R))
+
+    @property
+    def nbytes(self) -> int:
+        return self.x.nbytes
+
+
 def combine(previous_state: Tensor, transformed: Tensor, update_weights: Tensor,
             mode: str = "basic") -> Tensor:
     """Fold one step's transformed state into the ACT output.

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaseloop.config import ModelConfig
+from phaseloop.errors import ConfigError
+from phaseloop.layers import ForwardContext, compute_dtype
 from phaseloop.trunk import DerivedBuffers
 
 HYPERLOOP_RES_INIT = 0.01  # diagonal H_res at init when F keeps its own residual
@@ -168,3 +170,48 @@ class HyperConnection(DerivedBuffers, nn.Module):
         else:  # Sinkhorn: a full n x n mix per token
             kept_BTnD = stream_product(res, y_BTnD)
         return kept_BTnD + post_BTn.unsqueeze(-1) * f_BTD.unsqueeze(-2)
+
+
+class PooledMLPTransition(nn.Module):
+    """The review's description of Hyperloop (not the paper's method), kept as a variant:
+
+        X <- T(X) * X + F(mean_n X),   T = MLP(RMSNorm(pool(X))) reshaped to n x D,
+
+    where pool is a *causal* running mean over positions <= t (a global average pool
+    would let every token see the future). The review leaves open how F reads n streams;
+    we read their mean, as the hyperloop does at init. Under a KV cache the running sum
+    and count are kept in ``cache.entries[slot]``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n, D = cfg.n_streams, cfg.d_model
+        self.n, self.eps = n, cfg.norm_eps
+        hidden = max(16, D // 16)
+        self.mlp = nn.Sequential(nn.Linear(n * D, hidden), nn.GELU(), nn.Linear(hidden, n * D))
+
+    def forward(self, streams_BTnD: torch.Tensor, fn, ctx: ForwardContext | None = None,
+                slot=None) -> torch.Tensor:
+        B, T, n, D = streams_BTnD.shape
+        if ctx is not None and ctx.doc_ids is not None:
+            raise ConfigError("hc_transition='pooled_mlp' pools over every earlier position of the "
+                              "window, across documents; drop --doc-mask or use the paper's "
+                              "hyper-connections (hc_transition='hc')")
+        # running sum in fp32 at least (float64 for a float64 model, so that cached = full)
+        sum_BTm = streams_BTnD.flatten(-2).to(compute_dtype(streams_BTnD.dtype)).cumsum(dim=1)
+        past = 0
+        cache = ctx.cache if ctx is not None else None
+        if cache is not None and cache.static:
+            raise ConfigError("hc_transition='pooled_mlp' keeps running sums per loop in its cache, which a "
+                              "static cache (export) has no buffer for; export the paper's hc_transition='hc'")
+        if cache is not None:
+            if slot in cache.entries:
+                prev_B1m, past = cache.entries[slot]
+                sum_BTm = sum_BTm + prev_B1m
+            cache.entries[slot] = (sum_BTm[:, -1:].detach(), past + T)
+        count_T1 = torch.arange(past + 1, past + T + 1, device=sum_BTm.device,
+                                dtype=sum_BTm.dtype)[:, None]
+        pooled_BTm = (sum_BTm / count_T1).to(streams_BTnD.dtype)
+        gate_BTnD = self.mlp(F.rms_norm(pooled_BTm, (n * D,), eps=self.eps)).unflatten(-1, (n, D))
+        f_BTD = fn(merge_streams(streams_BTnD))
+        return gate_BTnD * streams_BTnD + f_BTD.unsqueeze(2)

@@ -20,15 +20,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from phaseloop.archs import paper_scales
-from phaseloop.archs.hyperconn import HyperConnection, copy_streams, merge_streams
+from phaseloop.archs.hyperconn import HyperConnection, PooledMLPTransition, copy_streams, merge_streams
 from phaseloop.config import MAX_DEPTH, ModelConfig, fail, register_presets
-from phaseloop.early_exit import PASS_RULES, monitor
+from phaseloop.early_exit import END_READ, PASS_RULES, monitor
 from phaseloop.errors import ConfigError
-from phaseloop.layers import Block, ForwardContext, compute_dtype
+from phaseloop.layers import Block, ForwardContext
 from phaseloop.registry import ArchSpec, register_arch
 from phaseloop.trunk import Trunk
 from phaseloop.validation import check_ints
@@ -112,48 +111,6 @@ class HyperloopOptions:
                  "and hc_per_layer")
 
 
-class PooledMLPTransition(nn.Module):
-    """The review's description of Hyperloop (not the paper's method), kept as a variant:
-
-        X <- T(X) * X + F(mean_n X),   T = MLP(RMSNorm(pool(X))) reshaped to n x D,
-
-    where pool is a *causal* running mean over positions <= t (a global average pool
-    would let every token see the future). The review leaves open how F reads n streams;
-    we read their mean, as the hyperloop does at init. Under a KV cache the running sum
-    and count are kept in ``cache.entries[slot]``.
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        n, D = cfg.n_streams, cfg.d_model
-        self.n, self.eps = n, cfg.norm_eps
-        hidden = max(16, D // 16)
-        self.mlp = nn.Sequential(nn.Linear(n * D, hidden), nn.GELU(), nn.Linear(hidden, n * D))
-
-    def forward(self, streams_BTnD: torch.Tensor, fn, ctx: ForwardContext | None = None,
-                slot=None) -> torch.Tensor:
-        B, T, n, D = streams_BTnD.shape
-        if ctx is not None and ctx.doc_ids is not None:
-            raise ConfigError("hc_transition='pooled_mlp' pools over every earlier position of the "
-                              "window, across documents; drop --doc-mask or use the paper's "
-                              "hyper-connections (hc_transition='hc')")
-        # running sum in fp32 at least (float64 for a float64 model, so that cached = full)
-        sum_BTm = streams_BTnD.flatten(-2).to(compute_dtype(streams_BTnD.dtype)).cumsum(dim=1)
-        past = 0
-        cache = ctx.cache if ctx is not None else None
-        if cache is not None:
-            if slot in cache.entries:
-                prev_B1m, past = cache.entries[slot]
-                sum_BTm = sum_BTm + prev_B1m
-            cache.entries[slot] = (sum_BTm[:, -1:].detach(), past + T)
-        count_T1 = torch.arange(past + 1, past + T + 1, device=sum_BTm.device,
-                                dtype=sum_BTm.dtype)[:, None]
-        pooled_BTm = (sum_BTm / count_T1).to(streams_BTnD.dtype)
-        gate_BTnD = self.mlp(F.rms_norm(pooled_BTm, (n * D,), eps=self.eps)).unflatten(-1, (n, D))
-        f_BTD = fn(merge_streams(streams_BTnD))
-        return gate_BTnD * streams_BTnD + f_BTD.unsqueeze(2)
-
-
 # ---------------------------------------------------------------------------- trunks
 class Looped(Trunk):
     """begin (b layers) -> middle (m layers, applied L times, one set of weights) -> end
@@ -170,10 +127,11 @@ class Looped(Trunk):
         self.n_loops = cfg.n_loops  # trained passes of the middle block
         self.loops = cfg.n_loops  # passes run now (set_depth)
         self.depth = b + m * cfg.n_loops + e  # nominal (trained) depth: init scaling, FLOPs
-        self.pass_blocks = m
+        self.pass_blocks, self.readout_blocks = m, e
 
     dynamic_depth = True
     exit_rules = PASS_RULES  # early exit per position after each pass (early_exit.py)
+    shares_kv = True  # pass l of middle layer i uses slot ("middle", i, kv_slot(l))
 
     @property
     def passes(self) -> int:
@@ -204,15 +162,27 @@ class Looped(Trunk):
         return x_BTD
 
     def cache_slots(self) -> list:
+        loops = list(dict.fromkeys(self.kv_slot(loop) for loop in range(self.loops)))
+        reads = []  # the kl / entropy readouts through the end block after every pass but the last
+        if self.exits is not None and self.exits.rule.kind in END_READ:
+            reads = [("read", i, s) for s in dict.fromkeys(self.kv_slot(t) for t in range(self.loops - 1))
+                     for i in range(len(self.end))]
         return ([("begin", i) for i in range(len(self.begin))]
-                + [("middle", i, loop) for loop in range(self.loops) for i in range(len(self.middle))]
-                + [("end", i) for i in range(len(self.end))])
+                + [("middle", i, loop) for loop in loops for i in range(len(self.middle))]
+                + [("end", i) for i in range(len(self.end))] + reads)
+
+    def exit_readout(self, h_BTD: torch.Tensor, ctx: ForwardContext, t: int) -> torch.Tensor:
+        """The end block after pass t, over the positions still running (Huginn §6.1 reads
+        its exit distributions through the coda); slots ("read", i, kv_slot(t))."""
+        return self.run(self.end, h_BTD, ctx, "read", self.kv_slot(t))
 
     def forward(self, x_BTD: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x_BTD = self.run(self.begin, x_BTD, ctx, "begin")
         mon = monitor(self, x_BTD, ctx, self.loops)  # early exit per position (early_exit.py)
         for loop in range(self.loops):
-            y_BTD = self.run(self.middle, x_BTD, ctx, "middle", loop, mon)
+            if mon is not None and mon.finished:
+                break
+            y_BTD = self.run(self.middle, x_BTD, ctx if mon is None else mon.ctx, "middle", self.kv_slot(loop), mon)
             x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
         return self.run(self.end, x_BTD, ctx, "end")
 
@@ -273,17 +243,19 @@ class Hyperloop(Looped):
         mon = monitor(self, streams_BTnD, ctx, self.loops, merge_streams)  # early exit (early_exit.py)
         m = len(self.middle)
         for loop in range(self.loops):
-            p = self._param_loop(loop)
+            if mon is not None and mon.finished:
+                break
+            p, s, c = self._param_loop(loop), self.kv_slot(loop), ctx if mon is None else mon.ctx
             before = streams_BTnD
             if self.per_layer:  # an exited position's streams stay frozen through the pass
                 for i, layer in enumerate(self.middle):
                     streams_BTnD = self.hc[p * m + i](
-                        streams_BTnD, lambda h, layer=layer, i=i, loop=loop: layer(h, ctx, slot=("middle", i, loop)))
+                        streams_BTnD, lambda h, layer=layer, i=i, s=s, c=c: layer(h, c, slot=("middle", i, s)))
                     streams_BTnD = streams_BTnD if mon is None else mon.hold(before, streams_BTnD)
             else:
                 streams_BTnD = self.hc[p](
-                    streams_BTnD, lambda h, loop=loop: self.run(self.middle, h, ctx, "middle", loop, mon),
-                    ctx, ("pool", loop))
+                    streams_BTnD, lambda h, s=s, c=c: self.run(self.middle, h, c, "middle", s, mon),
+                    c, ("pool", loop))
             streams_BTnD = streams_BTnD if mon is None else mon.step(before, streams_BTnD)
         return self.run(self.end, merge_streams(streams_BTnD), ctx, "end")
 
@@ -325,8 +297,6 @@ class MHC(Trunk):
             streams_BTnD = blk.between(streams_BTnD)
             streams_BTnD = self.hc[2 * i + 1](streams_BTnD, blk.ffn_branch)
         return merge_streams(streams_BTnD)
-
-
 
 
 # ---------------------------------------------------------------------------- presets

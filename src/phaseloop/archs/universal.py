@@ -33,7 +33,7 @@ runs (``act_early_exit``, as tensor2tensor), also with a KV cache.
 
 KV cache under ACT (lazy step extension): slot ``("ut", t)`` holds the keys/values of
 the positions computed at step t, a prefix [0, c_t) of the sequence with c_0 >= c_1 >=
-...; entry ``("ut_in", t)`` holds, as a list of chunks, the step-t inputs (transformed
+...; entry ``("ut_in", t)`` (``PendingInputs``) holds the step-t inputs (transformed
 states of step t-1) of the positions [c_t, c_{t-1}) that stopped before step t. A call
 runs only the steps its new tokens need (early exit); when step t runs, the earlier
 positions that stopped before it are first caught up (their pending step-t inputs are
@@ -53,7 +53,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from phaseloop.archs.act import ACTState, combine, ponder_cost, ponder_loss
+from phaseloop.archs.act import ACTState, PendingInputs, combine, ponder_cost, ponder_loss
 from phaseloop.archs.seq2seq import EncoderDecoder
 from phaseloop.config import ModelConfig, fail
 from phaseloop.data.tokenizer import PAD
@@ -196,6 +196,7 @@ class UniversalTrunk(Trunk):
 
     dynamic_depth = True
     exit_rules = (*PASS_RULES, "act")  # this arch's, with or without ACT
+    shares_kv = True  # step t uses slot ("ut", kv_slot(t))
 
     @property
     def passes(self) -> int:
@@ -225,7 +226,7 @@ class UniversalTrunk(Trunk):
 
     def cache_slots(self) -> list:  # ACT also keeps the pending step inputs ("ut_in", t)
         pending = [("ut_in", t) for t in range(1, self.steps + 1)] if self.halting is not None else []
-        return [("ut", t) for t in range(self.steps)] + pending
+        return list(dict.fromkeys(("ut", self.kv_slot(t)) for t in range(self.steps))) + pending
 
     def forward(self, x_BTD: torch.Tensor, ctx: ForwardContext, steps: int | None = None) -> torch.Tensor:
         steps = self.steps if steps is None else steps
@@ -233,7 +234,10 @@ class UniversalTrunk(Trunk):
         if self.halting is None:
             mon = monitor(self, x_BTD, ctx, steps)  # early exit per position (early_exit.py)
             for t in range(steps):
-                y_BTD = self.block(self.signal(x_BTD, pos_TD, t), ctx, ("ut", t))
+                if mon is not None and mon.finished:
+                    break
+                y_BTD = self.block(self.signal(x_BTD, pos_TD, t), ctx if mon is None else mon.ctx,
+                                   ("ut", self.kv_slot(t)))
                 x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
             return x_BTD
         return self._act(x_BTD, ctx, steps, pos_TD)
@@ -242,18 +246,20 @@ class UniversalTrunk(Trunk):
         cfg = self.cfg
         # an inference-time threshold (early_exit rule act:THRESHOLD) replaces the trained one
         threshold = 1.0 - cfg.act_epsilon if self.exits is None else self.exits.rule.value
-        # meta tensors (``phaseloop params``) cannot be read: count all max steps
-        early_exit = self.early_exit and x_BTD.device.type != "meta"
         cache, end = ctx.cache, ctx.start_pos + x_BTD.shape[1]
+        # the lazy step extension below keeps pending step inputs in a KVCache; a static
+        # cache (export) holds keys/values of every step instead: all steps run, none pends
+        lazy = cache is not None and not cache.static
+        # meta tensors (``phaseloop params``) cannot be read: count all max steps
+        early_exit = self.early_exit and x_BTD.device.type != "meta" and (cache is None or lazy)
         state: ACTState | None = None
         out_BTD = torch.zeros_like(x_BTD)  # previous_state
         probs = []
         y_BND, lo, ctx_t = x_BTD, ctx.start_pos, ctx  # step input of positions [lo, end)
         for t in range(steps):
-            pending = cache.entries.pop(("ut_in", t), None) if cache is not None else None
-            if pending:  # catch up earlier positions that stopped before step t
-                y_BND = torch.cat([*pending, y_BND], 1)
-                lo = end - y_BND.shape[1]
+            pending = cache.entries.pop(("ut_in", t), None) if lazy else None
+            if pending is not None:  # catch up earlier positions that stopped before step t
+                y_BND, lo = torch.cat([pending.x, y_BND], 1), pending.start
                 ctx_t, pos_TD = self._widen(ctx, lo, end)
             new = slice(ctx.start_pos - lo, None)  # own tokens; [:, 0:] is a free alias
             h_BND = self.signal(y_BND, pos_TD, t)
@@ -261,15 +267,19 @@ class UniversalTrunk(Trunk):
             if state is None:
                 state = ACTState.like(p_BT)
             w_BT = state.step(p_BT, threshold)  # the one implementation (act.py)
-            y_BND = self.block(h_BND, ctx_t, ("ut", t))  # transformed = next step input
+            y_BND = self.block(h_BND, ctx_t, ("ut", self.kv_slot(t)))  # transformed = next step input
             out_BTD = combine(out_BTD, y_BND[:, new], w_BT.to(x_BTD.dtype), cfg.act_type)
             probs.append(p_BT.detach())
             # the early exit reads a tensor on the host: compiled, every step runs (a halted
             # position's weights are 0 from then on, so the output is the same)
             if early_exit and not torch.compiler.is_compiling() and not bool(state.running(threshold, steps).any()):
                 break
-        if cache is not None:  # step t+1 inputs of [lo, end) wait for a token that needs it
-            cache.entries.setdefault(("ut_in", t + 1), []).append(y_BND)
+        if lazy:  # step t+1 inputs of [lo, end) wait for a token that needs it
+            waiting = cache.entries.get(("ut_in", t + 1))
+            if waiting is None:
+                cache.entries[("ut_in", t + 1)] = PendingInputs(lo, y_BND)
+            else:
+                waiting.extend(lo, y_BND)
         ctx.aux_losses["ponder_loss"] = ponder_loss(state, cfg.act_loss_weight)
         ctx.stats["ponder_time"] = ponder_cost(state).detach()
         ctx.stats["exit_passes"] = state.n_updates.detach()  # steps each position used

@@ -77,17 +77,21 @@ def safe_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _comma_list(text: str, item, what: str, example: str, noun: str) -> list:
+    """``text`` split at commas, each part through ``item``, no repeats (one-line errors; an
+    ``item``'s own ArgumentTypeError, such as a depth out of range, is its line)."""
+    try:
+        out = [item(part.strip()) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give {what} separated by commas, e.g. {example}") from None
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: a {noun} is repeated")
+    return out
+
+
 def depth_list(text: str) -> list[int]:
     """Comma-separated depths (``2,4,6``), each a depth_int, no repeats."""
-    items = [item.strip() for item in text.split(",")]
-    try:
-        out = [depth_int(item) for item in items]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers separated by commas, "
-                                         "e.g. 2,4,6") from None
-    if len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"{text!r}: a depth is repeated")
-    return out
+    return _comma_list(text, depth_int, "positive integers", "2,4,6", "depth")
 
 
 depth_list.__name__ = "depth list"
@@ -103,3 +107,17 @@ def exit_rules(text: str) -> list:
 
 
 exit_rules.__name__ = "exit rule"
+
+
+def share_list(text: str) -> list:
+    """``1,2,full``: KV slots per looped layer (``--kv-share``), ``full`` = one per pass (None)."""
+    def item(part: str):
+        try:
+            return None if part.lower() == "full" else positive_int(part)
+        except argparse.ArgumentTypeError as e:  # 0 or below: the list's own line
+            raise ValueError(part) from e
+
+    return _comma_list(text, item, "positive integers or full,", "1,2,full", "value")
+
+
+share_list.__name__ = "KV share list"

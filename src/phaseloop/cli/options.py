@@ -65,6 +65,23 @@ def exit_options(p, sweep: bool = False) -> None:
                                  if sweep else ""))
 
 
+def inference_options(p, sweep: bool = False) -> None:
+    """--kv-fill, --kv-share (and generate's --speculative): a weight-tied trunk's decoding
+    options (``phaseloop.inference``, docs/inference.md)."""
+    p.add_argument("--kv-fill", choices=("recompute", "latest"), default="recompute",
+                   help="with --exit, the keys/values of the passes an exited position skips: recompute "
+                   "(projected from its frozen state; default) or latest (its deepest ones, Huginn)")
+    p.add_argument("--kv-share", type=argtypes.share_list if sweep else argtypes.positive_int,
+                   metavar="K[,K...]" if sweep else "K",
+                   help="pass i reads and writes KV slot i mod K (Huginn §6.2): K slots per looped layer"
+                   + (" (a list sweeps, 'full' = one per pass; evaluated token by token)" if sweep else ""))
+    if not sweep:
+        p.add_argument("--speculative", type=argtypes.positive_int, metavar="D",
+                       help="self-speculative decoding: draft with D passes, verify at the full depth")
+        p.add_argument("--draft-tokens", type=argtypes.positive_int, default=4, metavar="K",
+                       help="--speculative: tokens drafted per round (default 4)")
+
+
 def data_options(p) -> None:
     """train's data flags: default None (not given), so a config file or a resumed run's
     own settings apply (runconfig.DATA_DEFAULTS otherwise)."""

@@ -1,5 +1,5 @@
 """``phaseloop eval`` and ``phaseloop generate``: a trained run's loss (at other depths,
-with early exits) and its samples."""
+with early exits) or downstream accuracy (``--tasks``: ``eval_tasks.py``) and its samples."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import sys
 import torch
 
 from phaseloop.analysis import plots
-from phaseloop.analysis.exits import tally
-from phaseloop.cli import argtypes
-from phaseloop.cli.options import depth_options, exit_options, on_a_run
-from phaseloop.cli.sweeps import eval_depths, eval_exits
+from phaseloop.cli import argtypes, eval_tasks
+from phaseloop.cli.options import depth_options, exit_options, inference_options, on_a_run
+from phaseloop.cli.sweeps import eval_depths, eval_exits, eval_kv_share
 from phaseloop.depth import set_model_depth
-from phaseloop.early_exit import set_exit
 from phaseloop.engine import dist, resolve_device
 from phaseloop.engine.checkpoint import load_run, run_corpus, run_tokenizer
 from phaseloop.errors import PhaseloopError
+from phaseloop.inference import Options, generate
 from phaseloop.lm.train import check_seq_len, eval_set, evaluate
+from phaseloop.quant import load_packed, weight_bytes
 
 
 def add_parsers(sub) -> None:
@@ -28,10 +28,13 @@ def add_parsers(sub) -> None:
     ev.add_argument("--split", choices=("val", "all"), default="val",
                     help="val: the held-out tail; all: every token (ev.g. a separate test file)")
     ev.add_argument("--json", action="store_true")
+    quantized_option(ev)
     depth_options(ev, sweep=True)
     exit_options(ev, sweep=True)
+    inference_options(ev, sweep=True)
     ev.add_argument("--plot", metavar="PNG", help="with --depth: loss and BPB against depth; with "
                     "--exit: loss against mean depth; as a PNG")
+    eval_tasks.add_arguments(ev)
 
     gen = on_a_run(sub, "generate", "sample text from a run", cmd_generate, data=False)
     gen.add_argument("--prompt", default="")
@@ -40,19 +43,45 @@ def add_parsers(sub) -> None:
     gen.add_argument("--top-k", type=argtypes.positive_int, default=None)
     gen.add_argument("--seed", type=argtypes.seed_int, default=0)
     gen.add_argument("--no-cache", action="store_true", help="recompute the full prefix every token")
+    gen.add_argument("--json", action="store_true", help="text, tokens, tokens/s, passes per token, "
+                     "KV cache bytes, weight bytes (and the acceptance rate with --speculative) as JSON")
+    quantized_option(gen)
     depth_options(gen)
     exit_options(gen)
+    inference_options(gen)
+
+
+def quantized_option(p) -> None:
+    p.add_argument("--quantized", metavar="FILE", help="a quant-*.safetensors of `phaseloop quantize`: run "
+                   "its packed int8/int4 weights on torch's CPU kernels (docs/deploy.md)")
+
+
+def load_model(args, device):
+    """The run's model, packed from ``--quantized FILE`` when given (``quant.load_packed``)."""
+    if getattr(args, "quantized", None):
+        model, run_cfg, info = load_packed(args.run, args.quantized, device)
+        for note in info["notes"]:
+            dist.say(f"note: {note}")
+        return model, run_cfg
+    return load_run(args.run, device)
 
 
 def cmd_eval(args) -> int:
+    eval_tasks.check_flags(args)
+    if args.tasks is not None:
+        return eval_tasks.eval_tasks(args)
     if args.depth is None and (args.extend_loops or (args.plot and not args.exit)):
         raise PhaseloopError("--extend-loops and --plot apply with --depth (--plot also with --exit); "
                              "add --depth K[,K...]")
-    if args.exit and args.depth is not None and len(args.depth) > 1:
-        raise PhaseloopError("--exit sweeps its rules at one depth; give one --depth K (or none: "
-                             "the trained depth)")
+    if (args.exit or args.kv_share) and args.depth is not None and len(args.depth) > 1:
+        raise PhaseloopError(f"{'--exit' if args.exit else '--kv-share'} sweeps at one depth; give one "
+                             "--depth K (or none: the trained depth)")
+    if args.kv_share is not None and args.exit:
+        raise PhaseloopError("--kv-share and --exit sweep one at a time; give one of them")
+    if args.kv_fill != "recompute" and not args.exit:
+        raise PhaseloopError(f"--kv-fill {args.kv_fill} applies with --exit RULE:V")
     device = resolve_device(args.device)
-    model, run_cfg = load_run(args.run, device)
+    model, run_cfg = load_model(args, device)
     corpus = run_corpus(args.run, run_cfg, args.data)
     seq_len = args.seq_len or run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
     check_seq_len(seq_len, model.cfg)
@@ -63,13 +92,15 @@ def cmd_eval(args) -> int:
     windows, docs = eval_set(corpus, tokens, seq_len, args.windows, run_cfg["train"])
     if args.plot:  # refuse a plot without matplotlib before evaluating
         plots.pyplot()
+    if args.kv_share is not None:
+        return eval_kv_share(args, model, run_cfg, corpus, windows, seq_len, device, docs)
     if args.exit:
         return eval_exits(args, model, run_cfg, corpus, windows, seq_len, device, docs)
     if args.depth is not None:
         return eval_depths(args, model, run_cfg, corpus, windows, seq_len, device, docs)
     res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"), docs)
     res.update({"data": corpus.name, "fingerprint": corpus.fingerprint, "split": args.split,
-                "windows": len(windows), "seq_len": seq_len})
+                "windows": len(windows), "seq_len": seq_len, "quantized": args.quantized})
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -78,14 +109,16 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _depth_args(args, model) -> None:
-    """Apply --depth / --extend-loops (one depth) and --exit (one rule) to a loaded model."""
+def _options(args, model) -> Options:
+    """Apply --depth / --extend-loops (one depth) to a loaded model; the decoding options."""
     set_model_depth(model, args.depth, args.extend_loops or None)
-    if args.exit:
-        if len(args.exit) > 1:
-            raise PhaseloopError(f"--exit {args.exit[0].kind}: give one value here (a list sweeps "
-                                 "in `phaseloop eval` only)")
-        set_exit(model, args.exit[0])
+    if args.exit and len(args.exit) > 1:
+        raise PhaseloopError(f"--exit {args.exit[0].kind}: give one value here (a list sweeps "
+                             "in `phaseloop eval` only)")
+    return Options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   seed=args.seed, use_cache=not args.no_cache, exit=args.exit[0] if args.exit else None,
+                   kv_fill=args.kv_fill, kv_share=args.kv_share, speculative=args.speculative,
+                   draft_tokens=args.draft_tokens)
 
 
 def cmd_generate(args) -> int:
@@ -93,19 +126,30 @@ def cmd_generate(args) -> int:
         raise PhaseloopError(f"--temperature {args.temperature}: must be a finite number >= 0 "
                              "(0 = greedy, 1 = the model's distribution)")
     device = resolve_device(args.device)
-    model, run_cfg = load_run(args.run, device)
-    _depth_args(args, model)
+    model, run_cfg = load_model(args, device)
+    opts = _options(args, model)
     tok = run_tokenizer(args.run, run_cfg)
     idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]
     if idx.shape[1] + args.max_new_tokens > model.cfg.max_seq_len:
         dist.say(f"note: prompt + new tokens ({idx.shape[1] + args.max_new_tokens}) exceed the model's "
                  f"max_seq_len {model.cfg.max_seq_len}: later positions are beyond what it was trained on")
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    with tally(model) as t:
-        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             generator=g, use_cache=not args.no_cache)
-    if args.exit and t.positions:
-        dist.say(f"note: --exit {args.exit[0].label}: mean depth {t.mean('passes'):.2f} of "
-                 f"{model.trunk.passes} passes per position computed")
-    sys.stdout.write(tok.decode(out[0].tolist()) + "\n")
+    g = generate(model, idx, opts)
+    new = g.tokens[0].tolist()
+    if args.json:
+        out = {"prompt": tok.decode(idx[0].tolist()), "text": tok.decode(new), "tokens": new,
+               "tokens_per_s": g.tokens_per_s, "mean_passes": g.mean_passes, "passes": g.passes,
+               "depth": model.trunk.passes, "kv_cache_bytes": g.kv_cache_bytes}
+        out["weight_bytes"], out["weight_bytes_fp32"] = weight_bytes(model)
+        if opts.speculative is not None:
+            out.update(acceptance=g.acceptance, rounds=g.rounds, draft_passes=opts.speculative)
+        print(json.dumps(out, indent=2))
+        return 0
+    if opts.exit is not None and g.mean_passes is not None:
+        dist.say(f"note: --exit {opts.exit.label}: mean depth {g.mean_passes:.2f} of "
+                 f"{model.trunk.passes} passes per generated token")
+    if opts.speculative is not None:
+        dist.say(f"note: --speculative {opts.speculative}: {g.acceptance or 0:.1%} of the drafted tokens "
+                 f"accepted over {g.rounds} rounds, {g.tokens_per_s:.1f} tokens/s")
+    sys.stdout.write(tok.decode(idx[0].tolist() + new) + "\n")
     return 0
+

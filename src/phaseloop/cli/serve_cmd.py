@@ -23,7 +23,7 @@ def add_parsers(sub) -> None:
                    "(default: $PHASELOOP_API_KEY if set)")
     p.add_argument("--model-name", help="the model id clients name (default: the folder's name)")
     p.add_argument("--quantized", metavar="FILE", help="a quant-*.safetensors of `phaseloop quantize`: serve "
-                   "its dequantised weights")
+                   "a run with its packed int8/int4 weights on torch's CPU kernels (an export: dequantised)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions "
                    "(default: the exported tokenizer's own, if any)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")

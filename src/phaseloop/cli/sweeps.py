@@ -1,30 +1,36 @@
 """``phaseloop eval``'s sweeps over a setting of a loaded model, one evaluation per point
-and one table / JSON / plot for all: ``--depth K[,K...]`` (the trunk's depth)
-and ``--exit RULE:V[,V...]`` (early exit per position, ``early_exit.py``)."""
+and one table / JSON / plot for all: ``--depth K[,K...]`` (the trunk's depth),
+``--exit RULE:V[,V...]`` (early exit per position, ``early_exit.py``) and ``--kv-share
+K[,K...]`` (KV slots per looped layer, evaluated token by token: ``inference.TokenByToken``)."""
 
 from __future__ import annotations
 
 import json
 import time
 
+import torch
+
 from phaseloop.analysis import plots
 from phaseloop.analysis.exits import exit_flops, tally
 from phaseloop.analysis.params import flops_per_token
 from phaseloop.depth import set_model_depth
-from phaseloop.early_exit import set_exit
+from phaseloop.early_exit import set_exit, set_kv_share
 from phaseloop.engine.checkpoint import run_folder
+from phaseloop.inference import TokenByToken
 from phaseloop.lm.train import evaluate
 
 
-def _sweep(args, model, run_cfg, corpus, windows, seq_len, device, points, docs=None) -> list[dict]:
+def _sweep(args, model, run_cfg, corpus, windows, seq_len, device, points, docs=None, evaluated=None) -> list[dict]:
     """Evaluate once per point: ``apply()`` sets the model up, ``fields(tally)`` gives the
-    row's own fields (``analysis.exits.tally``: the exit statistics of its forwards)."""
+    row's own fields (``analysis.exits.tally``: the exit statistics of its forwards);
+    ``evaluated``: what evaluates ``model`` (default itself)."""
     rows = []
     for apply, fields in points:
         apply()
         t0 = time.perf_counter()
         with tally(model) as t:
-            res = evaluate(model, windows, corpus.tokenizer, 16, device, run_cfg["train"].get("loss_ignore_id"), docs)
+            res = evaluate(evaluated or model, windows, corpus.tokenizer, 16, device,
+                           run_cfg["train"].get("loss_ignore_id"), docs)
         tok_s = res["val_tokens"] / max(time.perf_counter() - t0, 1e-9)
         rows.append({**fields(t), **res, "tok_per_s": tok_s, "data": corpus.name,
                      "fingerprint": corpus.fingerprint, "split": args.split,
@@ -74,30 +80,30 @@ def eval_depths(args, model, run_cfg, corpus, windows, seq_len, device, docs=Non
 
 def eval_exits(args, model, run_cfg, corpus, windows, seq_len, device, docs=None) -> int:
     """eval --exit RULE:V[,V...]: per rule and value, the mean depth a position used, the
-    loss and its change from the first row (no rule: the full depth, ACT at its trained
-    threshold), FLOPs per token and the share of the full depth's saved
-    (``analysis.exits.exit_flops``); then each rule's largest saving at <= 1 % more loss."""
+    loss, FLOPs per token (``analysis.exits.exit_flops``) and, against the first row (no
+    rule: the full depth; under ACT the trained threshold), the loss change and the share
+    of its FLOPs saved; then each rule's largest saving at <= 1 % more loss."""
     if args.depth is not None:
         set_model_depth(model, args.depth[0], args.extend_loops)
     rules = [None] + [r for group in args.exit for r in group]
+    fill = lambda rule: args.kv_fill if rule is not None else "recompute"
     for r in rules:  # refuse a rule the model cannot apply before evaluating
-        set_exit(model, r)
-    full = exit_flops(model, seq_len, None, args.extend_loops)
+        set_exit(model, r, fill(r))
 
     def point(rule):
         def fields(t):
             flops = exit_flops(model, seq_len, t, args.extend_loops)
             return {"rule": rule.kind if rule else "none", "value": rule.value if rule else None,
-                    "depth": t.mean("passes") if t.positions else model.trunk.passes,
-                    "readouts": t.mean("readouts"), "flops_per_token": flops,
-                    "mflops_per_token": _mflops(flops),
-                    "flops_saved": None if None in (flops, full) else 1 - flops / full}
-        return (lambda: set_exit(model, rule)), fields
+                    "kv_fill": fill(rule), "depth": t.mean("passes") if t.positions else model.trunk.passes,
+                    "readouts": t.mean("readouts"), "flops_per_token": flops, "mflops_per_token": _mflops(flops)}
+        return (lambda: set_exit(model, rule, fill(rule))), fields
 
     rows = _sweep(args, model, run_cfg, corpus, windows, seq_len, device, [point(r) for r in rules], docs)
     set_exit(model, None)
+    base = rows[0]["flops_per_token"]  # the first row's (under ACT: the trained threshold's)
     for r in rows:
         r["loss_change"] = r["val_loss"] / rows[0]["val_loss"] - 1
+        r["flops_saved"] = None if None in (r["flops_per_token"], base) else 1 - r["flops_per_token"] / base
         r["label"] = "none" if r["value"] is None else f"{r['rule']}:{r['value']:g}"
     _report(args, rows, corpus, windows, seq_len,
             [("rule", "label", 13, "{}"), ("depth", "depth", 7, "{:.3f}"), *_LOSS,
@@ -110,4 +116,37 @@ def eval_exits(args, model, run_cfg, corpus, windows, seq_len, device, docs=None
             print(f"{kind}: no value within 1 % of the loss" if best is None else
                   f"{kind}: {best['flops_saved']:.1%} of the FLOPs saved at {best['loss_change']:+.2%} loss "
                   f"({best['label']}, mean depth {best['depth']:.2f})")
+    return 0
+
+
+def eval_kv_share(args, model, run_cfg, corpus, windows, seq_len, device, docs=None) -> int:
+    """eval --kv-share K[,K...]: loss and BPB of token-by-token decoding (every position
+    through the cache) with K slots per looped layer (full: one per pass), and the bytes
+    the cache holds for one window of ``seq_len``."""
+    if args.depth is not None:
+        set_model_depth(model, args.depth[0], args.extend_loops)
+    for k in args.kv_share:  # refuse a stack before evaluating
+        set_kv_share(model, k)
+    wrapper = TokenByToken(model)
+
+    def point(k):
+        def fields(t):
+            one = TokenByToken(model)
+            with torch.no_grad():
+                one(windows[:1, :-1].to(device))
+            return {"kv_share": "full" if k is None else k, "depth": model.trunk.passes,
+                    "kv_cache_bytes": one.last_cache.nbytes}
+        return (lambda: set_kv_share(model, k)), fields
+
+    rows = _sweep(args, model, run_cfg, corpus, windows, seq_len, device, [point(k) for k in args.kv_share],
+                  docs, evaluated=wrapper)
+    set_kv_share(model, None)
+    ref = next((r for r in rows if r["kv_share"] == "full"), rows[0])
+    for r in rows:
+        r["loss_change"] = r["val_loss"] / ref["val_loss"] - 1
+        r["bytes_ratio"] = r["kv_cache_bytes"] / ref["kv_cache_bytes"]
+    _report(args, rows, corpus, windows, seq_len,
+            [("K", "kv_share", 6, "{}"), *_LOSS, ("dloss%", "loss_change", 8, "{:+.2%}"),
+             ("KV bytes", "kv_cache_bytes", 11, "{:,}"), ("ratio", "bytes_ratio", 7, "{:.3f}"), _TOKS],
+            "KV slots per looped layer")
     return 0

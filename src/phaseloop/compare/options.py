@@ -1,6 +1,7 @@
 """A recipe's tables of options, checked (what ``recipe``, ``launch`` and ``tune`` share):
-``[launcher]`` (``LaunchOptions``: who runs the runs) and ``[tune]`` (``Tune``: the
-learning-rate grid each variant is tuned over), and the one error a bad recipe raises."""
+``[launcher]`` (``LaunchOptions``: who runs the runs), ``[tune]`` (``Tune``: the
+learning-rate grid each variant is tuned over), ``[eval]`` (``EvalOptions``: downstream
+tasks on every finished run), and the one error a bad recipe raises."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 from phaseloop.engine import TrainConfig
 from phaseloop.errors import ConfigError, PhaseloopError
+from phaseloop.hf import downstream
 from phaseloop.validation import MAX_INT, MAX_SEED
 
 
@@ -204,3 +206,40 @@ class Tune:
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class EvalOptions:
+    """A recipe's ``[eval]``: the downstream tasks (``hf.downstream``: hellaswag, piqa, ...)
+    scored on every finished run at its trained depth, e.g. ``tasks = ["hellaswag", "piqa"]``,
+    ``limit = 500`` (the first documents of each task; default all), ``shots`` (default 0),
+    ``batch_size`` (requests per forward pass: speed only)."""
+    tasks: list = field(default_factory=list)
+    limit: int | None = None
+    shots: int = 0
+    batch_size: int = 32
+
+    @classmethod
+    def parse(cls, table) -> dict:
+        """The checked table ({} for none), with every key spelled out."""
+        if not isinstance(table, dict):
+            raise RecipeError('eval must be a table, e.g. [eval] tasks = ["hellaswag", "piqa"]')
+        if not table:
+            return {}
+        check_keys(cls, table, "recipe [eval]", "key")
+        e = cls(**table)
+        known = ", ".join(downstream.TASKS)
+        if not isinstance(e.tasks, list) or not e.tasks or any(not isinstance(t, str) for t in e.tasks):
+            raise RecipeError(f"[eval] tasks = {e.tasks!r}: must be a non-empty list of task names, e.g. "
+                              f'["hellaswag", "piqa"] (known: {known})')
+        for key, lo in (("limit", 1), ("shots", 0), ("batch_size", 1)):
+            v = getattr(e, key)
+            if (v is not None or key != "limit") and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
+                raise RecipeError(f"[eval] {key} = {v!r}: must be an integer >= {lo}"
+                                  + (" (documents per task; leave it out for all)" if key == "limit" else ""))
+        try:
+            downstream.parse_tasks(e.tasks)
+            downstream.check_shots(e.tasks, e.shots)
+        except ConfigError as err:
+            raise RecipeError(f"recipe [eval]: {err}") from None
+        return dataclasses.asdict(e)

@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from phaseloop import registry
-from phaseloop.compare.options import LaunchOptions, RecipeError, Tune, check_keys, suggest
+from phaseloop.compare.options import EvalOptions, LaunchOptions, RecipeError, Tune, check_keys, suggest
 from phaseloop.config import MAX_SEED, PRESETS, ModelConfig, merged
 from phaseloop.engine import TrainConfig
 from phaseloop.errors import ConfigError
@@ -193,6 +193,8 @@ class Recipe:
     # what the paper reports for this comparison (free-form; printed in report.md beside
     # the measured table), e.g. {source = "...", ppl = {baseline = 17.31, "mine N=3" = 16.06}}
     paper: dict = field(default_factory=dict)
+    # downstream tasks on every finished run (``options.EvalOptions``); empty: none
+    eval: dict = field(default_factory=dict)
     # learning-rate tuning before the reported runs (``tune.Tune``); empty: none
     tune: dict = field(default_factory=dict)
     # who runs the grid (compare.launch.LaunchOptions): launcher = "local", jobs = 8, or
@@ -260,6 +262,7 @@ class Recipe:
         if not isinstance(self.launcher, dict):
             raise RecipeError("launcher must be a table, e.g. [launcher] launcher = \"local\", jobs = 8")
         LaunchOptions.resolve(self.launcher)
+        self.eval = EvalOptions.parse(self.eval)
         if "seed" in self.train:
             raise RecipeError("train.seed is set per run from seeds; use seeds = [...] instead")
         try:

@@ -15,6 +15,7 @@ from phaseloop.analysis import plots
 from phaseloop.analysis.params import format_count
 from phaseloop.compare import tune
 from phaseloop.compare.budget import Planned, describe_match
+from phaseloop.compare.evals import accuracy_verdict, downstream_lines, summarize_downstream
 from phaseloop.compare.recipe import Recipe, RecipeError
 from phaseloop.compare.stats import first_reach, mean_curve, mean_std, paired_t_test, read_curves, speedup
 from phaseloop.engine import resolve_device, software_versions
@@ -51,6 +52,7 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
         return paired_t_test([a["summaries"][a["seeds"].index(s)]["val_loss"] for s in paired],
                              [b["summaries"][b["seeds"].index(s)]["val_loss"] for s in paired], recipe.alpha)
 
+    scored = summarize_downstream(out, recipe, rows)
     variants = []
     for p in plan:
         r = rows[p.name]
@@ -84,6 +86,7 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
             "step_speedup": speedup(ref_step, at_step),
             "wallclock_speedup": speedup(ref_time, at_time),
             "vs_reference": test, "vs_control": vs_control, "settings": r["settings"], "curve": mc,
+            "downstream": scored.get(p.name),
         })
     total = sum(x.get("elapsed_s", 0.0) for r in rows.values() for x in r["summaries"])
     return {"reference": recipe.reference, "target_val_loss": target, "lr": recipe.train["lr"],
@@ -122,8 +125,8 @@ def _speed(x) -> str:
 def _verdict(t: dict | None, none: str = "reference") -> str:
     if t is None:
         return none
-    if t["p"] is None:
-        return "n/a (1 seed)"
+    if t["p"] is None:  # one seed, or the same difference on every seed
+        return "n/a (" + (t.get("note") or "1 seed").split(":")[0] + ")"
     return f"{t['verdict']} (p={t['p']:.3f})"
 
 
@@ -135,14 +138,19 @@ def format_table(summary: dict) -> str:
     evals = sorted({k for v in summary["variants"] for k in v.get("lm_eval", {})})
     lr = any("lr" in v.get("settings", {}) for v in done)  # a variant's own or tuned rate
     ctl = any(v.get("vs_control") for v in done)
+    ds = any(v.get("downstream") for v in done)  # [eval]: the downstream average and its test
     head = ("| variant | params | depth | MFLOP/tok | " + ("lr | " if lr else "") + "tok/s | "
             + ("MFU | " if mfu else "") + "peak MB | val loss | BPB | PPL | step speedup | wall speedup | "
-            "vs reference |" + (" vs control |" if ctl else "") + "".join(f" {k} |" for k in evals))
-    lines = [head, "|" + "---|" * (12 + lr + mfu + ctl + len(evals))]
+            "vs reference |" + (" vs control |" if ctl else "") + "".join(f" {k} |" for k in evals)
+            + (" downstream avg | vs reference (downstream) |" if ds else ""))
+    lines = [head, "|" + "---|" * (12 + lr + mfu + ctl + len(evals) + 2 * ds)]
     for v in summary["variants"]:
         if not v["finished_seeds"]:
-            lines.append(f"| {v['name']} | not run |" + " |" * (10 + lr + mfu + ctl + len(evals)))
+            lines.append(f"| {v['name']} | not run |" + " |" * (10 + lr + mfu + ctl + len(evals) + 2 * ds))
             continue
+        d = (v.get("downstream") or {}).get("average")
+        down = "" if not ds else (" n/a | |" if d is None else
+                                  f" {_fmt(d['mean'], d['std'])} | {accuracy_verdict(d['vs_reference'])} |")
         c = v.get("vs_control")
         control = (f" {_verdict(c, '')} vs {c['control']} |" if c else " |") if ctl else ""
         ev = v.get("lm_eval", {})
@@ -159,7 +167,7 @@ def format_table(summary: dict) -> str:
             f"{_fmt(v['val_bpb']['mean'], v['val_bpb']['std'])} | "
             f"{_fmt(v['val_ppl']['mean'], v['val_ppl']['std'], 2)} | "
             f"{_speed(v['step_speedup'])} | {_speed(v['wallclock_speedup'])} | "
-            f"{_verdict(v['vs_reference'])} |" + control + cells)
+            f"{_verdict(v['vs_reference'])} |" + control + cells + down)
     return "\n".join(lines)
 
 
@@ -258,6 +266,10 @@ def write_report(out: Path, recipe: Recipe, plan: list[Planned], data: dict,
                   f"finished run, tasks {', '.join(recipe.eval_tasks)}"
                   + (f", the first {recipe.eval_limit} examples of each" if recipe.eval_limit else "")
                   + "; each run's results are in its lm_eval/results.json.")
+    if any(v.get("downstream") for v in s["variants"]):
+        md.append("- downstream avg: the mean over the `[eval]` tasks of each run's accuracy (acc_norm where "
+                  "lm-eval reports it, else acc), mean ± std over seeds, and its paired t-test against the "
+                  "reference (higher is better); per task: the Downstream tasks section.")
     md.append("- Peak memory: the run's peak RSS (CPU; reset between runs) or peak CUDA "
               "allocation; MFLOP/tok: forward FLOPs per token at the training length.")
     own = [v for v in s["variants"] if v.get("settings")]
@@ -267,6 +279,7 @@ def write_report(out: Path, recipe: Recipe, plan: list[Planned], data: dict,
                "config.json holds all of them):", ""]
         md += [f"- {v['name']}: " + ", ".join(f"{k} = {x}" for k, x in sorted(v["settings"].items()))
                for v in own]
+    md += downstream_lines(s, recipe)
     md += tune.report_lines(s["tuning"])
     if notes:
         md += ["", "## Budget matching", ""]

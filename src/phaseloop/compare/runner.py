@@ -28,6 +28,7 @@ from phaseloop.engine.run import RESUMABLE_CHANGES
 from phaseloop.engine.trainer import PeerFailed
 from phaseloop.errors import PhaseloopError
 from phaseloop.files import check_out_dir, read_json, write_json
+from phaseloop.hf import downstream
 from phaseloop.hf.harness import lm_eval_run, resolved_tasks
 from phaseloop.model import build_model
 from phaseloop.validation import first_difference
@@ -35,10 +36,11 @@ from phaseloop.validation import first_difference
 
 def _compared(recipe: dict) -> dict:
     """A stored recipe without what a rerun may change: the train settings a run may change
-    on resume (device, compile...) and the ``[launcher]`` (where runs go, not what they are)."""
+    on resume (device, compile...), the ``[launcher]`` (where runs go, not what they are)
+    and the ``[eval]`` tasks (scored on the finished runs, whatever trained them)."""
 
     train = {k: v for k, v in recipe.get("train", {}).items() if k not in RESUMABLE_CHANGES}
-    return {**{k: v for k, v in recipe.items() if k != "launcher"}, "train": train}
+    return {**{k: v for k, v in recipe.items() if k not in ("launcher", "eval")}, "train": train}
 
 
 def _claim_folder(out: Path, recipe: Recipe) -> None:
@@ -57,6 +59,8 @@ def _claim_folder(out: Path, recipe: Recipe) -> None:
             raise RecipeError(f"{out} holds a different comparison ({k}: {there} there, {now} now); "
                               f"rerun with the same recipe ({stored} holds it) and options to resume it, or "
                               "choose another --out")
+        if have.get("eval", {}) != want.get("eval", {}):  # the [eval] the report now follows
+            write_json(stored, {"recipe": want})
         return
     check_out_dir(out)
     if out.exists() and any(out.iterdir()):
@@ -96,13 +100,15 @@ def _launch_hint(name: str, log) -> None:
 
 
 def check_eval_tasks(recipe: Recipe) -> None:
-    """Refuse a recipe whose ``eval_tasks`` cannot run (lm-eval missing, a task unknown or
-    its data absent) before anything trains or is written. (A --dry-run does not: it
+    """Refuse a recipe whose ``eval_tasks`` or ``[eval]`` tasks cannot run (lm-eval missing,
+    a task unknown or its data absent) before anything trains or is written. (A --dry-run does not: it
     checks the variants where lm-eval and the data may be absent, as in CI.)"""
     if recipe.eval_tasks:
 
         with resolved_tasks(recipe.eval_tasks):
             pass
+    if recipe.eval:
+        downstream.check(recipe.eval["tasks"], recipe.eval["shots"])
 
 
 def _lm_eval(recipe: Recipe, run_dir: Path, device: str, log) -> None:
@@ -116,6 +122,23 @@ def _lm_eval(recipe: Recipe, run_dir: Path, device: str, log) -> None:
     if log:
         log(f"lm-eval {','.join(recipe.eval_tasks)} on {run_dir.name}")
     lm_eval_run(run_dir, recipe.eval_tasks, limit=recipe.eval_limit, device=device)
+
+
+def _downstream(recipe: Recipe, runs: list[CompareRun], device: str, log) -> None:
+    """Score every finished run on the recipe's ``[eval]`` tasks once (RUN/downstream.json),
+    the tasks built once for all of them (only when some run is not scored yet)."""
+    e = recipe.eval
+    built: list = []
+
+    def tasks():
+        if not built:
+            built.append(downstream.TaskSet(e["tasks"], e["shots"], e["limit"]))
+        return built[0]
+
+    for r in runs:
+        if e and (r.run_dir / "summary.json").exists():
+            downstream.run_results(r.run_dir, e["tasks"], limit=e["limit"], shots=e["shots"],
+                                   batch_size=e["batch_size"], device=device, tasks=tasks, log=log)
 
 
 def main_runs(recipe: Recipe, plan: list[Planned], out: Path, tuned: dict) -> list[CompareRun]:
@@ -297,6 +320,7 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
 def _report(recipe, out, plan, runs, corpus, device, command, log, tuning: dict) -> dict:
     for r in runs:  # also runs finished before an interruption
         _lm_eval(recipe, r.run_dir, device, log)
+    _downstream(recipe, runs, device, log)
     return write_report(out, recipe, plan, corpus.describe(), command, log, tuning=tuning)
 
 

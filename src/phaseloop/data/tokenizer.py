@@ -116,6 +116,22 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars)}
 
 
+
+def byte_level_tokenizer():
+    """``tokenizers.Tokenizer`` equal to ``ByteTokenizer``: id = byte value (a byte-level
+    BPE with no merges over GPT-2's printable stand-ins of the bytes), for the tools that
+    read a tokenizer.json (transformers, ExecuTorch's runner)."""
+    try:
+        from tokenizers import Tokenizer as _T
+        from tokenizers import decoders, models, pre_tokenizers
+    except ImportError:
+        raise ConfigError("a tokenizer.json for the byte tokenizer needs the tokenizers library: "
+                          "pip install 'phaseloop[data]'") from None
+    tok = _T(models.BPE(vocab=dict(_gpt2_byte_decoder()), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` read from a tokenizer.json. Corpus text is encoded
     without special tokens (no BOS/EOS added); bytes that are not UTF-8 become U+FFFD."""

@@ -1,8 +1,10 @@
 """Explore's "Inside a trained model" page: a served run and a prompt (typed,
 or one of its validation windows, with the document inputs it trained with) through
-``phaseloop.analysis.probe``. Prompts are bounded by
-the model's max_seq_len, one evaluation runs at a time (``ctx.model_lock``), models and
-the latest analyses sit in bounded caches; the endpoints only call probe's functions."""
+``phaseloop.analysis.probe``, and a generation from it through
+``phaseloop.inference.generate`` (each token's passes under an exit rule, a shared KV cache
+or speculation). Prompts are bounded by the model's max_seq_len, one
+evaluation runs at a time (``ctx.model_lock``), models and the latest analyses sit in
+bounded caches; the endpoints only call the library's functions."""
 
 from __future__ import annotations
 
@@ -13,16 +15,19 @@ import torch
 
 from phaseloop.analysis import probe
 from phaseloop.data.corpus import Documents, eval_starts, eval_windows
+from phaseloop.early_exit import parse_exit
 from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_corpus, run_tokenizer
 from phaseloop.explore import rundata
 from phaseloop.explore.context import BadInput, ServerContext, number
 from phaseloop.explore.runs import target
 from phaseloop.explore.web import Route, api, page
+from phaseloop.inference import Options, generate
 
 PAGES = [{"group": "Inside a trained model", "title": "Inside a run", "url": "/inside"}]
 ANALYSES = 4  # analyses kept (a page asks several endpoints about the same prompt)
 TOP = 10  # next tokens listed
 MAX_DEPTH_SWEEP = 16
+MAX_NEW = 64  # tokens one generation request may ask for
 
 
 def validation_windows(run_dir, run_cfg: dict, seq_len: int, n_windows: int = 8) -> list[tuple[torch.Tensor, dict]]:
@@ -147,8 +152,36 @@ def routes(ctx: ServerContext) -> list:
         with ctx.model_lock:
             return {"rows": probe.loss_vs_depth(model, ids, list(range(1, hi + 1)), docs)}
 
+    def generation(ctx: ServerContext, params: dict) -> dict:
+        """``inference.generate`` from the prompt: each new token with the passes behind it."""
+        run = target(ctx, params, "run")
+        model, _, tok, _ = inside.loaded(run)
+        ids, docs = inside.ids(run, params)
+        if docs:
+            raise BadInput("a run trained with document inputs generates from a typed prompt, not a validation window")
+        L = model.cfg.max_seq_len
+        if len(ids) >= L:
+            raise BadInput(f"the prompt fills the model's max_seq_len {L}: shorten it to generate")
+        n = min(number(params, "max_new_tokens", int, default=24, lo=1, hi=MAX_NEW), L - len(ids))  # the room left
+        rule = (params.get("exit") or "").strip()
+        rules = parse_exit(rule) if rule else [None]
+        if len(rules) > 1:
+            raise BadInput(f"exit {rule!r}: give one value")
+        opts = Options(max_new_tokens=n, exit=rules[0], kv_fill=params.get("kv_fill") or "recompute",
+                       temperature=number(params, "temperature", float, default=0.0, lo=0.0, hi=100.0),
+                       seed=number(params, "seed", int, default=0, lo=0, hi=2**31),
+                       kv_share=number(params, "kv_share", int, default=0, lo=0, hi=4096) or None,
+                       speculative=number(params, "speculative", int, default=0, lo=0, hi=4096) or None)
+        with ctx.model_lock:
+            g = generate(model, ids[None], opts)
+        new = g.tokens[0].tolist()
+        return {"prompt": _tokens(tok, ids.tolist()), "tokens": _tokens(tok, new), "ids": new, "passes": g.passes,
+                "depth": model.trunk.passes, "mean_passes": g.mean_passes, "tokens_per_s": g.tokens_per_s,
+                "kv_cache_bytes": g.kv_cache_bytes, "acceptance": g.acceptance}
+
     return [
         Route("/inside", page("inside/index.html", "Inside a trained model")),
+        Route("/api/inside/generate", api(generation)),
         Route("/api/inside/runs", api(runs)),
         Route("/api/inside/analyze", api(analyze)),
         Route("/api/inside/attention", api(attention)),

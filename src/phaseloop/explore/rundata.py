@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from phaseloop.analysis.params import format_count
+from phaseloop.compare.evals import accuracy_verdict, fmt_acc
 from phaseloop.compare.report import _fmt, _speed, _verdict
 from phaseloop.files import read_json
 
@@ -207,4 +208,22 @@ def comparison(path: Path) -> dict:
                 final={str(k): f.get("val_loss") for k, f in v.get("final", {}).items()},
                 raw={"val_loss": v["val_loss"]["mean"], "step_speedup": v["step_speedup"]})
         out["rows"].append(row)
+    out["downstream"] = _downstream(s)
     return out
+
+
+def _downstream(s: dict) -> dict:
+    """The [eval] tasks' accuracy as report.md's Downstream section gives it (mean ± std
+    over seeds per task, the average, its paired test against the reference)."""
+    done = [v for v in s["variants"] if v.get("downstream")]
+    tasks = list(done[0]["downstream"]["tasks"]) if done else []
+    rows = []
+    for v in done:
+        d = v["downstream"]
+        rows.append({"name": v["name"], "seeds": d["seeds"],
+                     "cells": {t: fmt_acc(d["tasks"][t]["mean"], d["tasks"][t]["std"]) for t in tasks},
+                     "average": fmt_acc(d["average"]["mean"], d["average"]["std"]),
+                     "vs_reference": accuracy_verdict(d["average"]["vs_reference"]),
+                     "p": (d["average"]["vs_reference"] or {}).get("p")})
+    return {"tasks": tasks, "metrics": {t: done[0]["downstream"]["tasks"][t]["metric"] for t in tasks},
+            "chance": done[0]["downstream"]["chance"] if done else None, "rows": rows}

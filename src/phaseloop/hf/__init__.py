@@ -6,7 +6,9 @@
 * ``from_run`` / ``export_run`` (``export.py``): a run as an in-memory model + tokenizer,
   or a ``save_pretrained`` folder that ``AutoModelForCausalLM.from_pretrained`` loads;
 * ``lm_eval_run`` (``harness.py``): lm-evaluation-harness on a run, with local LAMBADA
-  and WikiText-2 tasks.
+  and WikiText-2 tasks;
+* ``downstream.py`` (+ ``downstream_data.py``, ``scoring.py``): HellaSwag, PIQA, ARC,
+  Winogrande, OpenBookQA, BoolQ, SciQ and LAMBADA offline (``eval --tasks``, ``[eval]``).
 
 ``import phaseloop`` registers the classes with ``AutoConfig`` / ``AutoModelForCausalLM``
 without importing ``transformers`` itself (seconds): at once if ``transformers`` is

@@ -25,12 +25,12 @@ import torch
 from phaseloop import registry
 from phaseloop.depth import set_model_depth
 from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_folder, run_tokenizer
-from phaseloop.errors import CheckpointError, PhaseloopError, first_line
+from phaseloop.errors import PhaseloopError
 from phaseloop.files import check_out_dir, dumps, read_json, writing
 from phaseloop.files import sha256_file as file_sha256
 from phaseloop.hf.modeling import PhaseloopForCausalLM
 from phaseloop.hf.tokenizer import hf_tokenizer
-from phaseloop.quant.io import load_quantized_state_dict
+from phaseloop.quant.load import load_dequantized, load_packed
 
 REMOTE_CODE = {
     "configuration_phaseloop.py": "PhaseloopConfig",
@@ -41,18 +41,10 @@ AUTO_MAP = {"AutoConfig": "configuration_phaseloop.PhaseloopConfig",
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _quantized_weights(model, path: Path) -> dict:
+def _quantized_weights(model, path: Path, run, run_cfg: dict) -> dict:
     """Load a ``phaseloop quantize`` output into ``model`` (dequantised: the function the
-    quantised model computes) and return what to record about it."""
-
-    if not path.is_file():
-        raise PhaseloopError(f"--quantized {path}: no such file; pass the quant-*.safetensors "
-                             "that `phaseloop quantize` wrote")
-    try:
-        load_quantized_state_dict(path, model)
-    except RuntimeError as e:
-        raise CheckpointError(f"--quantized {path} does not fit this run's model ({first_line(e, 80)}); "
-                              "pass the file quantised from this run") from None
+    quantised model computes; checked against the run) and return what to record about it."""
+    load_dequantized(model, path, run, run_cfg)
     report = path.with_suffix(".json")
     info = read_json(report) if report.is_file() else {}
     return {"file": path.name, "sha256": file_sha256(path),
@@ -61,14 +53,25 @@ def _quantized_weights(model, path: Path) -> dict:
 
 def from_run(run: str | Path, device: str | torch.device = "cpu", dtype: str = "float32",
              quantized: str | Path | None = None, depth: int | None = None,
-             extend_loops: str | None = None):
+             extend_loops: str | None = None, packed: bool = True):
     """(PhaseloopForCausalLM, PreTrainedTokenizerFast, run config, phaseloop tokenizer)
     for a run folder or its checkpoint folder; the model in eval mode, its trunk at
-    ``depth`` (None: the trained depth; the config carries it)."""
+    ``depth`` (None: the trained depth; the config carries it). ``quantized``: a
+    ``phaseloop quantize`` file, run packed on the CPU kernels (``quant.load_packed``), or
+    with ``packed=False`` loaded as its dequantised weights (what an export saves)."""
     if dtype not in DTYPES:
         raise PhaseloopError(f"--dtype {dtype}: choose {' or '.join(DTYPES)}")
-    model, run_cfg = load_run(run, "cpu")
-    quant = _quantized_weights(model, Path(quantized)) if quantized else None
+    quant = None
+    if quantized and packed:
+        if dtype != "float32":
+            raise PhaseloopError(f"--dtype {dtype}: packed --quantized weights run with their own dtypes "
+                                 "(int8/int4 codes, bf16 scales, fp32 elsewhere); drop --dtype")
+        model, run_cfg, info = load_packed(run, quantized, device)
+        quant = {"file": Path(quantized).name, "sha256": file_sha256(quantized), "packed": info["kernels"]}
+    else:
+        model, run_cfg = load_run(run, "cpu")
+        if quantized:
+            quant = _quantized_weights(model, Path(quantized), run, run_cfg)
     if depth is None:
         set_model_depth(model, None, extend_loops)  # refuses --extend-loops alone, before anything is written
     hf = PhaseloopForCausalLM.from_decoder(model.to(device=device, dtype=DTYPES[dtype]))
@@ -110,7 +113,7 @@ Needs `pip install 'phaseloop[hf]'`. Training configuration: see `phaseloop.json
 
 
 @contextlib.contextmanager
-def _no_progress_bar():
+def no_progress_bar():
     """transformers' "Writing model shards" bar off: the command's stderr is its notes and,
     on failure, its one line."""
     from transformers.utils import logging as hf_logging
@@ -152,27 +155,53 @@ def remove_export_orphans(out: Path) -> list[Path]:
     return gone
 
 
-def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
-               quantized: str | Path | None = None, depth: int | None = None,
-               extend_loops: str | None = None) -> Path:
-    """Write the run as a Hugging Face folder at ``out`` (absent or empty); returns it."""
+def new_folder(out: Path) -> Path:
+    """Refuse (one line) an ``--out`` that is a file, lies under one, cannot be written or
+    is a folder holding files; nothing is written."""
     out = Path(out)
     check_out_dir(out)
     if out.is_dir() and any(out.iterdir()):
         raise PhaseloopError(f"--out {out} is not empty; choose a new folder (nothing was written)")
-    hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized, depth, extend_loops)
-    run, run_dir = Path(run), run_folder(run)
-    ckpt = checkpoint_dir(run_dir) if run_dir == run else run
-    summary = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
+    return out
+
+
+@contextlib.contextmanager
+def atomic_folder(out: Path):
+    """A temporary folder beside ``out`` (``.NAME.tmp-PID-*``) to write into; renamed to
+    ``out`` (absent or empty) when the block ends without an error, removed otherwise, so
+    ``out`` is never half-written. Files get the documented modes (0644, folders 0755)."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_export_orphans(out)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{_tmp_prefix(out)}{os.getpid()}-"))
     try:
+        yield tmp
+        for p in tmp.rglob("*"):  # not mkdtemp's 0700 or a writer's 0600
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        os.chmod(tmp, 0o755)
+        if out.is_dir():
+            out.rmdir()  # empty (new_folder checked)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
+               quantized: str | Path | None = None, depth: int | None = None,
+               extend_loops: str | None = None) -> Path:
+    """Write the run as a Hugging Face folder at ``out`` (absent or empty); returns it."""
+    out = new_folder(out)
+    hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized, depth, extend_loops, packed=False)
+    run, run_dir = Path(run), run_folder(run)
+    ckpt = checkpoint_dir(run_dir) if run_dir == run else run
+    summary = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
+    with atomic_folder(out) as tmp:
         hf.config.auto_map = dict(AUTO_MAP)
         plugin = registry.provider(hf.config.phaseloop["arch"])
         if plugin:  # loading without it then says what to install
             hf.config.phaseloop_arch_plugin = plugin
-        with writing(out / "model.safetensors"), _no_progress_bar():  # a full disk: an OSError
+        with writing(out / "model.safetensors"), no_progress_bar():  # a full disk: an OSError
             hf.save_pretrained(tmp)
         fast.save_pretrained(tmp)
         for name, cls in REMOTE_CODE.items():
@@ -186,13 +215,4 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
             "train": run_cfg.get("train"), "data": run_cfg.get("data"), "summary": summary,
             **({"init": run_cfg["init"]} if "init" in run_cfg else {})}, indent=2))  # --init-from's source
         (tmp / "README.md").write_text(_card(hf, run_dir, run_cfg, summary))
-        for p in tmp.rglob("*"):  # the documented modes, not mkdtemp's 0700 or a writer's 0600
-            os.chmod(p, 0o755 if p.is_dir() else 0o644)
-        os.chmod(tmp, 0o755)
-        if out.is_dir():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out

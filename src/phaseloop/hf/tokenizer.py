@@ -10,19 +10,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerFast
 
-from phaseloop.data.tokenizer import ByteTokenizer, Tokenizer, _gpt2_byte_decoder
-
-
-def byte_level_tokenizer():
-    """``tokenizers.Tokenizer`` equal to ``ByteTokenizer``: id = byte value."""
-    from tokenizers import Tokenizer as _T
-    from tokenizers import decoders, models, pre_tokenizers
-
-    vocab = {char: byte for char, byte in _gpt2_byte_decoder().items()}
-    tok = _T(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
+from phaseloop.data.tokenizer import ByteTokenizer, Tokenizer, byte_level_tokenizer
 
 
 def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:

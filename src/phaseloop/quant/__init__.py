@@ -7,8 +7,10 @@ passes.  This module implements that for any ``nn.Module`` whose matmuls are
 
 Along its seams: ``core`` (the quantisation scheme, RTN, int4 packing), ``gptq`` (GPTQ and
 the Hessians pooled over loop passes), ``targets`` (which Linears), ``apply``
-(``quantize_model``, fake quantisation in place, torchao), ``io`` (packed safetensors) and
-``run`` (quantise a trained run: ``phaseloop quantize``).
+(``quantize_model``, fake quantisation in place, torchao), ``io`` (packed safetensors),
+``run`` (quantise a trained run: ``phaseloop quantize``), ``packed`` (Linears that run
+packed on torch's int8 / int4 CPU kernels) and ``load`` (a run with its quantised file:
+checked against the run, packed or dequantised).
 """
 
 from phaseloop.quant.apply import quantize_model
@@ -24,6 +26,8 @@ from phaseloop.quant.core import (
 )
 from phaseloop.quant.gptq import collect_hessians, gptq_quantize
 from phaseloop.quant.io import load_quantized_state_dict, quantized_state_dict, save_quantized
+from phaseloop.quant.load import load_dequantized, load_packed
+from phaseloop.quant.packed import PackedLinear, weight_bytes
 from phaseloop.quant.run import quantize_run
 from phaseloop.quant.targets import default_skip
 
@@ -32,4 +36,5 @@ __all__ = [
     "quantize_rtn", "dequantize", "gptq_quantize", "pack_int4", "unpack_int4",
     "collect_hessians", "quantize_model", "quantized_state_dict", "save_quantized",
     "load_quantized_state_dict", "packed_bytes", "default_skip", "quantize_run",
+    "PackedLinear", "weight_bytes", "load_packed", "load_dequantized",
 ]

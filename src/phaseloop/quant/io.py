@@ -12,7 +12,7 @@ from phaseloop.errors import CheckpointError, ConfigError, first_line
 from phaseloop.files import save_safetensors
 from phaseloop.quant.core import QUANT_ATTR, QuantizedWeight
 
-_FORMAT = "phaseloop.quant.v1"
+FORMAT = "phaseloop.quant.v1"  # the metadata's "format" of every quantised file
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
@@ -63,7 +63,7 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, metadata: Mapping[
                    *, target: str | os.PathLike | None = None) -> None:
     """Write :func:`quantized_state_dict` of ``model`` to a safetensors file (a write error,
     a full disk, as an ``OSError`` naming ``target``, default ``path``)."""
-    meta = {"format": _FORMAT}
+    meta = {"format": FORMAT}
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
     save_safetensors(quantized_state_dict(model), path, metadata=meta, target=target)
 
@@ -85,25 +85,9 @@ def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cp
                                   f"({why}); run `phaseloop quantize` on the run again to rewrite it") from None
     else:
         sd = dict(src)
-    plain: dict[str, torch.Tensor] = {}
-    qweights: dict[str, QuantizedWeight] = {}
-    prefixes = {k[: -len(".qmeta")] for k in sd if k.endswith(".qmeta")}
-    for prefix in prefixes:
-        try:
-            bits, g, out_f, in_f, sym, dcode = (int(v) for v in sd[prefix + ".qmeta"].tolist())
-            qw = QuantizedWeight(sd[prefix + ".qdata"], sd[prefix + ".scale"], sd[prefix + ".zero"], bits, g,
-                                 (out_f, in_f), _CODE_DTYPES.get(dcode, torch.float32), bool(sym))
-            w = qw.dequantize()
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"quantised entry {prefix!r} is incomplete or corrupt: {e}") from e
-        if tuple(w.shape) != (out_f, in_f):
-            raise CheckpointError(f"quantised entry {prefix!r}: shape {tuple(w.shape)} != {(out_f, in_f)}")
-        plain[prefix] = w
-        qweights[prefix] = qw
-    qsuffix_keys = {p + "." + s for p in prefixes for s in _SUFFIXES}
-    for k, v in sd.items():
-        if k not in qsuffix_keys:
-            plain[k] = v
+    plain, qweights = split_quantized(sd)
+    for prefix, qw in qweights.items():
+        plain[prefix] = qw.dequantize()
     if model is not None:
         model.load_state_dict(plain, strict=strict)
         for name, m in model.named_modules(remove_duplicate=False):
@@ -114,3 +98,38 @@ def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cp
                 setattr(m, QUANT_ATTR, QuantizedWeight(qw.qdata.to(dev), qw.scale.to(dev), qw.zero.to(dev), qw.bits,
                                                        qw.group_size, qw.shape, qw.dtype, qw.sym))
     return plain
+
+
+def split_quantized(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(every plain entry, {``<name>.weight``: QuantizedWeight}) of a quantised state dict;
+    an incomplete or inconsistent entry raises CheckpointError naming it."""
+    plain: dict[str, torch.Tensor] = {}
+    qweights: dict[str, QuantizedWeight] = {}
+    prefixes = {k[: -len(".qmeta")] for k in sd if k.endswith(".qmeta")}
+    for prefix in sorted(prefixes):
+        try:
+            bits, g, out_f, in_f, sym, dcode = (int(v) for v in sd[prefix + ".qmeta"].tolist())
+            qw = QuantizedWeight(sd[prefix + ".qdata"], sd[prefix + ".scale"], sd[prefix + ".zero"], bits, g,
+                                 (out_f, in_f), _CODE_DTYPES.get(dcode, torch.float32), bool(sym))
+            _check(qw)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"quantised entry {prefix!r} is incomplete or corrupt: {str(e)[:80]}") from None
+        qweights[prefix] = qw
+    qsuffix_keys = {p + "." + s for p in prefixes for s in _SUFFIXES}
+    plain.update({k: v for k, v in sd.items() if k not in qsuffix_keys})
+    return plain, qweights
+
+
+def _check(qw: QuantizedWeight) -> None:
+    """Shapes and dtypes that fit together (what dequantising would otherwise find late)."""
+    out_f, in_f = qw.shape
+    if qw.bits not in (4, 8) or qw.group_size < 1 or in_f % qw.group_size or out_f < 1:
+        raise ValueError(f"bits {qw.bits}, group {qw.group_size} for shape {list(qw.shape)}")
+    packed_in = (in_f + 1) // 2 if qw.bits == 4 else in_f
+    if qw.qdata.dtype != torch.uint8 or tuple(qw.qdata.shape) != (out_f, packed_in):
+        raise ValueError(f"qdata {qw.qdata.dtype} {list(qw.qdata.shape)}, expected uint8 {[out_f, packed_in]}")
+    groups = (out_f, in_f // qw.group_size)
+    if tuple(qw.scale.shape) != groups or tuple(qw.zero.shape) != groups:
+        raise ValueError(f"scale / zero {list(qw.scale.shape)} / {list(qw.zero.shape)}, expected {list(groups)}")
+    if not (qw.scale.is_floating_point() and qw.zero.is_floating_point()):
+        raise ValueError("scale and zero must be floating point")

@@ -18,6 +18,7 @@ from phaseloop.files import check_out_dir, write_json
 from phaseloop.lm.train import eval_set, evaluate
 from phaseloop.quant.apply import quantize_model
 from phaseloop.quant.io import save_quantized
+from phaseloop.quant.load import provenance
 
 
 def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str = "rtn", *,
@@ -64,7 +65,7 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
                    "calib": None if calib is None else {"batches": len(calib),
                                                         "batch_size": calib_batch_size, "seed": seed}})
     try:  # the weights under a temporary name, the report, then the weights renamed in
-        save_quantized(model, tmp, {"run": str(run_dir), "arch": model.cfg.arch}, target=weights)
+        save_quantized(model, tmp, provenance(run, run_cfg), target=weights)
         write_json(out_dir / f"{stem}.json", report)
         os.replace(tmp, weights)
     except BaseException:  # a full disk: nothing half-written, no folder left that we made

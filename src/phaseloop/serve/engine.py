@@ -15,10 +15,12 @@ One thread owns the model. Sequences wait in a bounded queue (``submit`` refuses
 
 A row's computation never reads another row (attention is masked to its own columns), so
 a prompt's greedy output is the same alone and in any batch. Sequences with other
-per-request settings (depth, exit: ``options``) form their own group, one forward per
-turn; a model whose cache cannot hold rows of different lengths (``decoding.not_joinable``:
-UT+ACT, the pooled Hyperloop) runs every sequence as its own group. ``max_batch`` 1 is the
-one-at-a-time server (each sequence decoded to its end before the next is admitted).
+per-request settings (depth, exit, kv_share: ``options``) form their own group, one
+forward per turn; a model whose cache cannot hold rows of different lengths
+(``decoding.not_joinable``: UT+ACT, the pooled Hyperloop) runs every sequence as its own
+group, and so does a speculative sequence (``speculative``: one draft/verify round per
+turn, its cache rolled back after each). ``max_batch`` 1 is the one-at-a-time server
+(each sequence decoded to its end before the next is admitted).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from phaseloop.decoding import join_rows, keep_rows, not_joinable, pick_next
 from phaseloop.layers import KVCache
 from phaseloop.serve.options import Settings, applied
 from phaseloop.serve.sequence import Event, Sequence
+from phaseloop.serve.speculative import Speculative
 
 
 class QueueFull(Exception):
@@ -51,6 +54,7 @@ class Group:
     rows: list[Sequence] = field(default_factory=list)
     cache: KVCache | None = None
     joinable: bool = True
+    speculative: Speculative | None = None  # one speculative sequence: rounds instead of steps
 
 
 def _top(logp_V: torch.Tensor, n: int, token: int) -> tuple:
@@ -175,6 +179,10 @@ class Engine:
             for s in seqs:
                 s.end("length")
             return
+        if first.settings.speculative is not None:
+            for s in seqs:
+                self._admit_speculative(s)
+            return
         if not self.joinable.get(first.settings, True) and len(seqs) > 1:  # each its own cache
             for s in seqs:
                 self._admit([s])
@@ -193,11 +201,7 @@ class Engine:
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(first.prompt))
         logits_TV = out.logits[0].float()
-        if first.prompt_logprobs is not None:
-            logp = logits_TV[:-1].log_softmax(-1)
-            scores = [None] + [_top(logp[i], first.prompt_logprobs, t) for i, t in enumerate(first.prompt[1:])]
-            for s in seqs:
-                s.prompt_scores = scores
+        self._score_prompt(seqs, logits_TV)
         if first.max_new == 0:
             for s in seqs:
                 s.end("length")
@@ -219,7 +223,44 @@ class Engine:
             g.rows += live
             g.cache = joined
 
+    def _score_prompt(self, seqs: list[Sequence], logits_TV: torch.Tensor) -> None:
+        first = seqs[0]
+        if first.prompt_logprobs is not None:
+            logp = logits_TV[:-1].log_softmax(-1)
+            scores = [None] + [_top(logp[i], first.prompt_logprobs, t) for i, t in enumerate(first.prompt[1:])]
+            for s in seqs:
+                s.prompt_scores = scores
+
+    def _admit_speculative(self, s: Sequence) -> None:
+        """A prefill of its own, the first token, then a group of its own (``speculative``)."""
+        spec = Speculative(self.model, s, self.device)
+        logits_TV = spec.prefill()
+        self.steps += 1
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(s.prompt))
+        self._score_prompt([s], logits_TV.float())
+        if s.max_new == 0:
+            return s.end("length")
+        self._push(s, spec.first(logits_TV[-1]), logits_TV[-1])
+        if s.finish is None:
+            self.groups.append(Group(s.settings, [s], spec.cache, joinable=False, speculative=spec))
+
+    def _push(self, s: Sequence, token: int, logits_V: torch.Tensor) -> None:
+        """One token of a speculative sequence, chosen from the full depth's ``logits_V``."""
+        n = s.sampling.logprobs
+        s.push(token, None if n is None else _top(logits_V.float().log_softmax(-1), n, token))
+        if self.metrics is not None:
+            self.metrics.generated_tokens.inc()
+
     def _step(self, g: Group) -> None:
+        if g.speculative is not None:
+            spec, before = g.speculative, g.speculative.forwards
+            kept = spec.round()
+            self.steps += spec.forwards - before
+            for token, logits_V in kept:
+                if g.rows[0].finish is None:
+                    self._push(g.rows[0], token, logits_V)
+            return
         x_B1 = torch.tensor([[s.last] for s in g.rows], device=self.device)
         with applied(self.model, g.settings):
             out = self.model(x_B1, cache=g.cache)

@@ -1,11 +1,15 @@
 """What ``phaseloop serve`` serves, loaded once at start: a run folder (``phaseloop train``)
-or an exported Hugging Face folder (``phaseloop export``), with the dequantised weights
-of a ``phaseloop quantize`` file where given, and its text codec: encode, decode, the
-end-of-text id, and the chat template that renders a conversation into a prompt."""
+or an exported Hugging Face folder (``phaseloop export``), and its text codec: encode,
+decode, the end-of-text id, and the chat template that renders a conversation into a
+prompt. ``--quantized FILE`` on a run builds it packed (``quant.load_packed``: int8/int4
+codes on torch's CPU kernels, as ``phaseloop eval/generate --quantized``; the file is
+refused in one line when it is damaged or of another run); on an export, whose folder
+records no run to check the file against, it loads the file's dequantised weights."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +22,7 @@ from phaseloop.engine.checkpoint import load_run, run_tokenizer
 from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError
 from phaseloop.files import sha256_file, why_missing
 from phaseloop.model import build_model
+from phaseloop.quant import load_packed, weight_bytes
 from phaseloop.quant.io import load_quantized_state_dict
 from phaseloop.serve.options import Settings
 
@@ -46,9 +51,23 @@ def is_export(path: Path) -> bool:
         return False
 
 
+def _packed(path: Path, quantized: str, device: str, dtype: str):
+    """(model, run config, info) of a run built packed from its quantised file."""
+    if dtype != "float32":
+        raise ConfigError(f"--quantized runs packed int8/int4 weights with float32 activations; drop --dtype {dtype}")
+    model, run_cfg, q = load_packed(path, quantized, "cpu" if device == "auto" else resolve_device(device))
+    for note in q["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+    kernels: dict = {}
+    for k in q["kernels"].values():
+        kernels[k] = kernels.get(k, 0) + 1
+    return model, run_cfg, {"file": Path(quantized).name, "sha256": sha256_file(Path(quantized)), "packed": True,
+                            "kernels": kernels}
+
+
 def _quantized(model, path: Path) -> dict:
-    """The dequantised weights of a ``phaseloop quantize`` file, loaded into ``model``
-    (``quant.io.load_quantized_state_dict``: the function the quantised model computes)."""
+    """The dequantised weights of a ``phaseloop quantize`` file, loaded into an exported
+    ``model`` (``quant.io.load_quantized_state_dict``: the function the quantised model computes)."""
     if not path.is_file():
         raise PhaseloopError(f"--quantized {path} {why_missing(path)}; pass the quant-*.safetensors "
                              "that `phaseloop quantize` wrote")
@@ -57,7 +76,7 @@ def _quantized(model, path: Path) -> dict:
     except RuntimeError as e:
         raise CheckpointError(f"--quantized {path} does not fit this model ({str(e).splitlines()[0][:80]}); "
                               "pass the file quantised from it") from None
-    return {"file": path.name, "sha256": sha256_file(path)}
+    return {"file": path.name, "sha256": sha256_file(path), "packed": False}
 
 
 def _hf_tokenizer(run_tok=None, folder: Path | None = None):
@@ -119,14 +138,17 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
         eos_id = fast.eos_token_id
         info["kind"] = "export"
     else:
-        model, run_cfg = load_run(path)
+        if quantized:
+            model, run_cfg, info["quantized"] = _packed(path, quantized, device, dtype)
+        else:
+            model, run_cfg = load_run(path)
         tok = run_tokenizer(path, run_cfg)
         def encode(text: str) -> list[int]:
             return tok.encode(text).tolist()
 
         decode, eos_id, fast = tok.decode, None, None
         info["kind"] = "run"
-    if quantized:
+    if quantized and "quantized" not in info:
         info["quantized"] = _quantized(model, Path(quantized))
     render = None
     if template is not None or (fast is not None and getattr(fast, "chat_template", None)):
@@ -137,11 +159,15 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
         def render(messages: list[dict]) -> str:
             return fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    model = model.to(device=resolve_device(device), dtype=DTYPES[dtype]).eval()
+    if info.get("quantized", {}).get("packed"):  # its codes and scales stay as packed
+        model = model.eval()
+    else:
+        model = model.to(device=resolve_device(device), dtype=DTYPES[dtype]).eval()
     try:
         twin = build_model(model.cfg, device="meta").eval()
     except Exception:  # a plugin that cannot be built without weights: no per-request options
         twin = None
     info.update(arch=model.cfg.arch, depth=getattr(model.trunk, "depth", None), dtype=dtype)
+    info["weight_bytes"], info["weight_bytes_fp32"] = weight_bytes(model)
     return Served(model, name or path.resolve().name, encode, decode, eos_id, render, twin,
                   defaults or Settings(), info, path)

@@ -6,11 +6,11 @@ own forward, since rows at different depths would need different cache slots.
 
 * ``depth`` (+ ``extend_loops``): UT steps / loop passes (``depth.set_model_depth``);
 * ``exit``: one early-exit rule, ``kl:EPS`` ... (``early_exit.parse_exit`` / ``set_exit``);
-* ``kv_share``: KV slots shared across passes (Huginn §6.2) and ``speculative``:
-  self-speculative drafts at that many passes. Both are the adaptive-depth decoding of
-  issue 39 and are resolved through its functions (``early_exit.set_kv_share``,
-  ``decoding.speculative_decode``) when the installed phaseloop has them; until then a
-  request naming them gets a 400 saying which function it lacks.
+* ``kv_share``: pass i uses KV slot i mod K (Huginn §6.2; ``early_exit.set_kv_share``),
+  applied around each forward of its group as depth and exit are;
+* ``speculative`` (+ ``draft_tokens``): self-speculative decoding, drafts at that many
+  passes verified at the full depth (``inference.check`` refuses what cannot); such a
+  sequence decodes as its own group, one draft/verify round per turn (``speculative``).
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from phaseloop import decoding, early_exit
+from phaseloop import inference
 from phaseloop.config import MAX_DEPTH
 from phaseloop.depth import set_model_depth
-from phaseloop.early_exit import ExitRule, parse_exit, set_exit
+from phaseloop.early_exit import ExitRule, parse_exit, set_exit, set_kv_share
 from phaseloop.errors import PhaseloopError
 from phaseloop.serve.schema import bad
 
-FIELDS = ("depth", "extend_loops", "exit", "kv_share", "speculative")
+FIELDS = ("depth", "extend_loops", "exit", "kv_share", "speculative", "draft_tokens")
+MAX_DRAFT_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Settings:
     exit: ExitRule | None = None
     kv_share: int | None = None
     speculative: int | None = None
+    draft_tokens: int | None = None  # with speculative; None: inference.Options' default (4)
 
     def label(self) -> dict:
         return {k: (v.label if isinstance(v, ExitRule) else v) for k, v in self.__dict__.items() if v is not None}
@@ -77,32 +79,58 @@ def parse(given: dict, defaults: Settings | None = None) -> Settings:
     for key in ("kv_share", "speculative"):
         if key in given:
             out = replace(out, **{key: _positive(given, key)})
+    if "draft_tokens" in given:
+        out = replace(out, draft_tokens=_positive(given, "draft_tokens", MAX_DRAFT_TOKENS))
+    if out.draft_tokens is not None and out.speculative is None:
+        raise bad("phaseloop.draft_tokens", "applies with speculative D (the draft's passes); add it or drop "
+                  "draft_tokens")
     return out
 
 
-# what issue 39's adaptive decoding adds; resolved by name so that this module needs no edit
-# when it lands (early_exit.set_kv_share(model, K); decoding.speculative_decode(...))
-NEEDS = {"kv_share": (early_exit, "set_kv_share"), "speculative": (decoding, "speculative_decode")}
+def speculative_options(settings: Settings, **kw) -> inference.Options:
+    """The ``inference.Options`` of a speculative sequence (``kw``: its sampling)."""
+    extra = {} if settings.draft_tokens is None else {"draft_tokens": settings.draft_tokens}
+    return inference.Options(exit=settings.exit, kv_share=settings.kv_share, speculative=settings.speculative,
+                             **extra, **kw)
+
+
+def _one_line(e: Exception) -> str:
+    """A CLI refusal worded for the body field (``--kv-share`` -> ``kv_share``)."""
+    text = str(e)
+    for flag in ("extend-loops", "depth", "exit", "kv-share", "speculative", "draft-tokens"):
+        text = text.replace(f"--{flag}", flag.replace("-", "_"))
+    return text
 
 
 def check(twin, settings: Settings) -> None:
     """Refuse (400, one line naming the option) what the served model cannot do; ``twin``
     is a meta-device copy of it, so the live model the decode loop runs is never touched."""
-    for key, (module, name) in NEEDS.items():
-        if getattr(settings, key) is not None and not hasattr(module, name):
-            raise bad(f"phaseloop.{key}", f"this phaseloop has no {module.__name__}.{name} (the adaptive "
-                      "decoding of issue 39) to run it with; drop the option")
-    if settings.speculative is not None:  # its draft/verify rounds are not a step of the batch loop yet
-        raise bad("phaseloop.speculative", "the batching decode loop has no speculative step yet; drop the option")
-    if twin is None and settings != Settings():
+    if settings == Settings():
+        return
+    if twin is None:
         raise bad("phaseloop", "this model cannot be checked on the meta device, so it takes no per-request options")
+    trunk, exits = twin.trunk, twin.trunk.exits
+    param = "phaseloop.depth"
     try:
-        with applied(twin, settings):
-            pass
+        set_model_depth(twin, settings.depth, settings.extend_loops)
+        if settings.exit is not None:
+            param = "phaseloop.exit"
+            set_exit(twin, settings.exit)
+        if settings.kv_share is not None:
+            param = "phaseloop.kv_share"
+            set_kv_share(twin, settings.kv_share)
+        if settings.speculative is not None:
+            param = "phaseloop.speculative"
+            inference.check(twin, speculative_options(settings), None)
     except PhaseloopError as e:
-        param = "phaseloop.exit" if settings.exit is not None and "exit" in str(e) else "phaseloop.depth"
-        raise bad(param, str(e).replace("--extend-loops", "extend_loops").replace("--depth", "depth")
-                  .replace("--exit", "exit")) from None
+        if param == "phaseloop.speculative" and "draft-tokens" in str(e):
+            param = "phaseloop.draft_tokens"
+        raise bad(param, _one_line(e)) from None
+    finally:
+        if settings.depth is not None:
+            trunk.reset_depth()
+        trunk.exits = exits
+        trunk.kv_share = None
 
 
 def resolve(twin, given: dict, defaults: Settings | None = None) -> Settings:
@@ -126,7 +154,7 @@ def applied(model, settings: Settings):
         if settings.exit is not None:
             set_exit(model, settings.exit)
         if settings.kv_share is not None:
-            early_exit.set_kv_share(model, settings.kv_share)
+            set_kv_share(model, settings.kv_share)
         yield model
     finally:
         if settings.depth is not None:

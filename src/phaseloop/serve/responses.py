@@ -12,6 +12,7 @@ import time
 
 from phaseloop.serve.schema import Request
 from phaseloop.serve.sequence import Event, Sequence
+from phaseloop.serve.speculative import totals
 
 
 def sse(data: dict | str) -> bytes:
@@ -22,7 +23,11 @@ def sse(data: dict | str) -> bytes:
 def usage(req: Request, seqs: list[Sequence]) -> dict:
     prompt = sum(len(p) for p in req.prompts)
     done = sum(len(s.tokens) for s in seqs)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    out = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    spec = totals(seqs)  # a speculative request: its rounds and acceptance (drafts kept / drafted)
+    if spec is not None:
+        out["phaseloop"] = {"speculative": spec}
+    return out
 
 
 def prompt_text(req: Request, i: int, decode) -> str:

@@ -61,6 +61,7 @@ class Sequence:
     text: str = ""
     cancelled: bool = False
     generator: torch.Generator | None = None
+    speculation: dict | None = None  # a speculative sequence's rounds, drafts and accepted drafts
     started: float = field(default_factory=time.monotonic)
     _sent: int = 0
 

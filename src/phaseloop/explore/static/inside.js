@@ -106,6 +106,8 @@ async function analyse() {
   if (+$("topk").value > a.vocab_size || !$("topk").dataset.touched) $("topk").value = a.vocab_size;
   await drawNext();
 
+  $("gen-section").hidden = !a.dynamic_depth;
+  if (a.dynamic_depth) await drawGeneration();
   $("depth-section").hidden = !a.dynamic_depth;
   if (a.dynamic_depth) {
     const d = await api("/api/inside/depth", current);
@@ -128,6 +130,23 @@ function drawMixing(a) {
   if (m.similarity)
     heat("sim-chart", m.similarity, streams, streams,
          `cosine similarity of the streams it wrote` + (m.vs_previous ? `; vs the previous application: ${m.vs_previous.map(v => v.toFixed(3)).join(", ")}` : ""));
+}
+
+async function drawGeneration() {
+  const ticket = newest("generate");
+  $("gen-figures").dataset.done = "";
+  const r = await api("/api/inside/generate", {...current, exit: $("gen-exit").value, kv_fill: $("gen-fill").value,
+                                               kv_share: $("gen-share").value, speculative: $("gen-spec").value,
+                                               max_new_tokens: $("gen-n").value, temperature: $("gen-temp").value});
+  if (!ticket()) return;
+  tokenSpans($("gen-tokens"), r.tokens, r.passes, i => `passes ${r.passes[i].toFixed(2)} of ${r.depth}`);
+  Plotly.react("gen-chart", [{x: r.tokens.map((t, i) => `${i}:${shown(t)}`), y: r.passes, type: "bar", name: "passes"}],
+               {...LAYOUT, height: 220, xaxis: {title: "generated token"},
+                yaxis: {title: "loop passes", range: [0, r.depth + 0.5]}});
+  $("gen-figures").textContent = `mean ${r.mean_passes.toFixed(2)} of ${r.depth} passes per token, ` +
+    `${r.tokens_per_s.toFixed(1)} tokens/s, KV cache ${fmtInt(r.kv_cache_bytes)} bytes` +
+    (r.acceptance == null ? "" : `, ${(100 * r.acceptance).toFixed(1)} % of the drafts accepted`);
+  $("gen-figures").dataset.done = r.tokens.join("");
 }
 
 async function drawAttention() {
@@ -167,6 +186,7 @@ api("/api/inside/runs").then(({runs}) => {
     return `<option value='${v}'${sel}>${r.name}</option>`;
   }).join("");
   $("go").onclick = () => analyse().catch(() => {});
+  $("gen-go").onclick = () => drawGeneration().catch(() => {});
   $("attn-site").onchange = $("attn-head").onchange = () => drawAttention().catch(() => {});
   for (const id of ["pos", "temp", "topk"])
     $(id).oninput = () => { $(id).dataset.touched = 1; drawNext().catch(() => {}); };

@@ -1,0 +1,227 @@
+"""Adaptive depth at inference, measured (issue 39; docs/inference.md): per model, the full
+depth next to each exit rule, --kv-share and --speculative, timed side by side in one
+process with the rows interleaved round by round (medians).
+
+Per row: batch-1 prefill tokens/s (one forward over a prompt of --prefill tokens) and
+decode tokens/s (--decode new tokens, greedy, after an 8-token prompt), each against the
+full row (realised speedup) and, for exit rows, the counted one, 1 / (1 - FLOPs saved)
+(``analysis.exits.exit_flops`` of the same forwards); the bytes the KV cache holds; the
+loss change on --windows windows of --data (exit rows: the full pass with the rule;
+--kv-share rows: token by token, as decoding reads the shared cache); for --speculative,
+the acceptance rate and whether the greedy tokens are the full depth's.
+
+Exit values are calibrated per model to a mean depth near --target of the passes on the
+prefill prompt (bisection on log10 EPS); "pass 1" exits every position after the first pass.
+
+Usage: python benchmarks/bench_adaptive.py [--models universal-small,looped-512,...]
+       [--run looped-512=runs/looped-512 ...] [--rounds 3] [--decode 24] [--prefill 96]
+       [--json out.json]
+Models: the *-small presets, and NAME-512 (d_model 512, matrix products dominate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from phaseloop import ModelConfig, build_model
+from phaseloop.analysis.exits import exit_flops, tally
+from phaseloop.early_exit import parse_exit, set_exit
+from phaseloop.engine.checkpoint import load_run
+from phaseloop.inference import Options, TokenByToken, configured, generate
+from phaseloop.layers import KVCache
+
+WIDE = dict(d_model=512, n_heads=8, n_kv_heads=8, d_ff=1408)
+SHAPES = {  # NAME-512: the *-small model at d_model 512 (the looped ones 1 -> 1 x 6 -> 1)
+    "universal-512": ("universal-small", dict(WIDE, n_kv_heads=4, d_ff=2048)),
+    "looped-512": ("looped-small", dict(WIDE, n_layers=3, n_begin=1, n_end=1, n_loops=6)),
+    "hyperloop-512": ("hyperloop-small", dict(WIDE, n_layers=3, n_begin=1, n_end=1, n_loops=6)),
+}
+RULES = ("kl", "kl-lens", "entropy", "state", "accel")
+DEFAULT = "universal-small,looped-small,hyperloop-small,universal-512,looped-512,hyperloop-512"
+
+
+def build(name: str, runs: dict):
+    if name in runs:
+        model, _ = load_run(runs[name], "cpu")
+        return model.eval(), "trained"
+    preset, over = SHAPES.get(name, (name, {}))
+    torch.manual_seed(0)
+    return build_model(ModelConfig.from_preset(preset, **over)).eval(), "init"
+
+
+def windows(path: str | None, n: int, T: int) -> torch.Tensor:
+    """[n, T + 1] byte windows evenly spaced over ``path`` (random bytes without one)."""
+    if path and Path(path).is_file():
+        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).long()
+        starts = torch.linspace(0, len(data) - T - 2, n).long()
+        return torch.stack([data[s:s + T + 1] for s in starts])
+    return torch.randint(0, 256, (n, T + 1), generator=torch.Generator().manual_seed(0))
+
+
+def calibrate(model, kind: str, x, target: float) -> float:
+    """A value of ``kind`` whose mean depth on ``x`` is near ``target`` x the passes."""
+    lo, hi, best = -8.0, 3.0, None
+    D = model.trunk.passes
+    for _ in range(14):
+        v = 10 ** ((lo + hi) / 2)
+        set_exit(model, parse_exit(f"{kind}:{v:.3g}")[0])
+        with torch.no_grad():
+            depth = float(model(x).stats["exit_passes"].float().mean())
+        if best is None or abs(depth - target * D) < abs(best[1] - target * D):
+            best = (float(f"{v:.3g}"), depth)
+        lo, hi = (lo, (lo + hi) / 2) if depth < target * D else ((lo + hi) / 2, hi)
+    set_exit(model, None)
+    return best[0]
+
+
+def rows_of(model, x, args) -> list[dict]:
+    D = model.trunk.passes
+    rows = [{"row": "full", "opts": Options()}]
+    for fill in ("recompute", "latest"):  # every position exits after the first pass
+        rows.append({"row": f"pass 1 {fill}", "opts": Options(exit=parse_exit("state:1e9")[0], kv_fill=fill)})
+    for kind in RULES:
+        if kind == "accel" and D < 4:
+            continue  # its first exit follows pass 3, and none follows the last pass
+        v = calibrate(model, kind, x, args.target)
+        for fill in ("recompute", "latest"):
+            opts = Options(exit=parse_exit(f"{kind}:{v}")[0], kv_fill=fill)
+            rows.append({"row": f"{kind}:{v:g} {fill}", "opts": opts})
+    for k in (1, 2):
+        rows.append({"row": f"kv-share {k}", "opts": Options(kv_share=k)})
+    for d in sorted({1, max(1, D // 2)}):
+        rows.append({"row": f"speculative {d}", "opts": Options(speculative=d, draft_tokens=args.draft_tokens)})
+    return rows
+
+
+def time_prefill(model, x, opts):
+    with configured(model, opts), torch.no_grad(), tally(model) as t:
+        t0 = time.perf_counter()
+        model(x, cache=KVCache(capacity=x.shape[1]))
+        return time.perf_counter() - t0, t
+
+
+def time_decode(model, prompt, args, opts):
+    o = Options(**{**opts.__dict__, "max_new_tokens": args.decode})
+    with tally(model) as t:
+        g = generate(model, prompt, o)
+    return g, t
+
+
+def loss_of(model, w, opts) -> float:
+    x, y = w[:, :-1], w[:, 1:]
+    with configured(model, opts), torch.no_grad():
+        logits = (TokenByToken(model)(x) if opts.kv_share else model(x)).logits
+    return float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
+
+
+def bench(name, args, runs) -> dict:
+    model, kind = build(name, runs)
+    D = model.trunk.passes
+    x = windows(args.data, 1, args.prefill)[:, :-1]
+    prompt = windows(args.data, 1, 8)[:, :-1]
+    rows = rows_of(model, x, args)
+    pre = {r["row"]: [] for r in rows}
+    dec = {r["row"]: [] for r in rows}
+    for i in range(args.warmup + args.rounds):  # interleaved: each round times every row once
+        for r in rows:
+            if r["opts"].speculative is None:
+                secs, r["tally_p"] = time_prefill(model, x, r["opts"])
+                pre[r["row"]] += [secs] if i >= args.warmup else []
+            g, r["tally_d"] = time_decode(model, prompt, args, r["opts"])
+            dec[r["row"]] += [g.seconds] if i >= args.warmup else []
+            r["gen"] = g
+    w = windows(args.data, args.windows, args.seq)
+    full = rows[0]
+    base_loss = loss_of(model, w, full["opts"])
+    out = []
+    for r in rows:
+        o, g = r["opts"], r["gen"]
+        with configured(model, o):
+            fp = exit_flops(model, x.shape[1], r.get("tally_p")) if o.exit else None
+            fd = exit_flops(model, x.shape[1], r.get("tally_d")) if o.exit else None
+        f_full = exit_flops(model, x.shape[1])
+        row = {"model": name, "weights": kind, "row": r["row"], "passes": D,
+               "mean_passes": g.mean_passes, "decode_tok_s": args.decode / statistics.median(dec[r["row"]]),
+               "kv_cache_bytes": g.kv_cache_bytes,
+               "kv_ratio": g.kv_cache_bytes / full["gen"].kv_cache_bytes if full["gen"].kv_cache_bytes else None}
+        row["decode_speedup"] = statistics.median(dec["full"]) / statistics.median(dec[r["row"]])
+        if pre[r["row"]]:
+            row["prefill_tok_s"] = x.shape[1] / statistics.median(pre[r["row"]])
+            row["prefill_speedup"] = statistics.median(pre["full"]) / statistics.median(pre[r["row"]])
+            tp = r["tally_p"]
+            row["prefill_depth"] = tp.mean("passes") if tp.positions else D
+        if fp is not None:
+            row["counted_prefill"], row["counted_decode"] = f_full / fp, f_full / fd
+        if o.speculative is None:
+            row["dloss"] = loss_of(model, w, o) - base_loss
+        else:
+            row["acceptance"] = g.acceptance
+            row["greedy_identical"] = bool(torch.equal(g.tokens, full["gen"].tokens))
+            row["dloss"] = 0.0  # the full depth's distribution by construction (tests/test_speculative.py)
+        out.append(row)
+    return {"model": name, "weights": kind, "d_model": model.cfg.d_model, "passes": D, "rows": out}
+
+
+def fmt(v, f):
+    return "-" if v is None else f.format(v)
+
+
+def table(res) -> str:
+    lines = [f"### {res['model']} (d_model {res['d_model']}, {res['passes']} passes, weights: {res['weights']})", "",
+             "| row | depth (prefill) | prefill tok/s | realised | counted | ratio | decode tok/s | realised | "
+             "counted | ratio | KV bytes | KV ratio | Δloss | acceptance |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        cp, cd = r.get("counted_prefill"), r.get("counted_decode")
+        rp, rd = r.get("prefill_speedup"), r["decode_speedup"]
+        acc = r.get("acceptance")
+        acc_s = "-" if acc is None else f"{acc:.1%}" + ("" if r["greedy_identical"] else " (NOT identical)")
+        cells = [r["row"], fmt(r.get("prefill_depth"), "{:.2f}"), fmt(r.get("prefill_tok_s"), "{:.0f}"),
+                 fmt(rp, "{:.2f}x"), fmt(cp, "{:.2f}x"), fmt(rp / cp if cp and rp else None, "{:.2f}"),
+                 f"{r['decode_tok_s']:.1f}", f"{rd:.2f}x", fmt(cd, "{:.2f}x"), fmt(rd / cd if cd else None, "{:.2f}"),
+                 f"{r['kv_cache_bytes']:,}", fmt(r["kv_ratio"], "{:.3f}"), f"{r['dloss']:+.4f}", acc_s]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=DEFAULT)
+    p.add_argument("--run", action="append", default=[], metavar="NAME=DIR", help="a trained run for NAME")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--decode", type=int, default=24, help="new tokens per decode timing")
+    p.add_argument("--prefill", type=int, default=96, help="prompt tokens per prefill timing")
+    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--target", type=float, default=0.5, help="calibrated mean depth, as a share of the passes")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--data", default=os.path.join(os.environ.get("PHASELOOP_DATA_DIR", ""), "wikitext-2",
+                                                  "wiki.test.raw"))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runs = dict(item.split("=", 1) for item in args.run)
+    t0, results = time.perf_counter(), []
+    for name in args.models.split(","):
+        results.append(bench(name, args, runs))
+        print(table(results[-1]) + "\n", flush=True)
+    print(f"({time.perf_counter() - t0:.0f} s; torch {torch.__version__}, {torch.get_num_threads()} threads)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Trained runs in on-device runtimes (the ``deploy`` extra: ``pip install
+'phaseloop[deploy]'``): ExecuTorch, whose LLM runner loads one ``.pte`` per backend.
+
+* ``program.py``: a ``DecoderLM`` as the runner's contract wants it (``RunnerProgram``:
+  ``forward(tokens, input_pos) -> logits``, the KV cache in module buffers, the metadata
+  methods), its depth fixed; torch only;
+* ``pte.py``: torch.export, torchao's int8 / int4 weights, lowering to XNNPACK; imports
+  executorch and torchao;
+* ``runtime.py``: ``PteModel``, a ``.pte`` in ExecuTorch's Python runtime;
+* ``run.py``: ``export_run``, what ``phaseloop export --format executorch`` calls.
+
+docs/deploy.md ("ExecuTorch") has the commands and the measured sizes and speeds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from phaseloop.errors import ConfigError
+
+EXTRA = "pip install 'phaseloop[deploy]'"
+
+
+def require() -> None:
+    """One line naming the extra when executorch / torchao is not installed."""
+    for name in ("executorch", "torchao"):
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"--format executorch needs the {name} library, which is not installed: {EXTRA}")

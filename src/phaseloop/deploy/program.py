@@ -1,0 +1,93 @@
+"""A ``DecoderLM`` in the shape ExecuTorch's LLM runner expects (executorch
+extension/llm/runner, the contract of its llama export):
+
+* ``forward(tokens [1, T], input_pos [T]) -> logits [1, T, V]``, T = 1 .. max_len
+  (prefill and decode in one method; the runner passes ``input_pos`` = start .. start
+  + T - 1 because the exported input has more than one element);
+* the KV cache in module buffers: phaseloop's own model with a ``StaticKVCache``
+  (kvcache.py), written at ``input_pos``, so a later call sees the earlier ones;
+* constant methods the runner reads: ``get_max_seq_len``, ``get_max_context_len``,
+  ``get_vocab_size``, ``get_bos_id``, ``get_eos_ids``, ``use_kv_cache``,
+  ``use_sdpa_with_kv_cache``, ``enable_dynamic_shape`` (``metadata``).
+
+The depth is fixed when the program is made (``prepare``: ``depth.set_model_depth``);
+ACT runs every step with the halting arithmetic as tensor operations (the static cache
+turns off its host-side early exit: universal.py), so the program has no data-dependent
+branch. Nothing here imports executorch: ``pte.py`` lowers the program.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from phaseloop.data.tokenizer import ByteTokenizer
+from phaseloop.depth import set_model_depth
+from phaseloop.errors import ConfigError
+from phaseloop.kvcache import StaticKVCache
+from phaseloop.model import DecoderLM
+
+
+class RunnerProgram(nn.Module):
+    """``model`` (a DecoderLM, left as it is: no copied code) and its static cache
+    (buffers ``cache.k<i>`` / ``cache.v<i>``: the names ``InitializedMutableBufferPass
+    (["cache"])`` matches, so the program starts with zeros)."""
+
+    def __init__(self, model: DecoderLM, max_len: int):
+        super().__init__()
+        self.model = model
+        self.cache = StaticKVCache(max_len, batch=1)
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def forward(self, tokens_1T: torch.Tensor, input_pos_T: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens_1T, cache=self.cache, positions_BT=input_pos_T[None]).logits
+
+    @torch.no_grad()
+    def allocate(self) -> RunnerProgram:
+        """One forward at position 0 makes every slot's buffers (a trunk that cannot run
+        on a static cache says so here, in one line); then the cache is empty again."""
+        self(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        self.cache.reset()
+        return self
+
+
+def prepare(model: DecoderLM, depth: int | None = None, extend_loops: str | None = None,
+            max_len: int | None = None) -> RunnerProgram:
+    """``model`` (fp32, eval) at ``depth`` with every block application input-independent,
+    wrapped with a static cache of ``max_len`` positions (default: its max_seq_len), its
+    buffers allocated. One-line ConfigError for what a program cannot hold."""
+    cfg = model.cfg
+    if getattr(model.trunk, "exits", None) is not None:
+        raise ConfigError(f"early exit per position ({model.trunk.exits.rule.label}) cannot be exported: "
+                          "which positions run a pass depends on the data, and a program runs a fixed "
+                          "depth (--depth K; docs/inference.md); export without it")
+    if max_len is None:
+        max_len = cfg.max_seq_len
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or not 2 <= max_len <= cfg.max_seq_len:
+        raise ConfigError(f"--max-seq-len {max_len}: choose 2 .. {cfg.max_seq_len} (the model's "
+                          "max_seq_len): the static cache holds that many positions per slot")
+    set_model_depth(model, depth, extend_loops)
+    model.trunk.fix_depth()
+    return RunnerProgram(model.float().eval(), max_len).allocate()
+
+
+def _single_id(tokenizer, text: str) -> int | None:
+    ids = tokenizer.encode(text).tolist()
+    return ids[0] if len(ids) == 1 else None
+
+
+def metadata(program: RunnerProgram, tokenizer=None) -> dict:
+    """The constant methods of the program (names as executorch's llama export writes
+    them). phaseloop trains on raw text with no BOS or EOS token: ``get_bos_id`` is the
+    token of a newline (which ends every document phaseloop trains on; 0 if it is no
+    single token), for a runner that must prepend one; ``get_eos_ids`` is empty, so a
+    runner stops at its token budget or ``get_max_seq_len``."""
+    tokenizer = tokenizer or ByteTokenizer()
+    bos = _single_id(tokenizer, "\n")
+    return {"get_max_seq_len": program.max_len, "get_max_context_len": program.max_len,
+            "get_vocab_size": program.model.cfg.vocab_size, "get_bos_id": 0 if bos is None else bos,
+            "get_eos_ids": [], "use_kv_cache": True, "use_sdpa_with_kv_cache": False,
+            "enable_dynamic_shape": True}

@@ -1,0 +1,67 @@
+"""A ``RunnerProgram`` as the bytes of an ExecuTorch ``.pte``: torch.export (T dynamic, 1 ..
+max_len), low-bit weights through torchao, lowering to XNNPACK (or the portable kernels
+alone) and constant methods for the runner's metadata (``run.py`` writes the file,
+``runtime.PteModel`` runs it).
+
+Weights (``--bits``): every ``nn.Linear`` but the LM head (the embedding is a lookup) as
+torchao's ``Int8DynamicActivationIntxWeightConfig``, which XNNPACK runs as integer
+GEMMs: 8 bits per output channel (``PerAxis(0)``), or 4 bits in groups of 32 input
+columns (``PerGroup(32)``; a layer whose width 32 does not divide stays fp32), with
+activations quantised to int8 per token at run time. Not ``Int8WeightOnlyConfig``: it
+lowers, but XNNPACK's delegate then computes wrong logits without a word
+(tests/test_deploy_runtime.py checks a quantised file against its dequantised reference).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
+from torch import nn
+from torch.export import Dim, export
+from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+from torchao.quantization.granularity import PerAxis, PerGroup
+
+from phaseloop.deploy.program import RunnerProgram
+from phaseloop.errors import ConfigError
+
+BITS = (8, 4)
+GROUP = 32  # input columns per int4 scale
+BACKENDS = ("xnnpack", "portable")
+
+
+def quantize_linears(program: RunnerProgram, bits: int) -> list[str]:
+    """Quantise ``program``'s Linears in place (see the module docstring); returns their names."""
+    if bits not in BITS:
+        raise ConfigError(f"--bits {bits}: choose 8 or 4")
+    head = program.model.head
+    taken = [name for name, m in program.named_modules() if isinstance(m, nn.Linear) and m is not head
+             and (bits == 8 or m.in_features % GROUP == 0)]
+    granularity = PerAxis(0) if bits == 8 else PerGroup(GROUP)
+    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8 if bits == 8 else torch.int4,
+                                                   weight_granularity=granularity)
+    quantize_(program, config, filter_fn=lambda m, fqn: fqn in taken)
+    return taken
+
+
+def lower(program: RunnerProgram, meta: dict, backend: str = "xnnpack") -> bytes:
+    """The ``.pte`` bytes of ``program`` (its cache empty; quantised already, or not)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend {backend!r}: choose {' or '.join(BACKENDS)}")
+    program.cache.reset()
+    T = Dim("T", min=1, max=program.max_len)
+    example = (torch.zeros(1, min(2, program.max_len), dtype=torch.long), torch.arange(min(2, program.max_len)))
+    with torch.no_grad(), warnings.catch_warnings():  # no grad: the lowering refuses a mutated
+        # buffer that requires it; torch.export's own pytree deprecation, raised inside it
+        warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)", FutureWarning)
+        try:
+            exported = export(program, example, dynamic_shapes=({1: T}, {0: T}), strict=False)
+        except Exception as e:  # e.g. a plugin's data-dependent Python branch
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"torch.export cannot trace this {program.model.cfg.arch} model: {first}") from None
+        partitioner = [XnnpackPartitioner()] if backend == "xnnpack" else []
+        edge = to_edge_transform_and_lower(exported, partitioner=partitioner, constant_methods=meta)
+        return edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(["cache"])])).buffer

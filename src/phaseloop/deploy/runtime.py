@@ -1,0 +1,51 @@
+"""A ``.pte`` in ExecuTorch's Python runtime (executorch.runtime: no exporter, no torchao),
+as a device-side program loads it: the tests and benchmarks/bench_deploy.py run files so."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+from executorch.runtime import Runtime
+
+from phaseloop.errors import CheckpointError, ConfigError
+
+
+class PteModel:
+    """A ``.pte`` loaded into ExecuTorch's Python runtime; ``model(tokens [1, T], start)``
+    returns the logits of T new tokens at positions start .. start + T - 1, the cache kept
+    inside the loaded method between calls. ``threads``: XNNPACK's thread pool, set only
+    before the first program of the process is loaded (resetting it later crashes the
+    process); a file the runtime cannot load is refused by name."""
+
+    _pool_set = False
+
+    def __init__(self, path, threads: int | None = None):
+        if threads is not None and not PteModel._pool_set:
+            _unsafe_reset_threadpool(threads)
+        PteModel._pool_set = True
+        t0 = time.perf_counter()
+        try:
+            self.program = Runtime.get().load_program(str(path))
+            self.method = self.program.load_method("forward")
+        except (RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{path} is not an ExecuTorch program this runtime loads ({str(e)[:80]}); "
+                                  "export it again (phaseloop export --format executorch)") from None
+        self.load_s = time.perf_counter() - t0
+        try:
+            self.max_len = self.constant("get_max_seq_len")[0]
+        except RuntimeError:  # a program without the runner's metadata: not checked
+            self.max_len = None
+
+    def __call__(self, tokens_1T: torch.Tensor, start: int) -> torch.Tensor:
+        T = tokens_1T.shape[1]
+        if self.max_len is not None and not 0 <= start <= start + T <= self.max_len:
+            raise ConfigError(f"positions {start} .. {start + T - 1} are outside the program's cache of "
+                              f"{self.max_len} (get_max_seq_len); start a new sequence at 0")
+        return self.method.execute([tokens_1T.long(), torch.arange(start, start + T)])[0]
+
+    def constant(self, name: str):
+        """A metadata method's value (``get_max_seq_len`` ...)."""
+        out = self.program.load_method(name).execute([])
+        return [v if not torch.is_tensor(v) else v.item() for v in out]

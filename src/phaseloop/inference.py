@@ -1,0 +1,173 @@
+"""Generation as a library function (``generate``): the one entry point the CLI, explore
+and the tests decode through, with the inference-time options of a weight-tied trunk —
+an exit rule and the fill of the passes it skips (``early_exit``), a KV cache shared
+across passes (``--kv-share K``, Huginn §6.2) and self-speculative decoding
+(``speculative``) — and what it measured: tokens/s, passes per token, cache bytes,
+acceptance. ``TokenByToken`` evaluates a model as decoding feeds it (every token through
+the cache), which a shared cache changes and a full pass does not see.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from phaseloop.decoding import decode, speculative_decode
+from phaseloop.early_exit import ExitRule, refuse_stack, set_exit, set_kv_share
+from phaseloop.errors import ConfigError
+from phaseloop.kvcache import KVCache
+
+
+@dataclass
+class Options:
+    """How to decode. ``exit`` / ``kv_fill``: early exit per position and the keys/values
+    of the passes it skips; ``kv_share``: KV slots per looped layer; ``speculative``: draft
+    with that many passes, ``draft_tokens`` per round, verified at the trunk's depth."""
+
+    max_new_tokens: int = 200
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int = 0
+    eos_id: int | None = None
+    use_cache: bool = True
+    exit: ExitRule | None = None
+    kv_fill: str = "recompute"
+    kv_share: int | None = None
+    speculative: int | None = None
+    draft_tokens: int = 4
+
+
+@dataclass
+class Generation:
+    """``ids`` prompt + new [B, T + n]; ``tokens`` the new ones [B, n]; ``passes`` [n] the
+    loop passes behind each new token (mean over rows; speculative: the passes every
+    drafted and verified position ran, per token kept); ``acceptance`` drafts kept / drafted."""
+
+    ids: torch.Tensor
+    tokens: torch.Tensor
+    seconds: float
+    passes: list = field(default_factory=list)
+    kv_cache_bytes: int = 0
+    acceptance: float | None = None
+    rounds: int | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens.numel() / max(self.seconds, 1e-9)
+
+    @property
+    def mean_passes(self) -> float | None:
+        return sum(self.passes) / len(self.passes) if self.passes and None not in self.passes else None
+
+
+@contextmanager
+def configured(model, options: Options):
+    """``model`` with ``options``' exit rule and KV sharing, restored afterwards."""
+    trunk = model.trunk
+    saved = (trunk.exits, getattr(trunk, "kv_share", None))
+    try:
+        if options.exit is not None or options.kv_fill != "recompute":
+            set_exit(model, options.exit, options.kv_fill)
+        if options.kv_share is not None:
+            set_kv_share(model, options.kv_share)
+        yield model
+    finally:
+        trunk.exits = saved[0]
+        if saved[1] is not None or options.kv_share is not None:
+            trunk.kv_share = saved[1]
+
+
+def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
+    """Refuse, in one line, what ``model`` cannot decode with ``options``."""
+    if options.temperature < 0:
+        raise ConfigError(f"temperature {options.temperature}: must be >= 0 (0 = greedy)")
+    if options.speculative is None:
+        return
+    refuse_stack(model, "draft itself with fewer passes", "--speculative")
+    full = model.trunk.passes
+    if not isinstance(options.speculative, int) or not 1 <= options.speculative < full:
+        raise ConfigError(f"--speculative {options.speculative}: the draft runs 1 .. {full - 1} passes "
+                          f"(the model runs {full})")
+    if options.exit is not None:
+        raise ConfigError("--speculative verifies at the full depth: drop --exit (the draft is --speculative D passes)")
+    if not options.use_cache:
+        raise ConfigError("--speculative rolls the KV cache back after each round: drop --no-cache")
+    if not isinstance(options.draft_tokens, int) or options.draft_tokens < 1:
+        raise ConfigError(f"--draft-tokens {options.draft_tokens!r}: must be a positive integer")
+
+
+def _passes(out, trunk) -> float | None:
+    """Mean passes behind the last position of a model output (the next token's); None
+    for a stack, which has no passes."""
+    s = out.stats.get("exit_passes")
+    if s is not None:
+        return float(s[:, -1].float().mean())
+    return None if trunk.passes is None else float(trunk.passes)
+
+
+@torch.no_grad()
+def generate(model, prompt_BT: torch.Tensor, options: Options) -> Generation:
+    """Decode ``prompt_BT`` with ``options`` (``Generation``: the tokens and the figures)."""
+    check(model, options, prompt_BT)
+    gen = torch.Generator(device=prompt_BT.device).manual_seed(options.seed)
+    was_training = model.training
+    model.eval()
+    try:
+        with configured(model, options):
+            t0 = time.perf_counter()
+            if options.speculative is not None:
+                ids, info = speculative_decode(model, prompt_BT, options.max_new_tokens, options.speculative,
+                                               options.draft_tokens, options.temperature, options.top_k,
+                                               gen, options.eos_id)
+                seconds = time.perf_counter() - t0
+                n = ids.shape[1] - prompt_BT.shape[1]
+                return Generation(ids, ids[:, prompt_BT.shape[1]:], seconds, [info["passes"] / max(n, 1)] * n,
+                                  info["cache"].nbytes, info["acceptance"], info["rounds"])
+            passes, caches = [], []
+
+            def step(x_BT, cache):
+                if cache is not None and not caches:
+                    caches.append(cache)
+                return model(x_BT, cache=cache)
+
+            ids = decode(step, prompt_BT, options.max_new_tokens, temperature=options.temperature,
+                         top_k=options.top_k, generator=gen, eos_id=options.eos_id, use_cache=options.use_cache,
+                         on_output=lambda out: passes.append(_passes(out, model.trunk)))
+            seconds = time.perf_counter() - t0
+    finally:
+        model.train(was_training)
+    n = ids.shape[1] - prompt_BT.shape[1]
+    return Generation(ids, ids[:, prompt_BT.shape[1]:], seconds, passes[:n], caches[0].nbytes if caches else 0)
+
+
+def cache_bytes_after(model, prompt_BT: torch.Tensor, options: Options) -> int:
+    """Bytes a cache holds after a prefill of ``prompt_BT`` (grown, not preallocated)."""
+    cache = KVCache()
+    with torch.no_grad(), configured(model, options):
+        model(prompt_BT, cache=cache)
+    return cache.nbytes
+
+
+class TokenByToken(nn.Module):
+    """``model`` evaluated as decoding feeds it: every position through the KV cache, one
+    token at a time (``forward(x)`` returns the logits of the whole window). Equal to the
+    full pass with one slot per pass; with ``--kv-share`` a token reads the earlier ones'
+    keys of the latest pass in its slot."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx_BT: torch.Tensor, **kw):
+        if kw:
+            raise ConfigError("token-by-token evaluation feeds one sequence per row; documents "
+                              "(--doc-mask, --doc-positions) do not apply")
+        cache = KVCache(capacity=idx_BT.shape[1])
+        outs = [self.model(idx_BT[:, t:t + 1], cache=cache) for t in range(idx_BT.shape[1])]
+        self.last_cache = cache
+        return type(outs[0])(logits=torch.cat([o.logits for o in outs], 1))
+

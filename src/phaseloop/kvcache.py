@@ -1,0 +1,206 @@
+"""The KV cache every model decodes with: keys/values per *slot*, one slot per application
+of an attention layer (layer i of a stack; (layer, pass) of a weight-shared block, or
+(layer, pass mod K) when passes share their slots: ``--kv-share K``, Huginn §6.2).
+
+Contracts the trunks rely on:
+
+* A slot written for the first time in a forward (``pos`` unchanged since) appends its
+  new rows; written again in the same forward (a shared slot: passes i and i + K) its
+  last rows are replaced by the new ones, which always end at the newest position.
+* ``truncate(n)`` drops every position >= n (speculative decoding rolls back rejected
+  drafts); an entry that is not a (keys, values) pair rolls back through its own
+  ``truncate(n)`` or is refused by name.
+* ``nbytes``: the bytes of the tensors the cache holds (preallocated buffers counted
+  whole), what ``generate --json`` reports as ``kv_cache_bytes``.
+
+Shapes: B batch, K kv heads, T new positions, E head dim.
+
+``StaticKVCache``: module buffers of fixed shape [B, K, max_len, E] per slot, written in
+place at the new tokens' positions; attention reads the whole buffer under a mask of the
+positions written so far. A model's whole decoding state is then buffers, as torch.export
+and ExecuTorch's LLM runner need (the cache in module buffers, ``forward(tokens,
+input_pos)``); eager phaseloop runs with it too, and equals ``KVCache``
+(tests/test_static_cache.py, float64 to 1e-10).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from phaseloop.errors import ConfigError
+
+
+def _pair(entry) -> bool:
+    return isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(t, torch.Tensor) for t in entry)
+
+
+@dataclass
+class KVCache:
+    """``pos``: absolute position of the next token, or with ``pad`` (rows of a continuous
+    batch, ``decoding.join_rows``) the next column: row b's first ``pad[b]`` columns are
+    padding, column j holds its position j - pad[b]."""
+
+    entries: dict = field(default_factory=dict)
+    pos: int = 0
+    pad: torch.Tensor | None = None  # [B] leading padding columns per row; None: no padding
+    # positions to preallocate per slot: keys/values are then written in place into one
+    # buffer (``entries`` holds views of its filled part) instead of grown by torch.cat;
+    # None: grown. A slot that outgrows it doubles its buffer.
+    capacity: int | None = None
+    buffers: dict = field(default_factory=dict)
+    # slot -> pos at its latest write: written again at the same pos = in the same forward
+    # (whoever moves pos back, truncate or decoding.keep_rows, clears it)
+    written: dict = field(default_factory=dict)
+    static = False  # (class attribute) keys of the tokens so far only, no mask needed
+
+    def update(self, slot, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor):
+        """Write the new rows of ``slot`` (appended, or replacing its last rows when the
+        slot was written already in this forward) and return its whole (keys, values)."""
+        T = k_BKTE.shape[2]
+        n = self.entries[slot][0].shape[2] if slot in self.entries else 0
+        start = n - T if self.written.get(slot) == self.pos else n
+        if start < 0:
+            raise ValueError(f"KV slot {slot!r}: {T} rows replace more than the {n} it holds")
+        self.written[slot] = self.pos
+        end = max(n, start + T)
+        if self.capacity is None:
+            if n and start < n:  # replace rows [start, start + T), keep any after them
+                k_old, v_old = self.entries[slot]
+                k_BKTE = torch.cat([k_old[:, :, :start], k_BKTE, k_old[:, :, start + T:]], dim=2)
+                v_BKTE = torch.cat([v_old[:, :, :start], v_BKTE, v_old[:, :, start + T:]], dim=2)
+            elif n:
+                k_old, v_old = self.entries[slot]
+                k_BKTE, v_BKTE = torch.cat([k_old, k_BKTE], dim=2), torch.cat([v_old, v_BKTE], dim=2)
+            self.entries[slot] = (k_BKTE, v_BKTE)
+            return self.entries[slot]
+        buf = self.buffers.get(slot)
+        if buf is None or end > buf[0].shape[2]:
+            size = max(self.capacity, 2 * end) if buf is not None else max(self.capacity, end)
+            B, K, _, E = k_BKTE.shape
+            new = (k_BKTE.new_empty(B, K, size, E), v_BKTE.new_empty(B, K, size, E))
+            if n:
+                new[0][:, :, :n], new[1][:, :, :n] = self.entries[slot]
+            buf = self.buffers[slot] = new
+        buf[0][:, :, start:start + T] = k_BKTE
+        buf[1][:, :, start:start + T] = v_BKTE
+        self.entries[slot] = (buf[0][:, :, :end], buf[1][:, :, :end])
+        return self.entries[slot]
+
+    @property
+    def origin(self) -> int:
+        """The position of the first cached row (``pos`` less the longest slot's rows)."""
+        return self.pos - max((e[0].shape[2] for e in self.entries.values() if _pair(e)), default=0)
+
+    def truncate(self, n: int) -> None:
+        """Forget every position >= ``n`` (origin <= n <= pos), as if they were never fed."""
+        origin = self.origin
+        if not origin <= n <= self.pos:
+            raise ValueError(f"cannot truncate the cache to position {n}: it holds {origin} .. {self.pos - 1}")
+        if self.pad is not None:
+            raise ValueError("cannot truncate the rows of a continuous batch (left-padded rows)")
+        keep = n - origin
+        for slot, entry in list(self.entries.items()):
+            if _pair(entry):
+                self.entries[slot] = tuple(t[:, :, :keep] for t in entry)
+            elif hasattr(entry, "truncate"):
+                rest = entry.truncate(n)
+                if rest is None:
+                    del self.entries[slot]
+                else:
+                    self.entries[slot] = rest
+            else:
+                raise ConfigError(f"the KV cache entry {slot!r} (a running summary, not keys and values) "
+                                  "cannot be rolled back to an earlier position")
+        self.written.clear()
+        self.pos = n
+
+    def select_rows(self, idx_R: torch.Tensor) -> None:
+        """Keep rows ``idx_R`` of every entry, in that order (beam search reorders)."""
+        self.pad = None if self.pad is None else self.pad.index_select(0, idx_R)
+        self.buffers = {s: tuple(t.index_select(0, idx_R) for t in buf) for s, buf in self.buffers.items()}
+        for slot, entry in self.entries.items():
+            if slot in self.buffers:
+                n = entry[0].shape[2]
+                self.entries[slot] = tuple(t[:, :, :n] for t in self.buffers[slot])
+            elif hasattr(entry, "select_rows"):
+                self.entries[slot] = entry.select_rows(idx_R)
+            else:  # (keys, values), or a list of tensors
+                self.entries[slot] = type(entry)(t.index_select(0, idx_R) for t in entry)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor held: a slot's whole buffer where preallocated."""
+        total = sum(t.nbytes for buf in self.buffers.values() for t in buf)
+        for slot, entry in self.entries.items():
+            if slot in self.buffers:
+                continue
+            if hasattr(entry, "nbytes"):
+                total += entry.nbytes
+            else:
+                total += sum(t.nbytes for t in (entry if isinstance(entry, (tuple, list)) else [entry])
+                             if isinstance(t, torch.Tensor))
+        return total
+
+
+class StaticKVCache(nn.Module):
+    """Keys/values per slot in buffers preallocated for ``max_len`` positions
+    (``k<i>`` / ``v<i>``, [batch, K, max_len, E], zeros), written at the new tokens'
+    positions with ``index_copy_``. Key j is visible to the query at position p iff
+    j <= p (``visible``), so positions never written are masked, whatever they hold.
+
+    ``DecoderLM.forward(idx, cache=c)`` takes the new tokens' positions from
+    ``positions_BT`` (the exported program's ``input_pos``; a later call may rewrite
+    earlier positions: a new sequence restarts at 0) or else from ``pos``, which it
+    advances, as with ``KVCache``. A slot's buffers are made at its first update, so one
+    eager forward allocates them all before torch.export sees the module. The cache holds
+    keys and values only: a trunk keeping other state in ``entries`` is refused by name.
+    """
+
+    static = True
+    pad = None  # rows are never left-padded (KVCache.pad)
+
+    def __init__(self, max_len: int, batch: int = 1):
+        super().__init__()
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ConfigError(f"StaticKVCache(max_len={max_len!r}): need a positive number of positions")
+        self.max_len, self.batch, self.pos = max_len, batch, 0
+        self.slots: dict = {}  # slot -> its buffers' index, in first-use order
+
+    @property
+    def entries(self):
+        raise ConfigError("this model keeps state other than keys and values in its cache (cache.entries); "
+                          "a static cache (torch.export, ExecuTorch) holds keys and values only")
+
+    def positions(self, B: int, T: int, device) -> torch.Tensor:
+        """[B, T]: positions pos .. pos + T - 1, checked against ``max_len`` and the batch."""
+        if B != self.batch:
+            raise ConfigError(f"a StaticKVCache for batch {self.batch} got a batch of {B}; build one per batch size")
+        if self.pos + T > self.max_len:
+            raise ConfigError(f"{self.pos + T} positions exceed the static cache's max_len={self.max_len}; "
+                              "start a new sequence (a new cache, or positions from 0) or raise max_len")
+        return torch.arange(self.pos, self.pos + T, device=device).expand(B, T)
+
+    def update(self, slot, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, positions_BT: torch.Tensor):
+        """Write the new keys/values at ``positions_BT[0]`` (every row decodes the same
+        positions); returns (keys [B, K, max_len, E], values, visible [B, 1, T, max_len])."""
+        i = self.slots.get(slot)
+        if i is None:
+            i = self.slots[slot] = len(self.slots)
+            B, K, _, E = k_BKTE.shape
+            for name in ("k", "v"):
+                self.register_buffer(f"{name}{i}", k_BKTE.new_zeros(B, K, self.max_len, E), persistent=False)
+        keys, values = getattr(self, f"k{i}"), getattr(self, f"v{i}")
+        pos_T = positions_BT[0]
+        keys.index_copy_(2, pos_T, k_BKTE.to(keys.dtype))
+        values.index_copy_(2, pos_T, v_BKTE.to(values.dtype))
+        visible_BTS = torch.arange(self.max_len, device=pos_T.device)[None, None, :] <= positions_BT[:, :, None]
+        return keys, values, visible_BTS[:, None]
+
+    def reset(self) -> None:
+        """Empty again (zeros; position 0), keeping the buffers."""
+        self.pos = 0
+        for b in self.buffers():
+            b.zero_()

@@ -1,0 +1,75 @@
+"""phaseloop generate --json / --kv-fill / --kv-share / --speculative and eval --kv-share
+(issue 39, inference.py): the figures generate reports, speculation's greedy text is the
+plain greedy text, the K = full row of eval --kv-share is the plain eval, ACT's exit rows
+are measured against its first row; bad options and stacks are one line, exit 2."""
+
+import pytest
+from conftest import assert_one_line, cli_json, run_cli, tiny_runs
+
+from phaseloop.cli import main
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tiny_runs(tmp_path_factory.mktemp("inference_cli"), ("looped-tiny", "rope-tiny", "universal-act-tiny"))
+
+
+def _gen(runs, *extra, run="looped-tiny"):
+    return ["generate", runs[run], "--max-new-tokens", "8", "--temperature", "0", "--device", "cpu",
+            "--prompt", "the qu", "--depth", "4", *extra]
+
+
+def test_generate_json(runs, capsys):
+    plain = cli_json([*_gen(runs), "--json"], capsys)
+    assert len(plain["tokens"]) == 8 and plain["text"] and plain["tokens_per_s"] > 0
+    assert plain["mean_passes"] == plain["depth"] == 4 and len(plain["passes"]) == 8
+    assert plain["kv_cache_bytes"] > 0 and "acceptance" not in plain
+    spec = cli_json([*_gen(runs), "--json", "--speculative", "1", "--draft-tokens", "3"], capsys)
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"]  # greedy: identical
+    assert 0 <= spec["acceptance"] <= 1 and spec["rounds"] >= 1 and spec["draft_passes"] == 1
+    shared = cli_json([*_gen(runs), "--json", "--kv-share", "1"], capsys)
+    assert shared["kv_cache_bytes"] < plain["kv_cache_bytes"]
+    latest = [cli_json([*_gen(runs), "--json", "--exit", "kl-lens:1", "--kv-fill", "latest", *extra], capsys)
+              for extra in ([], ["--no-cache"])]
+    assert latest[0]["tokens"] == latest[1]["tokens"] and latest[0]["mean_passes"] < 4
+    stack = cli_json(["generate", runs["rope-tiny"], "--max-new-tokens", "3", "--device", "cpu", "--json"], capsys)
+    assert stack["mean_passes"] is None and stack["depth"] is None and len(stack["tokens"]) == 3  # no passes
+    assert main([str(a) for a in _gen(runs, "--speculative", "2")]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("the qu" + plain["text"]) and "accepted" in out.err
+
+
+def test_eval_kv_share_sweep(runs, capsys):
+    common = ["eval", runs["looped-tiny"], "--windows", "2", "--seq-len", "16", "--device", "cpu", "--json"]
+    plain = cli_json(common, capsys)
+    rows = cli_json([*common, "--kv-share", "1,2,full"], capsys)
+    assert [r["kv_share"] for r in rows] == [1, 2, "full"]
+    assert rows[2]["val_loss"] == pytest.approx(plain["val_loss"], abs=1e-5)  # token by token = full pass
+    assert rows[2]["bytes_ratio"] == 1 and rows[0]["kv_cache_bytes"] <= rows[1]["kv_cache_bytes"]
+    assert rows[0]["val_loss"] != rows[2]["val_loss"]
+
+
+def test_act_exit_rows_against_the_first_row(runs, capsys):
+    common = ["eval", runs["universal-act-tiny"], "--windows", "2", "--device", "cpu", "--json"]
+    rows = cli_json([*common, "--exit", "act:0.5,0.1"], capsys)
+    assert rows[0]["flops_saved"] == 0 and rows[0]["loss_change"] == 0
+    for r in rows[1:]:
+        assert r["flops_saved"] == pytest.approx(1 - r["flops_per_token"] / rows[0]["flops_per_token"])
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["generate", "rope-tiny", "--kv-share", "1"], "stack of distinct layers"),
+    (["generate", "rope-tiny", "--speculative", "1"], "stack of distinct layers"),
+    (["generate", "looped-tiny", "--speculative", "2"], "the draft runs 1 .. 1 passes"),
+    (["generate", "looped-tiny", "--speculative", "1", "--exit", "kl:1"], "drop --exit"),
+    (["generate", "looped-tiny", "--kv-fill", "latest"], "add --exit"),
+    (["generate", "universal-act-tiny", "--exit", "act:0.5", "--kv-fill", "latest"], "no pass is skipped"),
+    (["generate", "looped-tiny", "--kv-share", "0"], "out of range"),
+    (["eval", "rope-tiny", "--kv-share", "1"], "stack of distinct layers"),
+    (["eval", "looped-tiny", "--kv-share", "1,x"], "e.g. 1,2,full"),
+    (["eval", "looped-tiny", "--kv-share", "1", "--exit", "kl:1"], "one at a time"),
+    (["eval", "looped-tiny", "--kv-fill", "latest"], "applies with --exit"),
+])
+def test_bad_options_one_line(runs, capsys, argv, pattern):
+    code, err = run_cli([argv[0], runs[argv[1]], "--device", "cpu", *argv[2:]], capsys)
+    assert_one_line(code, err, pattern)

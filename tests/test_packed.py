@@ -1,0 +1,207 @@
+"""Packed low-bit weights (phaseloop.quant.packed / load, issue 40): a PackedLinear computes
+the dequantised weight's product (exactly with fp32 activations, at bf16's resolution with
+the fast bf16 path), a packed run's loss equals the dequantised reference within 1e-3
+relative, int4 g32 weights take <= 0.2x their fp32 bytes, and a damaged, foreign or
+mismatched quantised file is refused by name (one line, exit 2)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import assert_one_line, run_cli, write_corpus
+
+from phaseloop.cli import main
+from phaseloop.engine.checkpoint import load_run, run_corpus, save_checkpoint
+from phaseloop.errors import PhaseloopError
+from phaseloop.lm.train import eval_set, evaluate
+from phaseloop.quant import PackedLinear, QuantizedWeight, load_dequantized, load_packed, quantize_rtn, weight_bytes
+from phaseloop.quant.core import dequantize
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TRAIN = ["--preset", "rope-tiny", "--steps", "30", "--batch-size", "8", "--eval-windows", "2", "--warmup", "3",
+         "--quiet", "--eval-every", "1000", "--ckpt-every", "1000", "--compile", "off"]
+
+
+def _qw(N, K, bits, group, sym=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(N, K, generator=g) * torch.linspace(0.2, 2.0, N)[:, None] + 0.3
+    q, s, z = quantize_rtn(W, bits, group, sym=sym)
+    return QuantizedWeight.from_codes(q, s, z, bits, sym=sym), dequantize(q, s, z)
+
+
+# (N, K, bits, group): per group, per row (kernel group < row), a group the int4 kernel
+# takes as repeats (96 = 3 x 32), a row no kernel group divides (padded to 192), int8
+# stacked groups, an N the int4 kernel refuses
+SHAPES = [(64, 128, 4, 32), (64, 96, 4, -1), (48, 192, 4, 96), (32, 176, 4, -1), (64, 128, 8, 32),
+          (64, 96, 8, -1), (40, 64, 4, 32), (32, 64, 8, 64)]
+
+
+@pytest.mark.parametrize("N,K,bits,group", SHAPES)
+@pytest.mark.parametrize("sym", [False, True])
+def test_packed_linear_is_the_dequantised_weight(N, K, bits, group, sym):
+    qw, W = _qw(N, K, bits, None if group == -1 else group, sym)
+    bias = torch.randn(N)
+    x = torch.randn(3, 5, K)
+    want = x @ W.t() + bias
+    exact = PackedLinear(qw, bias, act_dtype=torch.float32)  # the kernels' fp32 path: the weight mapping alone
+    assert exact.kernel == ("fp32" if N % 16 else f"int{bits}")
+    assert (exact(x) - want).abs().max() <= 1e-5 * want.abs().max()
+    fast = PackedLinear(qw, bias)  # bf16 activations and scales, as it runs
+    assert fast(x).dtype == torch.float32 and fast(x).shape == want.shape
+    err = (fast(x) - want).abs().max() / want.abs().max()
+    assert err <= 1e-2, err  # bf16 (8 bits of mantissa) of activations, scales and outputs
+    wrong = QuantizedWeight(qw.qdata, qw.scale, qw.zero + 1, bits, qw.group_size, qw.shape)
+    off = PackedLinear(wrong, bias, act_dtype=torch.float32)(x)
+    assert (off - want).abs().max() > 100 * 1e-5 * want.abs().max()  # a zero off by one step shows
+
+
+def test_packed_module_keeps_its_buffers_through_to_and_double():
+    qw, W = _qw(64, 128, 4, 32)
+    m = PackedLinear(qw).double()
+    assert m.scale_zero.dtype == torch.bfloat16 and m.codes.dtype == torch.uint8
+    x = torch.randn(2, 128, dtype=torch.float64)
+    assert m(x).dtype == torch.float64
+    assert (m(x) - x @ W.double().t()).abs().max() <= 1e-2 * (x @ W.double().t()).abs().max()
+
+
+def test_weight_bytes_int4_g32_at_most_a_fifth_of_fp32():
+    """int4 codes (half a byte) + bf16 scale and zero per 32 weights: 0.156 of fp32."""
+    qw, _ = _qw(256, 512, 4, 32)
+    lin = torch.nn.Sequential(PackedLinear(qw))
+    now, fp32 = weight_bytes(lin)
+    assert fp32 == 4 * 256 * 512
+    assert now == 256 * 512 // 2 + 256 * 512 // 32 * 2 * 2
+    assert now / fp32 <= 0.2
+    tied = torch.nn.Linear(4, 4)
+    both = torch.nn.ModuleList([tied, tied])
+    assert weight_bytes(both) == (4 * 20, 4 * 20)  # one module twice: counted once
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A trained rope-tiny run, a second one of the same shapes (another seed) and a
+    Hyperloop run (a weight-shared block), with their quantised files."""
+    root = tmp_path_factory.mktemp("packed")
+    text = write_corpus(root / "corpus.txt")
+    out = {"root": root, "text": text}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: a second thread only waits
+    for name, extra in (("run", []), ("other", ["--seed", "1", "--steps", "2"]),
+                        ("loop", ["--preset", "hyperloop-tiny", "--steps", "12"])):
+        assert main(["train", *TRAIN, *extra, "--data", str(text), "--out", str(root / name)]) == 0
+        out[name] = root / name
+    for bits, group in ((4, 32), (8, 32), (8, -1)):
+        assert main(["quantize", str(out["run"]), "--bits", str(bits), "--group-size", str(group),
+                     "--windows", "2"]) == 0
+    assert main(["quantize", str(out["other"]), "--bits", "4", "--group-size", "32", "--windows", "2"]) == 0
+    assert main(["quantize", str(out["loop"]), "--bits", "4", "--group-size", "32", "--method", "gptq",
+                 "--windows", "2", "--calib-batches", "2", "--calib-batch-size", "2"]) == 0
+    torch.set_num_threads(threads)
+    return out
+
+
+def _loss(model, run, run_cfg, windows=16):
+    corpus = run_corpus(run, run_cfg)
+    _, val = corpus.split(0.1, model.cfg.max_seq_len + 1)
+    w, docs = eval_set(corpus, val, model.cfg.max_seq_len, windows, run_cfg["train"])
+    return evaluate(model, w, corpus.tokenizer, 16, "cpu", None, docs)["val_loss"]
+
+
+@pytest.mark.parametrize("name,file", [("run", "quant-w4-g32-rtn"), ("run", "quant-w8-g32-rtn"),
+                                       ("run", "quant-w8-g-1-rtn"), ("loop", "quant-w4-g32-gptq")])
+def test_packed_loss_equals_the_dequantised_reference(world, name, file):
+    run = world[name]
+    qfile = run / f"{file}.safetensors"
+    ref, run_cfg = load_run(run)
+    load_dequantized(ref, qfile, run, run_cfg)
+    packed, _, info = load_packed(run, qfile)
+    assert set(info["kernels"].values()) == {"int" + file[7]}
+    assert not [n for n, m in packed.named_modules() if isinstance(m, torch.nn.Linear) and n in info["kernels"]]
+    want, got = _loss(ref, run, run_cfg), _loss(packed, run, run_cfg)
+    assert abs(got - want) <= 1e-3 * want, (got, want)
+    if file.startswith("quant-w4"):  # int4's error is far above bf16's: the quantised weights, not the originals
+        plain, _ = load_run(run)
+        assert abs(_loss(plain, run, run_cfg) - want) > 10 * abs(got - want)
+
+
+def test_eval_and_generate_take_quantized(world, capsys):
+    run, qfile = world["run"], world["run"] / "quant-w4-g32-rtn.safetensors"
+    res = json.loads(_out(capsys, ["eval", run, "--quantized", qfile, "--json", "--windows", "4"]))
+    ref, run_cfg = load_run(run)
+    load_dequantized(ref, qfile, run, run_cfg)
+    want = json.loads(_out(capsys, ["eval", run, "--json", "--windows", "4"]))["val_loss"]
+    assert res["quantized"] == str(qfile) and res["val_loss"] != want
+    gen = json.loads(_out(capsys, ["generate", run, "--quantized", qfile, "--json", "--max-new-tokens", "8",
+                                   "--temperature", "0", "--prompt", "the"]))
+    packed, _, _ = load_packed(run, qfile)
+    assert (gen["weight_bytes"], gen["weight_bytes_fp32"]) == weight_bytes(packed)
+    plain = json.loads(_out(capsys, ["generate", run, "--json", "--max-new-tokens", "8", "--prompt", "the"]))
+    assert plain["weight_bytes"] == plain["weight_bytes_fp32"] == gen["weight_bytes_fp32"]
+    layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    q_now = sum(t.untyped_storage().nbytes() for m in layers for t in m.weight_tensors())
+    q_fp32 = sum(4 * m.in_features * m.out_features for m in layers)
+    assert q_now <= 0.2 * q_fp32 and gen["weight_bytes"] == gen["weight_bytes_fp32"] - q_fp32 + q_now
+    assert len(gen["tokens"]) == 8 and gen["prompt"].startswith("the") and len(gen["text"]) > 0
+    assert gen["tokens_per_s"] > 0
+
+
+def _out(capsys, argv):
+    assert main([str(a) for a in argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_foreign_damaged_and_mismatched_files_are_refused_by_name(world, tmp_path, capsys):
+    run, qfile = world["run"], world["run"] / "quant-w4-g32-rtn.safetensors"
+    cases = [
+        (world["other"] / "quant-w4-g32-rtn.safetensors", "was quantised from another checkpoint"),
+        (world["loop"] / "quant-w4-g32-gptq.safetensors", "was quantised from another model"),
+        (run / "checkpoint" / "model.safetensors", "is not a phaseloop quantised file"),
+        (tmp_path / "nope.safetensors", "no such file"),
+        (tmp_path, "is a folder"),
+    ]
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(qfile.read_bytes()[: qfile.stat().st_size // 2])
+    cases.append((cut, "is damaged"))
+    noise = tmp_path / "noise.safetensors"
+    noise.write_bytes(b"\x07" * 64)
+    cases.append((noise, "is damaged"))
+    for path, pattern in cases:
+        for cmd in (["eval", run, "--windows", "2"], ["generate", run, "--max-new-tokens", "2"]):
+            code, err = run_cli([*cmd, "--quantized", path], capsys)
+            assert_one_line(code, err, pattern)
+            assert str(path) in err
+    code, err = run_cli(["export", run, "--out", tmp_path / "x", "--quantized", cases[0][0]], capsys)
+    assert_one_line(code, err, "another checkpoint")
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_file_of_this_run_before_it_trained_further_is_refused(world, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(world["run"], run)
+    qfile = run / "quant-w4-g32-rtn.safetensors"
+    model, run_cfg = load_run(run)
+    with torch.no_grad():  # what training on writes: a later checkpoint of the same run
+        model.norm.weight.add_(0.01)
+    save_checkpoint(run, model, step=31, config=json.loads((run / "config.json").read_text()))
+    assert load_run(run)[0].norm.weight[0] == model.norm.weight[0]
+    code, err = run_cli(["eval", run, "--quantized", qfile, "--windows", "2"], capsys)
+    assert_one_line(code, err, "this run before it trained further")
+
+
+def test_the_hf_model_runs_packed(world):
+    pytest.importorskip("transformers")
+    from phaseloop.hf.export import from_run
+
+    run, qfile = world["run"], world["run"] / "quant-w4-g32-rtn.safetensors"
+    hf, fast, _, _ = from_run(run, quantized=qfile)
+    assert hf.config.phaseloop_quantization["packed"]["trunk.layers.0.attn.q_proj"] == "int4"
+    assert isinstance(hf.model.trunk.layers[0].ffn.down, PackedLinear)
+    packed, _, _ = load_packed(run, qfile)
+    ids = fast("the quick", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, packed(ids).logits)
+    assert torch.equal(hf.generate(ids, max_new_tokens=8, do_sample=False), packed.generate(ids, 8, temperature=0))
+    with pytest.raises(PhaseloopError, match="drop --dtype"):
+        from_run(run, dtype="bfloat16", quantized=qfile)

@@ -1,0 +1,130 @@
+"""Self-speculative decoding (issue 39, decoding.speculative_decode): greedy output is the
+full depth's on every weight-tied trunk (float64); the acceptance arithmetic gives p
+exactly; sampled outputs follow the full depth's distribution (a total-variation bound
+from the sample count, which an always-accepting sampler breaks); refusals in one line."""
+
+import math
+
+import pytest
+import torch
+
+from phaseloop import ConfigError, ModelConfig, build_model, decoding
+from phaseloop.decoding import accept_probs, verify
+from phaseloop.early_exit import parse_exit
+from phaseloop.inference import Options, generate
+
+torch.set_num_threads(1)
+
+FULL = 4
+TRUNKS = [("universal-tiny", {}), ("universal-act-tiny", {"act_halting_bias_init": -2.0}),
+          ("looped-tiny", {}), ("hyperloop-tiny", {})]
+
+
+def _model(preset, dtype=torch.float64, **over):
+    """Weights at std 0.2 so that the depth changes the argmax (drafts get rejected)."""
+    torch.manual_seed(0)
+    m = build_model(ModelConfig.from_preset(preset, init_std=0.2, **over)).eval().to(dtype)
+    m.trunk.set_depth(FULL, extend="last")
+    return m
+
+
+@pytest.mark.parametrize("preset,over", TRUNKS, ids=[p for p, _ in TRUNKS])
+def test_greedy_is_the_full_depths_greedy(preset, over):
+    m = _model(preset, **over)
+    idx = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    full = generate(m, idx, Options(max_new_tokens=14))
+    rates = []
+    for draft, k in ((1, 3), (2, 4)):
+        g = generate(m, idx, Options(max_new_tokens=14, speculative=draft, draft_tokens=k))
+        assert torch.equal(g.ids, full.ids), (draft, k)
+        assert m.trunk.passes == FULL and g.rounds >= 1
+        rates.append(g.acceptance)
+    assert min(rates) < 1, rates  # drafts were rejected: the rollback ran
+
+
+def test_the_acceptance_arithmetic_gives_p_exactly():
+    """sum_d q(d) [keep(d) e_d + (1 - keep(d)) residual] = p (Leviathan et al. 2023, Thm. 1)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        p, q = (torch.rand(7, generator=g, dtype=torch.float64) ** 3 for _ in range(2))
+        p, q = p / p.sum(), q / q.sum()
+        keep, res = accept_probs(p, q)
+        out = (q * keep) + (q * (1 - keep)).sum() * res
+        torch.testing.assert_close(out, p, atol=1e-14, rtol=0)
+    same_keep, _ = accept_probs(p, p)
+    assert torch.equal(same_keep, torch.ones_like(p))
+
+
+def test_verify_counts_the_accepted_prefix():
+    V, K = 5, 3
+    p = torch.eye(V, dtype=torch.float64)[torch.tensor([[2, 4, 1, 0]])]  # one-hot: argmax 2, 4, 1, then 0
+    j, after = verify(p, None, torch.tensor([[2, 4, 3]]))  # greedy: the third draft disagrees
+    assert j.tolist() == [2] and after.tolist() == [1]
+    j, after = verify(p, None, torch.tensor([[2, 4, 1]]))  # all kept: the bonus is p_K's argmax
+    assert j.tolist() == [3] and after.tolist() == [0]
+    q = p[:, :K].clone()
+    j, after = verify(p, q, torch.tensor([[2, 4, 1]]), torch.Generator().manual_seed(0))  # q = p: kept
+    assert j.tolist() == [3] and after.tolist() == [0]
+    q[0, 1] = torch.full((V,), 1 / V)  # d_2 = 3 has p_2(3) = 0: rejected
+    j, after = verify(p, q, torch.tensor([[2, 3, 1]]), torch.Generator().manual_seed(0))
+    assert j.tolist() == [1] and after.tolist() == [4]  # the residual of p_2 - q_2 is e_4
+
+
+def _exact(m, prompt, V, n):
+    """The full depth's probability of every continuation of ``n`` tokens [V**n]."""
+    cont = torch.cartesian_prod(*[torch.arange(V)] * n).view(-1, n)
+    ids = torch.cat([prompt.expand(len(cont), -1), cont], 1)
+    with torch.no_grad():
+        logp = torch.log_softmax(m(ids).logits.double(), -1)[:, prompt.shape[1] - 1:-1]
+    return logp.gather(-1, cont[..., None])[..., 0].sum(1).exp(), V ** torch.arange(n - 1, -1, -1)
+
+
+def _tv(m, prompt, V, n, N, **kw):
+    p, weights = _exact(m, prompt, V, n)
+    g = generate(m, prompt.expand(N, -1), Options(max_new_tokens=n, temperature=1.0, seed=3, **kw))
+    counts = torch.bincount((g.tokens * weights).sum(1), minlength=len(p)).double()
+    return 0.5 * (counts / N - p).abs().sum().item(), g
+
+
+def test_sampled_tokens_follow_the_full_depths_distribution(monkeypatch):
+    """N rows, 3 new tokens of a 3-token vocabulary (M = 27 outcomes): with probability
+    1 - delta the total variation of N samples is below sqrt((M ln 2 + ln(2/delta)) / 2N)
+    (a union bound over the 2^M events, Hoeffding); delta = 1e-6."""
+    V, n, N = 3, 3, 4000
+    m = _model("looped-tiny", dtype=torch.float32, vocab_size=V, d_model=16, n_heads=2, n_kv_heads=2, d_ff=32)
+    with torch.no_grad():
+        m.head.weight.mul_(4)  # peaked distributions, which the draft's depth changes
+    prompt = torch.tensor([[1]])
+    M = V ** n
+    eps = math.sqrt((M * math.log(2) + math.log(2 / 1e-6)) / (2 * N))
+    tv, g = _tv(m, prompt, V, n, N, speculative=1, draft_tokens=2)
+    assert tv < eps and g.rounds >= 1 and 0 < g.acceptance < 1, (tv, eps, g.acceptance)
+
+    def accept_all(p, q, d, generator=None):  # a wrong rule: every draft kept
+        B, K = d.shape
+        return torch.full((B,), K), torch.multinomial(p[:, K], 1, generator=generator)[:, 0]
+    monkeypatch.setattr(decoding, "verify", accept_all)
+    wrong, _ = _tv(m, prompt, V, n, N, speculative=1, draft_tokens=2)
+    assert wrong > 2 * eps, (wrong, eps)  # the bound would catch it
+
+
+@pytest.mark.parametrize("preset", ["rope-tiny", "3pt-tiny", "mhc-tiny"])
+def test_stacks_refuse_in_one_line(preset):
+    m = build_model(ModelConfig.from_preset(preset))
+    with pytest.raises(ConfigError, match="stack of distinct layers") as e:
+        generate(m, torch.zeros(1, 2, dtype=torch.long), Options(max_new_tokens=2, speculative=1))
+    assert "\n" not in str(e.value) and "looped" in str(e.value)
+
+
+def test_bad_options_refused():
+    m = _model("looped-tiny")
+    x = torch.zeros(1, 2, dtype=torch.long)
+    for opts, pattern in ((Options(speculative=FULL), "1 .. 3 passes"),
+                          (Options(speculative=1, exit=parse_exit("kl:1")[0]), "drop --exit"),
+                          (Options(speculative=1, use_cache=False), "drop --no-cache"),
+                          (Options(speculative=1, draft_tokens=0), "positive integer")):
+        with pytest.raises(ConfigError, match=pattern):
+            generate(m, x, opts)
+    pooled = _model("hyperloop-tiny", hc_transition="pooled_mlp")
+    with pytest.raises(ConfigError, match="cannot be rolled back"):  # its running sums
+        generate(pooled, x, Options(max_new_tokens=4, speculative=1))
