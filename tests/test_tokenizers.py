@@ -24,15 +24,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    """A 512-token byte-level BPE trained on Tiny Shakespeare (or a local stand-in)."""
+    """A 512-token byte-level BPE trained on Tiny Shakespeare (or, without the shared data, on
+    the built-in corpus: a repeated line has too few pairs to fill 512 tokens)."""
     from conftest import shared_data_dir
 
     d = shared_data_dir()
-    src = d / "tinyshakespeare" / "input.txt" if d else None
-    if src is None:
-        src = tmp_path_factory.mktemp("txt") / "t.txt"
-        src.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 500)
-    return train_tokenizer(str(src), "bpe", 512, tmp_path_factory.mktemp("bpe"), progress=False)
+    src = str(d / "tinyshakespeare" / "input.txt") if d else "stdlib"
+    return train_tokenizer(src, "bpe", 512, tmp_path_factory.mktemp("bpe"), progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -397,13 +397,17 @@ class GenerationTesterMixin:
         return ({"assistant_model": model}, {"prompt_lookup_num_tokens": 2})
 
     def test_assisted_decoding_refused_for_stateful_models(self):
-        """transformers refuses both for a stateful model with its own error (checked, not assumed)."""
+        """Both are refused for a stateful model, with the reason (the model's own check: transformers
+        5.25 dropped its stateful refusal and would fail inside assisted decoding instead)."""
+        from phaseloop.errors import ConfigError
+
         for model, inputs in self._models():
             if not model._is_stateful:
                 self.skipTest(f"{type(model).__name__} is not stateful: assisted decoding runs "
                               "(test_assisted_decoding_matches_greedy_search)")
             for extra in self._candidates(model):
-                with self.assertRaisesRegex(ValueError, "not supported with stateful models"):
+                with self.assertRaisesRegex(ConfigError, "assisted generation .* is not supported by "
+                                            "PhaseloopForCausalLM: its cache cannot be cropped"):
                     self._generate(model, inputs, do_sample=False, **extra)
 
     def _matches_greedy(self, which):
@@ -411,8 +415,8 @@ class GenerationTesterMixin:
             if model._is_stateful:
                 self.skipTest(f"{type(model).__name__} is stateful: its cache cannot be cropped back to the "
                               "accepted tokens (PhaseloopCache has no crop: one KVCache per padding length, "
-                              "and under UT+ACT the halted positions' step inputs), so transformers refuses "
-                              "assisted and prompt-lookup decoding for it "
+                              "and under UT+ACT the halted positions' step inputs), so it refuses "
+                              "assisted and prompt-lookup decoding "
                               "(test_assisted_decoding_refused_for_stateful_models)")
             want = self._generate(model, inputs, do_sample=False, max_new_tokens=5)
             got = self._generate(model, inputs, do_sample=False, max_new_tokens=5, **self._candidates(model)[which])

@@ -130,6 +130,17 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
+    def _validate_generation_mode(self, generation_mode, *args, **kwargs):
+        """Assisted and prompt-lookup decoding are refused here, in every transformers version:
+        they crop the cache back to the accepted tokens, and this one cannot be cropped (one
+        KVCache per padding length; under UT+ACT the halted positions' step inputs).
+        transformers up to 5.24 refused stateful models itself; 5.25 no longer does."""
+        if str(getattr(generation_mode, "value", generation_mode)) == "assisted_generation":
+            _refuse("assisted generation (assistant_model, prompt_lookup_num_tokens)",
+                    "its cache cannot be cropped back to the accepted tokens (a stateful model); "
+                    "phaseloop's own speculative decoding is `phaseloop generate --speculative D`")
+        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, *args, **kwargs):
         """``cache_implementation`` (static, offloaded, quantized, ...) is refused, not left
         to transformers' one-time "will be ignored" warning: the cache is phaseloop's own
