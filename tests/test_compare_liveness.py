@@ -39,11 +39,11 @@ log_every = 10
 """
 
 
-def _recipe(root: Path, seeds: str, tune: str = "") -> Path:
+def _recipe(root: Path, seeds: str, tune: str = "", steps: int = 100) -> Path:
     text = write_corpus(root / "corpus.txt")
     path = root / "r.toml"
     path.write_text(f'name = "t"\ndata = "{text}"\nscale = "tiny"\nseeds = {seeds}\nvariants = ["rope"]\n'
-                    + TRAIN + tune)
+                    + TRAIN.replace("steps = 100", f"steps = {steps}") + tune)
     return path
 
 
@@ -142,7 +142,9 @@ def test_a_signal_to_the_local_launchers_parent_stops_its_workers(tmp_path, caps
     (SIGINT ignored); SIGTERM at once, while the workers may still be starting (before
     their own handler): either way every worker is gone, no run says running, exit 130 /
     143, and (SIGINT) the same command resumes them to the end."""
-    recipe = _recipe(tmp_path, "[0, 1]")
+    # 600 steps: on a loaded machine the second worker may start late, and both must still
+    # be training when the first has logged its tenth step
+    recipe = _recipe(tmp_path, "[0, 1]", steps=600)
     out = tmp_path / "cmp"
     p = _start("compare", recipe, "--out", out, "--quiet", "--launcher", "local", "--jobs", "2",
                ignore_sigint=sig == signal.SIGINT)

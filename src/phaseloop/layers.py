@@ -260,7 +260,6 @@ class Attention(nn.Module):
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=past)
         return q_BHTE, k_BKTE, v_BKTE, mask, causal
 
-
     def forward_running(self, h_BTD, h_ND, ctx: ForwardContext, slot, run: Running, T: int):
         """One pass over the running positions only (``passes``): [N, D] output of their
         queries, or None when none runs (then only this pass's keys/values are filled into

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,9 +59,7 @@ def _packed(path: Path, quantized: str, device: str, dtype: str):
     model, run_cfg, q = load_packed(path, quantized, "cpu" if device == "auto" else resolve_device(device))
     for note in q["notes"]:
         print(f"note: {note}", file=sys.stderr)
-    kernels: dict = {}
-    for k in q["kernels"].values():
-        kernels[k] = kernels.get(k, 0) + 1
+    kernels = dict(Counter(q["kernels"].values()))
     return model, run_cfg, {"file": Path(quantized).name, "sha256": sha256_file(Path(quantized)), "packed": True,
                             "kernels": kernels}
 
