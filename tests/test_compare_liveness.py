@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TRAIN = """
 [train]
-steps = 100
+steps = {steps}
 batch_size = 2
 seq_len = 16
 lr = 0.003
@@ -43,7 +43,7 @@ def _recipe(root: Path, seeds: str, tune: str = "", steps: int = 100) -> Path:
     text = write_corpus(root / "corpus.txt")
     path = root / "r.toml"
     path.write_text(f'name = "t"\ndata = "{text}"\nscale = "tiny"\nseeds = {seeds}\nvariants = ["rope"]\n'
-                    + TRAIN.replace("steps = 100", f"steps = {steps}") + tune)
+                    + TRAIN.format(steps=steps) + tune)
     return path
 
 
