@@ -151,10 +151,11 @@ def setup(shape: str, work: Path, engines: list[str], threads: int, quick: bool)
     cfg = model.cfg
     job = {"run": str(run), "threads": threads, "quant": {}, "gguf": {},  # n_layers: the KV slots a token writes
            "cfg": {"n_layers": len(model.trunk.cache_slots()), "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim}}
-    for name, bits, group in (("int8", 8, -1), ("int4", 4, 32)):
-        path = run / f"quant-w{bits}-g{group}-rtn.safetensors"
-        if any(ENGINES[e][2] == ("quant",) for e in engines) and not path.is_file():
-            _cli(["quantize", run, "--bits", bits, "--group-size", group, "--windows", 2, "--device", "cpu"])
+    for name, bits, group in (("int8", 8, -1), ("int4", 4, 32), ("int8-head", 8, -1), ("int4-head", 4, 32)):
+        head = ["--head"] if name.endswith("-head") else []
+        path = run / f"quant-w{bits}-g{group}-rtn{'-head' * bool(head)}.safetensors"
+        if f"phaseloop-{name}" in engines and not path.is_file():
+            _cli(["quantize", run, "--bits", bits, "--group-size", group, "--windows", 2, "--device", "cpu", *head])
         job["quant"][name] = str(path)
     if cfg.arch == "rope" and any("llama" in ENGINES[e][2] for e in engines) and not (root / "llama").is_dir():
         _cli(["export", run, "--format", "llama", "--out", root / "llama"])

@@ -233,6 +233,9 @@ ENGINES = {
     "phaseloop-fp32": (phaseloop_engine(None), lambda: None, ()),
     "phaseloop-int8": (phaseloop_engine("int8"), lambda: None, ("quant",)),
     "phaseloop-int4": (phaseloop_engine("int4"), lambda: None, ("quant",)),
+    # the head packed too (`quantize --head`), as llama.cpp's q8_0 quantises output.weight
+    "phaseloop-int8-head": (phaseloop_engine("int8-head"), lambda: None, ("quant",)),
+    "phaseloop-int4-head": (phaseloop_engine("int4-head"), lambda: None, ("quant",)),
     "transformers": (transformers_engine, lambda: None, ("llama",)),
     "llama.cpp-f32": (llama_cpp_engine("f32"), _no_llama_cpp, ("gguf",)),
     "llama.cpp-q8_0": (llama_cpp_engine("q8_0"), _no_llama_cpp, ("gguf",)),

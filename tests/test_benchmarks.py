@@ -174,3 +174,6 @@ def test_bench_deploy_smoke_runs(capsys, tmp_path, one_thread):
     assert rows["transformers"]["same_tokens"] and rows["phaseloop-int4"]["weight_bytes"] < \
         0.4 * rows["phaseloop-fp32"]["weight_bytes"]
     assert all(r["decode_tok_s"] > 0 and r["floor_tok_s"] > 0 for k, r in rows.items() if k != "ratios")
+    for bits in ("int8", "int4"):  # `quantize --head`: the head packed too, fewer bytes read per token
+        body, both = rows[f"phaseloop-{bits}"], rows[f"phaseloop-{bits}-head"]
+        assert both["weight_bytes"] < body["weight_bytes"] and both["floor_tok_s"] > body["floor_tok_s"]

@@ -89,12 +89,14 @@ def world(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: a second thread only waits
     for name, extra in (("run", []), ("other", ["--seed", "1", "--steps", "2"]),
-                        ("loop", ["--preset", "hyperloop-tiny", "--steps", "12"])):
+                        ("loop", ["--preset", "hyperloop-tiny", "--steps", "12"]),
+                        ("tied", ["--steps", "2", "--set", "tie_embeddings=true"])):
         assert main(["train", *TRAIN, *extra, "--data", str(text), "--out", str(root / name)]) == 0
         out[name] = root / name
     for bits, group in ((4, 32), (8, 32), (8, -1)):
         assert main(["quantize", str(out["run"]), "--bits", str(bits), "--group-size", str(group),
                      "--windows", "2"]) == 0
+    assert main(["quantize", str(out["run"]), "--bits", "4", "--group-size", "32", "--head", "--windows", "2"]) == 0
     assert main(["quantize", str(out["other"]), "--bits", "4", "--group-size", "32", "--windows", "2"]) == 0
     assert main(["quantize", str(out["loop"]), "--bits", "4", "--group-size", "32", "--method", "gptq",
                  "--windows", "2", "--calib-batches", "2", "--calib-batch-size", "2"]) == 0
@@ -109,7 +111,8 @@ def _loss(model, run, run_cfg, windows=16):
     return evaluate(model, w, corpus.tokenizer, 16, "cpu", None, docs)["val_loss"]
 
 
-@pytest.mark.parametrize("name,file", [("run", "quant-w4-g32-rtn"), ("run", "quant-w8-g32-rtn"),
+@pytest.mark.parametrize("name,file", [("run", "quant-w4-g32-rtn"), ("run", "quant-w4-g32-rtn-head"),
+                                       ("run", "quant-w8-g32-rtn"),
                                        ("run", "quant-w8-g-1-rtn"), ("loop", "quant-w4-g32-gptq")])
 def test_packed_loss_equals_the_dequantised_reference(world, name, file):
     run = world[name]
@@ -118,12 +121,14 @@ def test_packed_loss_equals_the_dequantised_reference(world, name, file):
     load_dequantized(ref, qfile, run, run_cfg)
     packed, _, info = load_packed(run, qfile)
     assert set(info["kernels"].values()) == {"int" + file[7]}
+    assert ("head" in info["kernels"]) == file.endswith("-head")
     assert not [n for n, m in packed.named_modules() if isinstance(m, torch.nn.Linear) and n in info["kernels"]]
     want, got = _loss(ref, run, run_cfg), _loss(packed, run, run_cfg)
     assert abs(got - want) <= 1e-3 * want, (got, want)
     if file.startswith("quant-w4"):  # int4's error is far above bf16's: the quantised weights, not the originals
         plain, _ = load_run(run)
-        assert abs(_loss(plain, run, run_cfg) - want) > 10 * abs(got - want)
+        factor = 2 if file.endswith("-head") else 10  # bf16 activations into the head: logits move more
+        assert abs(_loss(plain, run, run_cfg) - want) > factor * abs(got - want)
 
 
 def test_eval_and_generate_take_quantized(world, capsys):
@@ -145,6 +150,26 @@ def test_eval_and_generate_take_quantized(world, capsys):
     assert q_now <= 0.2 * q_fp32 and gen["weight_bytes"] == gen["weight_bytes_fp32"] - q_fp32 + q_now
     assert len(gen["tokens"]) == 8 and gen["prompt"].startswith("the") and len(gen["text"]) > 0
     assert gen["tokens_per_s"] > 0
+
+
+def test_quantize_head_packs_the_head_and_refuses_a_tied_one(world, capsys):
+    """--head: the output head packed as well (the embedding stays fp32), in its own file; a
+    head tied to the embedding is refused in one line and nothing is written."""
+    run = world["run"]
+    body, _, _ = load_packed(run, run / "quant-w4-g32-rtn.safetensors")
+    both, _, info = load_packed(run, run / "quant-w4-g32-rtn-head.safetensors")
+    assert isinstance(both.head, PackedLinear) and not isinstance(body.head, PackedLinear)
+    assert both.embed.tok.weight.dtype == torch.float32 and info["kernels"]["head"] == "int4"
+    head_fp32 = 4 * both.head.in_features * both.head.out_features
+    saved = weight_bytes(body)[0] - weight_bytes(both)[0]
+    assert 0.8 * head_fp32 <= saved < head_fp32  # the head at <= 0.2x its fp32 bytes
+    report = json.loads((run / "quant-w4-g32-rtn-head.json").read_text())
+    assert report["head"] is True and "head" in report["layers"]
+    tied = world["tied"]
+    before = sorted(p.name for p in tied.iterdir())
+    code, err = run_cli(["quantize", tied, "--bits", "4", "--head", "--windows", "2"], capsys)
+    assert_one_line(code, err, "head is tied to its embedding")
+    assert sorted(p.name for p in tied.iterdir()) == before
 
 
 def _out(capsys, argv):

@@ -35,6 +35,8 @@ def add_parsers(sub) -> None:
     quant.add_argument("--calib-batches", type=argtypes.positive_int, default=8, help="GPTQ calibration batches")
     quant.add_argument("--calib-batch-size", type=argtypes.positive_int, default=8)
     quant.add_argument("--seed", type=argtypes.seed_int, default=0, help="seed of the calibration windows")
+    quant.add_argument("--head", action="store_true", help="quantise the output head too (an untied head; "
+                       "the embedding stays fp32): the head is a decode step's largest single read")
     quant.add_argument("--out", help="folder for the weights and report (default: the run folder)")
 
     export = on_a_run(sub, "export", "a run as a Hugging Face folder (AutoModelForCausalLM.from_pretrained), "
@@ -70,7 +72,7 @@ def cmd_quantize(args) -> int:
     """Hyperloop §4: weight-only INT8/INT4 quantisation of a run (``quant.quantize_run``)."""
     r = quantize_run(args.run, args.bits, args.group_size, args.method, calib_batches=args.calib_batches,
                      calib_batch_size=args.calib_batch_size, seed=args.seed, windows=args.windows,
-                     data=args.data, out=args.out, device=args.device)
+                     data=args.data, out=args.out, device=args.device, head=args.head)
     b, a = r["before"], r["after"]
     print(f"{r['arch']} {r['stem']}: val loss {b['val_loss']:.4f} -> {a['val_loss']:.4f}, "
           f"bpb {b['val_bpb']:.4f} -> {a['val_bpb']:.4f}, params {format_count(r['bytes_before'])}B -> "
