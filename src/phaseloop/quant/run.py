@@ -1,7 +1,7 @@
 """Quantise a trained run (Hyperloop §4): load its weights, quantise every Linear but the
-embedding and head (``head=True``: the head too, as llama.cpp's types do), measure validation loss / BPB before and after on the run's own data,
-write the packed weights and a JSON report. ``phaseloop quantize`` and the benchmarks
-call ``quantize_run``."""
+embedding and head (``head=True``: the head too, as llama.cpp's types do), measure
+validation loss / BPB before and after on the run's own data, write the packed weights
+and a JSON report. ``phaseloop quantize`` and the benchmarks call ``quantize_run``."""
 
 from __future__ import annotations
 
