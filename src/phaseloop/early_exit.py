@@ -205,28 +205,39 @@ class Monitor:
         """No position runs and no cache waits for this pass's keys/values."""
         return not self.run.any and self.base.cache is None
 
+    @property
+    def idle(self) -> bool:
+        """No position runs and the cache takes the deepest keys/values (``fill=latest``):
+        the pass only copies them into its slots, its layers' input is not read (a trunk
+        may skip what it computes before them: the UT's signal, a hyper-connection)."""
+        return not self.run.any and self.run.fill == "latest"
+
     def _mask(self, x):
         return self.done.view(*self.done.shape, *[1] * (x.dim() - 2))
 
     def hold(self, before, after):
         """``after`` with the exited positions' rows of ``before`` (their state frozen)."""
-        return torch.where(self._mask(after), before, after)
+        return before if not self.run.any else torch.where(self._mask(after), before, after)
 
     def step(self, before, after):
         """End of a pass: freeze the exited positions, then decide who exits now."""
-        x = self.hold(before, after)
         run = self.run
+        if not run.any:  # every position exited: the state is ``before``, nothing to decide
+            self.t += 1
+            self.base.stats["exit_loop"] = torch.tensor(self.t)
+            if self.t < self.n and self.rule.kind in END_READ and self.base.cache is not None:
+                self._end_readout(before)  # the readout's cache slot still gets every position's keys
+            return before
+        x = self.hold(before, after)
         self.passes += run.mask
         self.t += 1
         self.base.stats["exit_loop"] = torch.tensor(self.t)  # passes run (the keys filled)
-        if self.t < self.n and run.any:  # nothing to decide after the last pass
+        if self.t < self.n:  # nothing to decide after the last pass
             rows = None if run.all else run.flat_N
             stop_N = self._stop(before, x, rows)
             if rows is not None:
                 stop_N = torch.zeros_like(self.done).view(-1).index_copy(0, rows, stop_N)
             self.done = self.done | stop_N.view_as(self.done)
-        elif self.t < self.n and self.rule.kind in END_READ and self.base.cache is not None:
-            self._end_readout(x)  # nobody runs: the readout's cache slot still gets every position's keys
         self._set_running()
         return x
 

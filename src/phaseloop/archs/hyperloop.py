@@ -247,7 +247,10 @@ class Hyperloop(Looped):
                 break
             p, s, c = self._param_loop(loop), self.kv_slot(loop), ctx if mon is None else mon.ctx
             before = streams_BTnD
-            if self.per_layer:  # an exited position's streams stay frozen through the pass
+            if mon is not None and mon.idle and not self.pooled:  # the layers only copy keys/values
+                # (the pooled variant's running sums still take the frozen streams)
+                self.run(self.middle, before[:, :, 0], c, "middle", s, mon)
+            elif self.per_layer:  # an exited position's streams stay frozen through the pass
                 for i, layer in enumerate(self.middle):
                     streams_BTnD = self.hc[p * m + i](
                         streams_BTnD, lambda h, layer=layer, i=i, s=s, c=c: layer(h, c, slot=("middle", i, s)))

@@ -236,8 +236,8 @@ class UniversalTrunk(Trunk):
             for t in range(steps):
                 if mon is not None and mon.finished:
                     break
-                y_BTD = self.block(self.signal(x_BTD, pos_TD, t), ctx if mon is None else mon.ctx,
-                                   ("ut", self.kv_slot(t)))
+                x_in = x_BTD if mon is not None and mon.idle else self.signal(x_BTD, pos_TD, t)
+                y_BTD = self.block(x_in, ctx if mon is None else mon.ctx, ("ut", self.kv_slot(t)))
                 x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
             return x_BTD
         return self._act(x_BTD, ctx, steps, pos_TD)
