@@ -222,16 +222,14 @@ class Monitor:
     def step(self, before, after):
         """End of a pass: freeze the exited positions, then decide who exits now."""
         run = self.run
+        self.t += 1
+        self.base.stats["exit_loop"] = torch.tensor(self.t)  # passes run (the keys filled)
         if not run.any:  # every position exited: the state is ``before``, nothing to decide
-            self.t += 1
-            self.base.stats["exit_loop"] = torch.tensor(self.t)
             if self.t < self.n and self.rule.kind in END_READ and self.base.cache is not None:
                 self._end_readout(before)  # the readout's cache slot still gets every position's keys
             return before
         x = self.hold(before, after)
         self.passes += run.mask
-        self.t += 1
-        self.base.stats["exit_loop"] = torch.tensor(self.t)  # passes run (the keys filled)
         if self.t < self.n:  # nothing to decide after the last pass
             rows = None if run.all else run.flat_N
             stop_N = self._stop(before, x, rows)
