@@ -95,12 +95,14 @@ def rss_now() -> int:
 def phaseloop_engine(quantized: str | None):
     def run(job: dict) -> dict:
         from phaseloop.engine.checkpoint import load_run
+        from phaseloop.inference import decode_layout
         from phaseloop.quant import load_packed, weight_bytes
 
         if quantized is None:
             model, _ = load_run(job["run"])
         else:
             model, _, _ = load_packed(job["run"], job["quant"][quantized])
+        decode_layout(model)  # as `phaseloop generate` and `serve` lay it out
         now, _ = weight_bytes(model)
         cfg = model.cfg
         emb = model.embed.tok.weight

@@ -27,8 +27,10 @@ def _variants(W: torch.Tensor) -> dict:
     def int4mm(dt, sz):
         return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(dt), int4.codes, 32, sz)
 
-    Wb = W.bfloat16()
-    out = {"fp32 F.linear": lambda x: F.linear(x, W), "bf16 F.linear": lambda x: F.linear(x.bfloat16(), Wb),
+    Wb, Wc = W.bfloat16(), W.t().contiguous().t()
+    out = {"fp32 F.linear": lambda x: F.linear(x, W),
+           "fp32 F.linear, column-major weight": lambda x: F.linear(x, Wc),  # inference.decode_layout
+           "bf16 F.linear": lambda x: F.linear(x.bfloat16(), Wb),
            "int8 kernel, fp32 act": int8mm(torch.float32, int8.scale[0].float()),
            "int8 kernel, bf16 act": int8mm(torch.bfloat16, int8.scale[0]),
            "int4 g32 kernel, fp32 act": int4mm(torch.float32, int4.scale_zero.float()),
@@ -61,7 +63,8 @@ def _torchao(W: torch.Tensor) -> dict:
     return out
 
 
-def kernel_table(shapes=((2048, 768), (32000, 768)), ms=(1, 128), copies_mb: int = 256, reps: int = 9) -> list:
+def kernel_table(shapes=((2048, 768), (768, 2048), (32000, 768)), ms=(1, 128), copies_mb: int = 256,
+                 reps: int = 9) -> list:
     """Rows (N, K, M, name, median us, ratio to fp32 F.linear)."""
     rows = []
     torch.manual_seed(0)

@@ -171,3 +171,32 @@ class TokenByToken(nn.Module):
         self.last_cache = cache
         return type(outs[0])(logits=torch.cat([o.logits for o in outs], 1))
 
+
+
+@torch.no_grad()
+def decode_layout(model: nn.Module) -> int:
+    """Lay out each fp32 ``nn.Linear`` weight of a CPU model for one-row products (a
+    decode step); returns how many weights are column-major afterwards.
+
+    ``F.linear(x, W)`` hands BLAS ``x @ W.t()``. With ``W`` [N, K] row-major that is N dot
+    products of K-long rows; with ``W`` a view of a contiguous [K, N] tensor (column-major)
+    it is K sweeps over N-long rows, which torch's CPU product streams faster when the
+    output is at least as wide as the input (N >= K: attention in-projections, the FFN's
+    up-projection, the head) and slower when it is narrower (the FFN's down-projection),
+    which stays row-major: at rope-123m's shapes 20-25 against 12-14 GB/s, 15 against 17
+    (``benchmarks/deploy_kernels.py``). Many rows (prefill) run at the same speed either
+    way. The values are the same; products differ in fp32 summation order only. Shapes,
+    names and ties stay (a tied embedding then gathers strided rows), so ``state_dict``
+    reads them, but ``safetensors`` refuses to save a non-contiguous tensor: a model laid
+    out here is for inference."""
+    done, seen = 0, set()
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if (not isinstance(m, nn.Linear) or w is None or w.device.type != "cpu" or w.dtype != torch.float32
+                or id(w) in seen or w.shape[0] < w.shape[1]):
+            continue
+        seen.add(id(w))
+        if not w.t().is_contiguous():
+            w.data = w.data.t().contiguous().t()
+        done += 1
+    return done

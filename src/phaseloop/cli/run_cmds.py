@@ -16,7 +16,7 @@ from phaseloop.depth import set_model_depth
 from phaseloop.engine import dist, resolve_device
 from phaseloop.engine.checkpoint import load_run, run_corpus, run_tokenizer
 from phaseloop.errors import PhaseloopError
-from phaseloop.inference import Options, generate
+from phaseloop.inference import Options, decode_layout, generate
 from phaseloop.lm.train import check_seq_len, eval_set, evaluate
 from phaseloop.quant import load_packed, weight_bytes
 
@@ -127,6 +127,7 @@ def cmd_generate(args) -> int:
                              "(0 = greedy, 1 = the model's distribution)")
     device = resolve_device(args.device)
     model, run_cfg = load_model(args, device)
+    decode_layout(model)  # one-row products stream their weights faster (docs/deploy.md)
     opts = _options(args, model)
     tok = run_tokenizer(args.run, run_cfg)
     idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]

@@ -22,6 +22,7 @@ from phaseloop.engine import resolve_device
 from phaseloop.engine.checkpoint import load_run, run_tokenizer
 from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError
 from phaseloop.files import sha256_file, why_missing
+from phaseloop.inference import decode_layout
 from phaseloop.model import build_model
 from phaseloop.quant import load_packed, weight_bytes
 from phaseloop.quant.io import load_quantized_state_dict
@@ -162,6 +163,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
         model = model.eval()
     else:
         model = model.to(device=resolve_device(device), dtype=DTYPES[dtype]).eval()
+    decode_layout(model)  # fp32 CPU weights laid out for decode steps (docs/deploy.md)
     try:
         twin = build_model(model.cfg, device="meta").eval()
     except Exception:  # a plugin that cannot be built without weights: no per-request options
