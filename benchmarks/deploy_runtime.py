@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from phaseloop import ModelConfig, build_model
+from phaseloop.inference import decode_layout
 from phaseloop.kvcache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -134,6 +135,7 @@ def child(spec: dict) -> dict:
     if spec["engine"] == "eager":
         base = rss_now()
         m = model(cfg, spec["seed"])
+        decode_layout(m)  # as `phaseloop generate` lays it out
 
         def run(x, start, cache):
             return m(x, cache=cache).logits
