@@ -105,6 +105,9 @@ def child(engine: str, job_file: str) -> int:
     if engine == "kernels":
         print(json.dumps(deploy_kernels.kernel_table(**job.get("kernels", {}))))
         return 0
+    if engine == "layout":
+        print(json.dumps(deploy_kernels.layout_table(**job.get("layout", {}))))
+        return 0
     if job.get("windows"):
         from safetensors.torch import load_file
 
@@ -287,6 +290,9 @@ def main(argv=None) -> int:
     if not args.no_kernels:
         small = {"shapes": [[256, 96]], "ms": [1, 16], "copies_mb": 8, "reps": 2} if args.smoke else {}
         deploy_kernels.print_kernels(spawn("kernels", {"threads": args.threads, "kernels": small}, work))
+        layout = {"preset": "rope-tiny", "batches": [1, 4], "steps": 2, "reps": 1} if args.smoke else {}
+        deploy_kernels.print_layout(spawn("layout", {"threads": args.threads, "layout": layout}, work),
+                                    layout.get("preset", "rope-123m"))
     return 0
 
 

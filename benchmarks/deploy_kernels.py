@@ -96,3 +96,45 @@ def print_kernels(rows) -> None:
     print("\n| product | M | kernel | us | speed vs fp32 |\n|---|---|---|---|---|")
     for N, K, M, name, us, ratio in rows:
         print(f"| {K}->{N} | {M} | {name} | {us:.0f} | {ratio:.2f}x |")
+
+
+def layout_table(preset: str = "rope-123m", batches=(1, 2, 4, 8), steps: int = 8, reps: int = 3,
+                 overrides: dict | None = None) -> list:
+    """One decode step of ``preset`` (random weights) with ``batches`` rows, its Linears
+    row-major as built and laid out by ``inference.decode_layout``, interleaved: rows
+    (batch, row-major ms, column-major ms, speed)."""
+    import copy
+
+    from phaseloop import ModelConfig, build_model
+    from phaseloop.inference import decode_layout
+    from phaseloop.kvcache import KVCache
+
+    cfg = ModelConfig.from_preset(preset, **(overrides or {}))
+    torch.manual_seed(0)
+    row = build_model(cfg).eval()
+    col = copy.deepcopy(row)
+    decode_layout(col)
+    out = []
+    with torch.no_grad():
+        for B in batches:
+            prompt = torch.randint(0, cfg.vocab_size, (B, 16))
+            x = torch.randint(0, cfg.vocab_size, (B, 1))
+            times: dict = {"row": [], "col": []}
+            for _ in range(reps):
+                for name, m in (("row", row), ("col", col)):
+                    cache = KVCache(capacity=16 + steps)
+                    m(prompt, cache=cache)
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        m(x, cache=cache)
+                    times[name].append((time.perf_counter() - t0) / steps)
+            r, c = statistics.median(times["row"]), statistics.median(times["col"])
+            out.append((B, 1e3 * r, 1e3 * c, r / c))
+    return out
+
+
+def print_layout(rows, preset: str = "rope-123m") -> None:
+    print(f"\n{preset}, one decode step, Linears as built (row-major) and laid out by decode_layout:\n")
+    print("| batch | row-major ms | decode_layout ms | speed |\n|---|---|---|---|")
+    for B, r, c, s in rows:
+        print(f"| {B} | {r:.2f} | {c:.2f} | {s:.2f}x |")
