@@ -76,3 +76,28 @@ def test_what_it_leaves_alone():
         assert torch.allclose(holder(x), ref, rtol=0, atol=1e-6)
     assert lin.weight.t().is_contiguous() and narrow.weight.is_contiguous()
     assert packed.codes.is_contiguous() and torch.equal(packed.codes, codes)
+
+
+def test_generate_and_serve_lay_out_what_they_load(tmp_path, monkeypatch, capsys):
+    """`phaseloop generate` and `serve`'s loader run the laid-out model; export does not (a
+    safetensors file takes contiguous tensors), and the run's checkpoint is untouched."""
+    pytest.importorskip("starlette")
+    from conftest import tiny_runs
+
+    from phaseloop.cli import main, run_cmds
+    from phaseloop.serve.loading import load
+
+    run = tiny_runs(tmp_path, ("rope-tiny",))["rope-tiny"]
+    weights = sorted(run.rglob("model.safetensors"))
+    before = [w.read_bytes() for w in weights]
+    served = load(run)
+    assert served.model.head.weight.t().is_contiguous()
+    seen = []
+    real = run_cmds.decode_layout
+    monkeypatch.setattr(run_cmds, "decode_layout", lambda m: seen.append(real(m)) or seen[-1])
+    assert main(["generate", str(run), "--max-new-tokens", "3", "--temperature", "0", "--device", "cpu"]) == 0
+    assert seen and seen[0] > 0
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert weights and [w.read_bytes() for w in weights] == before
