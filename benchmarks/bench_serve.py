@@ -29,6 +29,7 @@ import torch
 
 from phaseloop import ModelConfig, build_model
 from phaseloop.data.tokenizer import ByteTokenizer
+from phaseloop.inference import decode_layout
 from phaseloop.serve.loading import Served
 from phaseloop.serve.runner import Background, Config
 
@@ -46,6 +47,7 @@ def served(name: str) -> Served:
     preset, over = MODELS[name]
     torch.manual_seed(0)
     model = build_model(ModelConfig.from_preset(preset, **over)).eval()
+    decode_layout(model)  # as serve's loader lays a run out
     tok = ByteTokenizer()
     return Served(model, name, lambda text: tok.encode(text).tolist(), tok.decode)
 
