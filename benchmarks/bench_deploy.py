@@ -290,9 +290,10 @@ def main(argv=None) -> int:
     if not args.no_kernels:
         small = {"shapes": [[256, 96]], "ms": [1, 16], "copies_mb": 8, "reps": 2} if args.smoke else {}
         deploy_kernels.print_kernels(spawn("kernels", {"threads": args.threads, "kernels": small}, work))
-        layout = {"preset": "rope-tiny", "batches": [1, 4], "steps": 2, "reps": 1} if args.smoke else {}
+        layout = ({"preset": "rope-tiny", "batches": [1, 4], "steps": 2, "reps": 1} if args.smoke
+                  else {"preset": "rope-123m"})
         deploy_kernels.print_layout(spawn("layout", {"threads": args.threads, "layout": layout}, work),
-                                    layout.get("preset", "rope-123m"))
+                                    layout["preset"])
     return 0
 
 

@@ -98,8 +98,7 @@ def print_kernels(rows) -> None:
         print(f"| {K}->{N} | {M} | {name} | {us:.0f} | {ratio:.2f}x |")
 
 
-def layout_table(preset: str = "rope-123m", batches=(1, 2, 4, 8), steps: int = 8, reps: int = 3,
-                 overrides: dict | None = None) -> list:
+def layout_table(preset: str = "rope-123m", batches=(1, 2, 4, 8), steps: int = 8, reps: int = 3) -> list:
     """One decode step of ``preset`` (random weights) with ``batches`` rows, its Linears
     row-major as built and laid out by ``inference.decode_layout``, interleaved: rows
     (batch, row-major ms, column-major ms, speed)."""
@@ -109,7 +108,7 @@ def layout_table(preset: str = "rope-123m", batches=(1, 2, 4, 8), steps: int = 8
     from phaseloop.inference import decode_layout
     from phaseloop.kvcache import KVCache
 
-    cfg = ModelConfig.from_preset(preset, **(overrides or {}))
+    cfg = ModelConfig.from_preset(preset)
     torch.manual_seed(0)
     row = build_model(cfg).eval()
     col = copy.deepcopy(row)
@@ -133,7 +132,7 @@ def layout_table(preset: str = "rope-123m", batches=(1, 2, 4, 8), steps: int = 8
     return out
 
 
-def print_layout(rows, preset: str = "rope-123m") -> None:
+def print_layout(rows, preset: str) -> None:
     print(f"\n{preset}, one decode step, Linears as built (row-major) and laid out by decode_layout:\n")
     print("| batch | row-major ms | decode_layout ms | speed |\n|---|---|---|---|")
     for B, r, c, s in rows:

@@ -191,9 +191,10 @@ def decode_layout(model: nn.Module) -> int:
     out here is for inference."""
     done, seen = 0, set()
     for m in model.modules():
-        w = getattr(m, "weight", None)
-        if (not isinstance(m, nn.Linear) or w is None or w.device.type != "cpu" or w.dtype != torch.float32
-                or id(w) in seen or w.shape[0] < w.shape[1]):
+        if not isinstance(m, nn.Linear):
+            continue
+        w = m.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or id(w) in seen or w.shape[0] < w.shape[1]:
             continue
         seen.add(id(w))
         if not w.t().is_contiguous():
