@@ -11,14 +11,16 @@ behind the choice of kernels.
 Engines (deploy_engines.ENGINES, a table a second family adds to: deploy_runtime.py):
 phaseloop fp32 / int8 (per row) / int4 (group 32) through ``--quantized``, transformers'
 ``LlamaForCausalLM.generate`` on the ``export --format llama`` folder and llama.cpp
-(llama-cpp-python, where installed) on ``export --format gguf`` f32 / q8_0: the same rope
-weights. Shapes: rope-small trained briefly (the loss column: mean cross-entropy over
-validation windows, each engine computing it), the rope-123m shape with random weights
+(llama-cpp-python, where installed) on ``export --format gguf`` f32 / q8_0, and phaseloop's
+own ``export --format executorch`` files (fp32 / int8 / int4, XNNPACK; where executorch is
+installed) decoded as ``phaseloop generate FILE.pte`` decodes them: the same rope weights.
+Shapes: rope-small trained briefly (the loss column: mean cross-entropy over validation
+windows, each engine computing it), the rope-123m shape with random weights
 (speed only), and the Hyperloop paper's memory claim at matched depth: transformer-small
 against hyperloop-small (8 applied layers each). The greedy tokens of every engine are
 compared with phaseloop fp32's (llama.cpp's equality check, which CI cannot run).
 
-    python benchmarks/bench_deploy.py                       # everything, ~15 min on 2 loaded cores
+    python benchmarks/bench_deploy.py                       # everything, ~25 min on 2 cores (exports ~8)
     python benchmarks/bench_deploy.py --shapes rope-123m --engines phaseloop-fp32,phaseloop-int4
     python benchmarks/bench_deploy.py --smoke               # rope-tiny, one round (the test)
 
@@ -175,6 +177,15 @@ def setup(shape: str, work: Path, engines: list[str], threads: int, quick: bool)
     job["new_tokens"] = 16 if quick else 48
     job["prompt"] = ids[:16]
     job["prefill_ids"] = ids[: min(256, cfg.max_seq_len - 8) if not quick else 32]
+    job["cfg"].update(d_model=cfg.d_model, tied=cfg.tie_embeddings)
+    # the programs' cache: the longest sequence an engine feeds them (the prefill, a window)
+    max_len = max(len(job["prefill_ids"]), len(job["prompt"]) + job["new_tokens"], seq if spec["loss"] else 0)
+    job["pte"] = {}
+    for kind, bits in (("fp32", []), ("int8", ["--bits", 8]), ("int4", ["--bits", 4])):
+        path = root / f"model-{kind}-{max_len}.pte"
+        if f"executorch-{kind}" in engines and not path.is_file():
+            _cli(["export", run, "--format", "executorch", "--max-seq-len", max_len, *bits, "--out", path])
+        job["pte"][kind] = str(path)
     if spec["loss"]:
         windows, _ = eval_set(corpus, val, seq, 4 if quick else 16, run_cfg["train"])
         save_file({"windows": windows.contiguous()}, root / "windows.safetensors")

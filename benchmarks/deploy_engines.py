@@ -224,6 +224,48 @@ def llama_cpp_engine(outtype: str):
     return run
 
 
+def executorch_engine(kind: str):
+    """The run's ``export --format executorch`` file (XNNPACK) decoded by ``phaseloop generate
+    FILE.pte``'s loop (deploy.generate) in ExecuTorch's runtime. Its weights: the file's
+    bytes (the program's constants; the embedding and head stay fp32 in every kind); a step
+    reads all of them but the embedding table, and the whole static cache (attention reads
+    every position, masked)."""
+    def run(job: dict) -> dict:
+        import os
+
+        from phaseloop.decoding import decode
+        from phaseloop.deploy.generate import open_pte, step_fn
+
+        exp = open_pte(job["pte"][kind], threads=job["threads"])
+        now = os.path.getsize(exp.path)
+        cfg = exp.record["metadata"]
+        vocab, d = cfg["get_vocab_size"], job["cfg"]["d_model"]
+        per_token = now - vocab * d * 4 * (0 if job["cfg"]["tied"] else 1) + d * 4 + exp.record["kv_cache_bytes"]
+        prompt = torch.tensor([job["prompt"]])
+        marks: list[float] = []
+        decode(step_fn(exp.model), prompt, 4)  # warm
+        out = decode(step_fn(exp.model), prompt, job["new_tokens"],
+                     on_output=lambda _: marks.append(time.perf_counter()))
+        long = torch.tensor([job["prefill_ids"]])
+        exp.model(long, 0)
+        t0 = time.perf_counter()
+        exp.model(long, 0)
+        prefill = len(job["prefill_ids"]) / (time.perf_counter() - t0)
+        res = {"weight_bytes": now, "decode_tok_s": _timed_decode(marks), "prefill_tok_s": prefill,
+               "tokens": out[0, prompt.shape[1]:].tolist(), "step_ms": 1e3 / _timed_decode(marks),
+               "bytes_per_token": per_token, "rss_run": rss_now()}
+        if job.get("windows") is not None:
+            res["loss"] = _loss_of(lambda x: exp.model(x[None], 0)[0], job["windows"])
+        return res
+    return run
+
+
+def _no_executorch() -> str | None:
+    import importlib.util
+
+    return None if importlib.util.find_spec("executorch") else "executorch is not installed (the deploy extra)"
+
+
 def _no_llama_cpp() -> str | None:
     import importlib.util
 
@@ -241,5 +283,9 @@ ENGINES = {
     "transformers": (transformers_engine, lambda: None, ("llama",)),
     "llama.cpp-f32": (llama_cpp_engine("f32"), _no_llama_cpp, ("gguf",)),
     "llama.cpp-q8_0": (llama_cpp_engine("q8_0"), _no_llama_cpp, ("gguf",)),
+    # phaseloop's own export of the same run, in ExecuTorch's runtime (`generate FILE.pte`)
+    "executorch-fp32": (executorch_engine("fp32"), _no_executorch, ("pte",)),
+    "executorch-int8": (executorch_engine("int8"), _no_executorch, ("pte",)),
+    "executorch-int4": (executorch_engine("int4"), _no_executorch, ("pte",)),
 }
 LLAMA_ONLY = {"transformers", "llama.cpp-f32", "llama.cpp-q8_0"}  # a Llama-block rope run only

@@ -1,7 +1,9 @@
 """The benchmark scripts run (tiny shapes) so they never rot; their figures are measured
 by running them, never asserted here."""
 
+import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -145,7 +147,6 @@ def test_bench_adaptive_runs(capsys, one_thread, tmp_path):
 def test_bench_deploy_executorch_runs(tmp_path, capsys, one_thread):
     """The ExecuTorch rows at one layer on the portable kernels (the table's own rows export
     with XNNPACK, minutes each): export, the check, eager and the file in their own processes."""
-    import os
 
     if not os.environ.get("CI"):  # CI installs the deploy extra
         pytest.importorskip("executorch")
@@ -175,6 +176,10 @@ def test_bench_deploy_smoke_runs(capsys, tmp_path, one_thread):
     assert rows["transformers"]["same_tokens"] and rows["phaseloop-int4"]["weight_bytes"] < \
         0.4 * rows["phaseloop-fp32"]["weight_bytes"]
     assert all(r["decode_tok_s"] > 0 and r["floor_tok_s"] > 0 for k, r in rows.items() if k != "ratios")
+    if os.environ.get("CI") or importlib.util.find_spec("executorch"):  # CI installs the deploy extra
+        # the run's own .pte in ExecuTorch's runtime: phaseloop's greedy tokens (fp32), fewer bytes
+        assert rows["executorch-fp32"]["same_tokens"], rows["executorch-fp32"]
+        assert rows["executorch-int4"]["weight_bytes"] < rows["executorch-fp32"]["weight_bytes"]
     for bits in ("int8", "int4"):  # `quantize --head`: the head packed too, fewer bytes read per token
         body, both = rows[f"phaseloop-{bits}"], rows[f"phaseloop-{bits}-head"]
         assert both["weight_bytes"] < body["weight_bytes"] and both["floor_tok_s"] > body["floor_tok_s"]

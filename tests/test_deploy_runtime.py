@@ -18,11 +18,12 @@ architecture with XNNPACK at fp32 / int8 / int4 and prints the same equalities).
 import importlib.util
 import json
 import os
+import shutil
 import sys
 
 import pytest
 import torch
-from conftest import REPO, run_cli, write_corpus
+from conftest import REPO, assert_one_line, run_cli, write_corpus
 
 if not os.environ.get("CI"):  # CI installs the deploy extra: a missing one fails there
     pytest.importorskip("executorch")
@@ -31,6 +32,7 @@ from phaseloop import ConfigError, ModelConfig, build_model, registry
 from phaseloop.data.tokenizer import ByteTokenizer
 from phaseloop.deploy import pte
 from phaseloop.deploy.program import metadata, prepare
+from phaseloop.deploy.run import sidecars
 from phaseloop.deploy.runtime import PteModel
 from phaseloop.engine.checkpoint import load_run
 from phaseloop.kvcache import KVCache
@@ -140,15 +142,22 @@ def _loss(logits_fn, windows):
     return torch.stack(losses).mean().item()
 
 
-def test_the_cli_files_xnnpack_fp32_and_int4_and_executorchs_llm_runner(rope_run, tmp_path, capsys):
-    run, corpus = rope_run
-    files = {}
+@pytest.fixture(scope="module")
+def cli_files(rope_run, tmp_path_factory):
+    """bits (None: fp32) -> the .pte `phaseloop export --format executorch` wrote of the run."""
+    from phaseloop.cli import main
+
+    root, files = tmp_path_factory.mktemp("cli-pte"), {}
     for bits in (None, 4):
-        out = tmp_path / f"rope-{bits or 32}.pte"
-        code, err = run_cli(["export", run, "--format", "executorch", "--out", out,
-                             *(["--bits", str(bits)] if bits else [])], capsys)
-        assert code == 0, err
-        files[bits] = out
+        files[bits] = root / f"rope-{bits or 32}.pte"
+        assert main(["export", str(rope_run[0]), "--format", "executorch", "--out", str(files[bits]),
+                     *(["--bits", str(bits)] if bits else [])]) == 0
+    return files
+
+
+def test_the_cli_files_xnnpack_fp32_and_int4_and_executorchs_llm_runner(rope_run, cli_files):
+    run, corpus = rope_run
+    files = cli_files
     model, _ = load_run(run)
     fp32 = PteModel(files[None])
     x = torch.tensor([list(b"the quick brown fox jumps over t")])[:, :24]
@@ -193,3 +202,66 @@ def test_the_cli_files_xnnpack_fp32_and_int4_and_executorchs_llm_runner(rope_run
     fp32_bytes = sum(4 * model.get_submodule(n[len("model."):]).weight.numel() for n in quantized)
     int4_bytes = fp32_bytes - (files[None].stat().st_size - files[4].stat().st_size)
     assert int4_bytes <= 0.2 * fp32_bytes, (int4_bytes, fp32_bytes)
+
+
+
+def _cli_out(argv, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``phaseloop ARGV`` in this process."""
+    from phaseloop.cli import main
+
+    code = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err.strip()
+
+
+def test_generate_decodes_a_pte_in_the_runtime_as_the_run_decodes(rope_run, cli_files, capsys, tmp_path):
+    """`phaseloop generate FILE.pte`: the run's own tokens (greedy, and sampled with a seed:
+    one decoding loop over logits within 1e-4), the file's figures, and one line (exit 2)
+    for what a program cannot do and for a file that is not its record's."""
+    run, _ = rope_run
+    fp32 = cli_files[None]
+    record = json.loads(fp32.with_suffix(".json").read_text())
+    for extra in (["--temperature", "0"], ["--temperature", "1", "--seed", "5", "--top-k", "40"]):
+        got = {}
+        for name, target in (("run", run), ("pte", fp32)):
+            code, out, err = _cli_out(["generate", target, "--prompt", "the qu", "--max-new-tokens", "24",
+                                       "--json", *extra], capsys)
+            assert code == 0, err
+            got[name] = json.loads(out)
+        assert got["pte"]["tokens"] == got["run"]["tokens"] and len(got["pte"]["tokens"]) == 24, extra
+        assert got["pte"]["text"] == got["run"]["text"] and got["pte"]["prompt"] == "the qu"
+    pte_out = got["pte"]
+    assert pte_out["engine"] == "executorch" and pte_out["program_bytes"] == fp32.stat().st_size
+    cfg = load_run(run)[0].cfg  # rope-tiny, one layer: one slot of keys and values, 32 positions
+    assert pte_out["kv_cache_bytes"] == record["kv_cache_bytes"] == 2 * cfg.n_kv_heads * 32 * cfg.head_dim * 4
+    assert pte_out["depth"] is None and pte_out["mean_passes"] is None  # a stack
+    code, out, err = _cli_out(["generate", fp32, "--prompt", "the", "--max-new-tokens", "8"], capsys)
+    assert code == 0 and out.startswith("the") and len(out.encode()) > 3, (out, err)
+    code, out, err = _cli_out(["generate", cli_files[4], "--prompt", "the", "--max-new-tokens", "8", "--json"],
+                              capsys)
+    assert code == 0 and len(json.loads(out)["tokens"]) == 8 and json.loads(out)["bits"] == 4, err
+
+    for flags, pattern in ((["--depth", "2"], "--depth with a .pte"),
+                           (["--quantized", "q.safetensors"], "--quantized with a .pte"),
+                           (["--exit", "kl:0.1"], "--exit with a .pte"),
+                           (["--kv-share", "1"], "--kv-share with a .pte"),
+                           (["--speculative", "1"], "--speculative with a .pte"),
+                           (["--no-cache"], "--no-cache with a .pte"),
+                           (["--max-new-tokens", "40"], r"need 42 positions; rope-32.pte holds 32")):
+        code, err = run_cli(["generate", fp32, "--prompt", "the", *flags], capsys)
+        assert_one_line(code, err, pattern)
+    # a damaged copy (one byte changed), a copy without its tokenizer, a file that is not there
+    bad = tmp_path / "bad.pte"
+    for src, dst in ((fp32, bad), *zip(sidecars(fp32), sidecars(bad))):
+        shutil.copyfile(src, dst)
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 1
+    bad.write_bytes(bytes(data))
+    code, err = run_cli(["generate", bad], capsys)
+    assert_one_line(code, err, "is not the file its record bad.json describes")
+    shutil.copyfile(fp32, bad)
+    sidecars(bad)[0].unlink()
+    code, err = run_cli(["generate", bad], capsys)
+    assert_one_line(code, err, "its tokenizer bad.tokenizer.json is missing")
+    code, err = run_cli(["generate", tmp_path / "none.pte"], capsys)
+    assert_one_line(code, err, "none.pte: no such .pte file")

@@ -36,7 +36,8 @@ def add_parsers(sub) -> None:
                     "--exit: loss against mean depth; as a PNG")
     eval_tasks.add_arguments(ev)
 
-    gen = on_a_run(sub, "generate", "sample text from a run", cmd_generate, data=False)
+    gen = on_a_run(sub, "generate", "sample text from a run, or from its ExecuTorch export (FILE.pte)",
+                   cmd_generate, data=False)
     gen.add_argument("--prompt", default="")
     gen.add_argument("--max-new-tokens", type=argtypes.nonneg_int, default=200)
     gen.add_argument("--temperature", type=argtypes.finite_float, default=0.8, help="0 = greedy")
@@ -125,6 +126,8 @@ def cmd_generate(args) -> int:
     if args.temperature < 0:  # the parser's types check the rest (finite, counts in range)
         raise PhaseloopError(f"--temperature {args.temperature}: must be a finite number >= 0 "
                              "(0 = greedy, 1 = the model's distribution)")
+    if str(args.run).endswith(".pte"):
+        return generate_pte(args)
     device = resolve_device(args.device)
     model, run_cfg = load_model(args, device)
     decode_layout(model)  # one-row products stream their weights faster (docs/deploy.md)
@@ -154,3 +157,32 @@ def cmd_generate(args) -> int:
     sys.stdout.write(tok.decode(idx[0].tolist() + new) + "\n")
     return 0
 
+
+
+def generate_pte(args) -> int:
+    """``phaseloop generate FILE.pte``: the program in ExecuTorch's runtime (deploy.generate)."""
+    from phaseloop.deploy.generate import generate as generate_program
+    from phaseloop.deploy.generate import open_pte
+
+    fixed = [flag for flag, on in (("--quantized", args.quantized), ("--depth", args.depth is not None),
+                                   ("--extend-loops", args.extend_loops), ("--kv-fill", args.kv_fill != "recompute"),
+                                   ("--device", args.device not in ("auto", "cpu"))) if on]
+    if fixed:
+        raise PhaseloopError(f"{fixed[0]} with a .pte: its weights, depth and device were fixed at export "
+                             "(phaseloop export ... --depth K --bits 4); run the checkpoint for another choice")
+    opts = Options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   seed=args.seed, use_cache=not args.no_cache, exit=args.exit[0] if args.exit else None,
+                   kv_share=args.kv_share, speculative=args.speculative)
+    exp = open_pte(args.run)
+    idx = torch.as_tensor(exp.tokenizer.encode(args.prompt or "\n"), dtype=torch.long)[None]
+    g = generate_program(exp, idx, opts)
+    new = g.tokens[0].tolist()
+    if args.json:
+        print(json.dumps({"prompt": exp.tokenizer.decode(idx[0].tolist()), "text": exp.tokenizer.decode(new),
+                          "tokens": new, "tokens_per_s": g.tokens_per_s, "mean_passes": g.mean_passes,
+                          "passes": g.passes, "depth": exp.record.get("passes"), "kv_cache_bytes": g.kv_cache_bytes,
+                          "program_bytes": exp.path.stat().st_size, "bits": exp.record.get("bits"),
+                          "engine": "executorch"}, indent=2))
+        return 0
+    sys.stdout.write(exp.tokenizer.decode(idx[0].tolist() + new) + "\n")
+    return 0

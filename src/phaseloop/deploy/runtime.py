@@ -3,6 +3,9 @@ as a device-side program loads it: the tests and benchmarks/bench_deploy.py run 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 
 import torch
@@ -10,6 +13,27 @@ from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpoo
 from executorch.runtime import Runtime
 
 from phaseloop.errors import CheckpointError, ConfigError
+
+
+@contextlib.contextmanager
+def _quiet_native_log():
+    """File descriptor 2 to /dev/null: loading XNNPACK's first program logs how its CPU
+    probe went (five lines of cpuinfo_utils.cpp per process) straight to it. A load that
+    fails raises, and is reported in one line by the caller."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no real descriptor (a captured stream)
+        yield
+        return
+    sys.stderr.flush()
+    saved, null = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(null)
 
 
 class PteModel:
@@ -27,8 +51,9 @@ class PteModel:
         PteModel._pool_set = True
         t0 = time.perf_counter()
         try:
-            self.program = Runtime.get().load_program(str(path))
-            self.method = self.program.load_method("forward")
+            with _quiet_native_log():
+                self.program = Runtime.get().load_program(str(path))
+                self.method = self.program.load_method("forward")
         except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path} is not an ExecuTorch program this runtime loads ({str(e)[:80]}); "
                                   "export it again (phaseloop export --format executorch)") from None
