@@ -12,8 +12,8 @@ Engines (deploy_engines.ENGINES, a table a second family adds to: deploy_runtime
 phaseloop fp32 / int8 (per row) / int4 (group 32) through ``--quantized``, transformers'
 ``LlamaForCausalLM.generate`` on the ``export --format llama`` folder and llama.cpp
 (llama-cpp-python, where installed) on ``export --format gguf`` f32 / q8_0, and phaseloop's
-own ``export --format executorch`` files (fp32 / int8 / int4, XNNPACK; where executorch is
-installed) decoded as ``phaseloop generate FILE.pte`` decodes them: the same rope weights.
+own ``export --format executorch`` files (fp32 / int8 / int4, the head too with ``--head``;
+XNNPACK; where executorch is installed) decoded as ``phaseloop generate FILE.pte`` decodes them: the same rope weights.
 Shapes: rope-small trained briefly (the loss column: mean cross-entropy over validation
 windows, each engine computing it), the rope-123m shape with random weights
 (speed only), and the Hyperloop paper's memory claim at matched depth: transformer-small
@@ -181,7 +181,8 @@ def setup(shape: str, work: Path, engines: list[str], threads: int, quick: bool)
     # the programs' cache: the longest sequence an engine feeds them (the prefill, a window)
     max_len = max(len(job["prefill_ids"]), len(job["prompt"]) + job["new_tokens"], seq if spec["loss"] else 0)
     job["pte"] = {}
-    for kind, bits in (("fp32", []), ("int8", ["--bits", 8]), ("int4", ["--bits", 4])):
+    for kind, bits in (("fp32", []), ("int8", ["--bits", 8]), ("int4", ["--bits", 4]),
+                       ("int8-head", ["--bits", 8, "--head"]), ("int4-head", ["--bits", 4, "--head"])):
         path = root / f"model-{kind}-{max_len}.pte"
         if f"executorch-{kind}" in engines and not path.is_file():
             _cli(["export", run, "--format", "executorch", "--max-seq-len", max_len, *bits, "--out", path])
@@ -278,6 +279,8 @@ def main(argv=None) -> int:
         if why:
             print(f"skipped {e}: {why}")
     wanted = [e for e in wanted if e in ENGINES and ENGINES[e][1]() is None]
+    if args.smoke:  # two of the ExecuTorch files: exports are the slow part of the test
+        wanted = [e for e in wanted if not e.startswith("executorch-") or e in ("executorch-fp32", "executorch-int4")]
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-deploy-"))
     work.mkdir(parents=True, exist_ok=True)
     jobs, plan = {}, []

@@ -287,5 +287,7 @@ ENGINES = {
     "executorch-fp32": (executorch_engine("fp32"), _no_executorch, ("pte",)),
     "executorch-int8": (executorch_engine("int8"), _no_executorch, ("pte",)),
     "executorch-int4": (executorch_engine("int4"), _no_executorch, ("pte",)),
+    "executorch-int8-head": (executorch_engine("int8-head"), _no_executorch, ("pte",)),  # `export --head`
+    "executorch-int4-head": (executorch_engine("int4-head"), _no_executorch, ("pte",)),
 }
 LLAMA_ONLY = {"transformers", "llama.cpp-f32", "llama.cpp-q8_0"}  # a Llama-block rope run only

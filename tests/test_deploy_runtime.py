@@ -148,10 +148,9 @@ def cli_files(rope_run, tmp_path_factory):
     from phaseloop.cli import main
 
     root, files = tmp_path_factory.mktemp("cli-pte"), {}
-    for bits in (None, 4):
-        files[bits] = root / f"rope-{bits or 32}.pte"
-        assert main(["export", str(rope_run[0]), "--format", "executorch", "--out", str(files[bits]),
-                     *(["--bits", str(bits)] if bits else [])]) == 0
+    for key, flags in ((None, []), (4, ["--bits", "4"]), ("4-head", ["--bits", "4", "--head"])):
+        files[key] = root / f"rope-{key or 32}.pte"
+        assert main(["export", str(rope_run[0]), "--format", "executorch", "--out", str(files[key]), *flags]) == 0
     return files
 
 
@@ -202,6 +201,33 @@ def test_the_cli_files_xnnpack_fp32_and_int4_and_executorchs_llm_runner(rope_run
     fp32_bytes = sum(4 * model.get_submodule(n[len("model."):]).weight.numel() for n in quantized)
     int4_bytes = fp32_bytes - (files[None].stat().st_size - files[4].stat().st_size)
     assert int4_bytes <= 0.2 * fp32_bytes, (int4_bytes, fp32_bytes)
+
+    # --head: the LM head quantised too, against its own dequantised reference
+    with_head = prepare(load_run(run)[0])
+    quantized = pte.quantize_linears(with_head, 4, head=True)
+    record = json.loads(files["4-head"].with_suffix(".json").read_text())
+    assert quantized == record["quantized_layers"] == [*json.loads(files[4].with_suffix(".json").read_text())[
+        "quantized_layers"], "model.head"] and record["head"] is True
+    with torch.no_grad():
+        loss_ref = _loss(lambda w: with_head(w, torch.arange(w.shape[1])), windows)
+    loss_pte = _loss(lambda w: PteModel(files["4-head"])(w, 0), windows)
+    assert abs(loss_pte / loss_ref - 1) <= 1e-3, (loss_pte, loss_ref)
+    head_fp32 = 4 * model.head.weight.numel()  # what quantising the head saved, from the two files
+    head_int4 = head_fp32 - (files[4].stat().st_size - files["4-head"].stat().st_size)
+    assert head_int4 <= 0.2 * head_fp32, (head_int4, head_fp32)
+
+
+def test_export_head_refusals(rope_run, capsys, tmp_path):
+    """--head: with --bits only, executorch only, never a head tied to the embedding."""
+    run, _ = rope_run
+    for flags, pattern in ((["--format", "executorch", "--head"], "--head quantises the output head"),
+                           (["--format", "hf", "--head"], "--head applies to --format executorch, not hf")):
+        code, err = run_cli(["export", run, *flags, "--out", tmp_path / "x.pte"], capsys)
+        assert_one_line(code, err, pattern)
+    assert not list(tmp_path.iterdir())
+    tied = build_model(ModelConfig.from_preset("rope-tiny", n_layers=1, max_seq_len=32, tie_embeddings=True))
+    with pytest.raises(ConfigError, match="tied to its embedding"):
+        pte.quantize_linears(prepare(tied.eval()), 4, head=True)
 
 
 

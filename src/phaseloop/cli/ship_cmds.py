@@ -53,6 +53,8 @@ def add_parsers(sub) -> None:
     export.add_argument("--outtype", choices=("f32", "f16", "q8_0"), help="gguf: the matrices' type (default f32)")
     export.add_argument("--bits", type=int, choices=(8, 4), help="executorch: int8 weights per channel or int4 "
                         "in groups of 32, int8 activations (every Linear but the head; default fp32)")
+    export.add_argument("--head", action="store_true", default=None, help="executorch with --bits: quantise "
+                        "the output head too (an untied head; the embedding stays fp32)")
     export.add_argument("--max-seq-len", type=argtypes.positive_int, help="executorch: positions the static "
                         "KV cache holds (default: the model's max_seq_len)")
     depth_options(export)
@@ -97,8 +99,9 @@ def _export_executorch(args) -> str:
     from phaseloop.deploy.run import export_run
 
     r = export_run(args.run, args.out, depth=args.depth, extend_loops=args.extend_loops, bits=args.bits,
-                   max_len=args.max_seq_len)
-    weights = f"int{r['bits']} ({len(r['quantized_layers'])} Linears)" if r["bits"] else "fp32"
+                   max_len=args.max_seq_len, head=bool(args.head))
+    weights = f"int{r['bits']} ({len(r['quantized_layers'])} Linears{', the head too' * r['head']})" \
+        if r["bits"] else "fp32"
     return (f"exported {args.run} -> {r['out']} ({r['bytes'] / 1e6:.2f} MB, {weights}, XNNPACK, "
             f"{r['metadata']['get_max_seq_len']} positions; tokenizer {r['tokenizer']}; {r['export_s']:.0f} s)")
 
@@ -157,7 +160,7 @@ FORMATS = {
     "gguf": ExportFormat("one GGUF file for llama.cpp, --outtype f32|f16|q8_0 (a rope run with the Llama block)",
                          _export_gguf, not_a_llama, ("outtype", "quantized")),
     "executorch": ExportFormat("an ExecuTorch .pte (XNNPACK) for its LLM runner", _export_executorch,
-                               _static_cache_refuses, ("bits", "max_seq_len")),
+                               _static_cache_refuses, ("bits", "head", "max_seq_len")),
 }
 
 

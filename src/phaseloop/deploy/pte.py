@@ -3,7 +3,8 @@ max_len), low-bit weights through torchao, lowering to XNNPACK (or the portable 
 alone) and constant methods for the runner's metadata (``run.py`` writes the file,
 ``runtime.PteModel`` runs it).
 
-Weights (``--bits``): every ``nn.Linear`` but the LM head (the embedding is a lookup) as
+Weights (``--bits``): every ``nn.Linear`` but the LM head (with ``--head`` the head too; the
+embedding is a lookup and stays fp32) as
 torchao's ``Int8DynamicActivationIntxWeightConfig``, which XNNPACK runs as integer
 GEMMs: 8 bits per output channel (``PerAxis(0)``), or 4 bits in groups of 32 input
 columns (``PerGroup(32)``; a layer whose width 32 does not divide stays fp32), with
@@ -33,13 +34,18 @@ GROUP = 32  # input columns per int4 scale
 BACKENDS = ("xnnpack", "portable")
 
 
-def quantize_linears(program: RunnerProgram, bits: int) -> list[str]:
-    """Quantise ``program``'s Linears in place (see the module docstring); returns their names."""
+def quantize_linears(program: RunnerProgram, bits: int, head: bool = False) -> list[str]:
+    """Quantise ``program``'s Linears in place (see the module docstring); returns their names.
+    ``head``: the LM head too (``export --head``, as ``quantize --head`` and llama.cpp's
+    types do: a decode step's largest single read); a head tied to the embedding is refused."""
     if bits not in BITS:
         raise ConfigError(f"--bits {bits}: choose 8 or 4")
-    head = program.model.head
-    taken = [name for name, m in program.named_modules() if isinstance(m, nn.Linear) and m is not head
-             and (bits == 8 or m.in_features % GROUP == 0)]
+    lm_head = program.model.head
+    if head and program.model.cfg.tie_embeddings:
+        raise ConfigError("--head: this run's head is tied to its embedding, so quantising it would quantise "
+                          "the embedding too; export without --head")
+    taken = [name for name, m in program.named_modules() if isinstance(m, nn.Linear)
+             and (head or m is not lm_head) and (bits == 8 or m.in_features % GROUP == 0)]
     granularity = PerAxis(0) if bits == 8 else PerGroup(GROUP)
     config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8 if bits == 8 else torch.int4,
                                                    weight_granularity=granularity)

@@ -53,17 +53,20 @@ def tokenizer_json(tok) -> bytes:
 
 
 def export_run(run: str | Path, out: str | Path, *, depth: int | None = None, extend_loops: str | None = None,
-               bits: int | None = None, max_len: int | None = None, backend: str = "xnnpack") -> dict:
+               bits: int | None = None, max_len: int | None = None, backend: str = "xnnpack",
+               head: bool = False) -> dict:
     """Write ``run`` as ``out`` (a new ``.pte``) and its sidecars; returns the record."""
     out = Path(out)
     check_out(out)
     if bits is not None and bits not in pte.BITS:
         raise PhaseloopError(f"--bits {bits}: choose 8 or 4")
+    if head and bits is None:
+        raise PhaseloopError("--head quantises the output head with the other Linears: add --bits 8 or --bits 4")
     t0 = time.perf_counter()
     model, run_cfg = load_run(run, "cpu")
     tok = run_tokenizer(run, run_cfg)
     program = prepare(model, depth, extend_loops, max_len)
-    quantized = pte.quantize_linears(program, bits) if bits else []
+    quantized = pte.quantize_linears(program, bits, head) if bits else []
     meta = metadata(program, tok)
     data = pte.lower(program, meta, backend)
     run_dir = run_folder(run)
@@ -73,7 +76,7 @@ def export_run(run: str | Path, out: str | Path, *, depth: int | None = None, ex
               "depth": depth, "extend_loops": extend_loops,  # None: the trained depth
               "passes": program.model.trunk.passes,  # what every token runs (None: a stack)
               "kv_cache_bytes": sum(b.nbytes for b in program.cache.buffers()),
-              "bits": bits, "quantized_layers": quantized, "metadata": meta, "bytes": len(data),
+              "bits": bits, "head": head, "quantized_layers": quantized, "metadata": meta, "bytes": len(data),
               "pte_sha256": hashlib.sha256(data).hexdigest(),
               "tokenizer": tok_path.name, "run": str(run_dir.resolve()),
               "checkpoint_sha256": sha256_file(ckpt / "model.safetensors"),
