@@ -25,6 +25,7 @@ LAZY_OK = {"phaseloop.hf", "phaseloop.hf.harness", "phaseloop.hf.modeling", "pha
            "phaseloop.hf.downstream", "phaseloop.hf.scoring",
            "phaseloop.explore.app", "phaseloop.explore.notebook", "phaseloop.explore.context",
            "phaseloop.explore.web", "phaseloop.compare.slurm", "phaseloop.deploy.run",
+           "phaseloop.deploy.runtime",
            # phaseloop serve (the serve extra), and the chat template's tokenizer (hf.tokenizer)
            "phaseloop.serve.loading", "phaseloop.serve.options", "phaseloop.serve.runner", "phaseloop.serve.schema",
            "phaseloop.hf.tokenizer"}

@@ -113,7 +113,9 @@ def test_the_files_and_the_record(runs, tmp_path, capsys, stub_lowering):
     assert rec["metadata"]["get_bos_id"] == 10 and rec["metadata"]["get_eos_ids"] == []
     program = stub_lowering["program"]
     assert program.model.trunk.loops == 1 and program.max_len == 32
-    assert rec["quantized_layers"] and "model.head" not in rec["quantized_layers"]
+    assert rec["quantized_layers"] and "model.head" not in rec["quantized_layers"] and rec["head"] is False
+    assert rec["passes"] == program.model.trunk.passes == 1
+    assert rec["kv_cache_bytes"] == sum(b.nbytes for b in program.cache.buffers()) > 0
     assert all(type(program.get_submodule(n).weight).__name__ != "Parameter" for n in rec["quantized_layers"])
 
 
@@ -143,6 +145,22 @@ def test_a_damaged_program_is_refused_by_name(tmp_path):
     bad.write_bytes(b"\0" * 64)
     with pytest.raises(CheckpointError, match="cut.pte is not an ExecuTorch program this runtime loads"):
         PteModel(bad)
+
+
+def test_generate_refuses_a_file_the_runtime_cannot_run(runs, tmp_path, capsys, stub_lowering, monkeypatch):
+    """`generate FILE.pte`: a file its record describes but no runtime loads (the stub's
+    bytes), and ExecuTorch's runtime missing: one line each, exit 2."""
+    import sys
+
+    from conftest import assert_one_line
+
+    out = tmp_path / "stub.pte"
+    assert run_cli(["export", runs["rope"], "--format", "executorch", "--out", out], capsys)[0] == 0
+    code, err = run_cli(["generate", out, "--prompt", "a"], capsys)
+    assert_one_line(code, err, "stub.pte is not an ExecuTorch program this runtime loads")
+    monkeypatch.setitem(sys.modules, "phaseloop.deploy.runtime", None)  # import fails as without executorch
+    code, err = run_cli(["generate", out, "--prompt", "a"], capsys)
+    assert_one_line(code, err, "running a .pte needs ExecuTorch's runtime, which is not installed: pip install")
 
 
 def test_torchao_installed_leaves_a_command_one_line(runs, tmp_path):

@@ -12,6 +12,8 @@ from phaseloop.analysis import plots
 from phaseloop.cli import argtypes, eval_tasks
 from phaseloop.cli.options import depth_options, exit_options, inference_options, on_a_run
 from phaseloop.cli.sweeps import eval_depths, eval_exits, eval_kv_share
+from phaseloop.deploy.generate import generate as generate_program
+from phaseloop.deploy.generate import open_pte
 from phaseloop.depth import set_model_depth
 from phaseloop.engine import dist, resolve_device
 from phaseloop.engine.checkpoint import load_run, run_corpus, run_tokenizer
@@ -161,9 +163,6 @@ def cmd_generate(args) -> int:
 
 def generate_pte(args) -> int:
     """``phaseloop generate FILE.pte``: the program in ExecuTorch's runtime (deploy.generate)."""
-    from phaseloop.deploy.generate import generate as generate_program
-    from phaseloop.deploy.generate import open_pte
-
     fixed = [flag for flag, on in (("--quantized", args.quantized), ("--depth", args.depth is not None),
                                    ("--extend-loops", args.extend_loops), ("--kv-fill", args.kv_fill != "recompute"),
                                    ("--device", args.device not in ("auto", "cpu"))) if on]

@@ -7,7 +7,9 @@
 * ``pte.py``: torch.export, torchao's int8 / int4 weights, lowering to XNNPACK; imports
   executorch and torchao;
 * ``runtime.py``: ``PteModel``, a ``.pte`` in ExecuTorch's Python runtime;
-* ``run.py``: ``export_run``, what ``phaseloop export --format executorch`` calls.
+* ``run.py``: ``export_run``, what ``phaseloop export --format executorch`` calls;
+* ``generate.py``: ``phaseloop generate FILE.pte``, decoding in the runtime (imports
+  executorch only when it loads a file).
 
 docs/deploy.md ("ExecuTorch") has the commands and the measured sizes and speeds.
 """
@@ -15,6 +17,7 @@ docs/deploy.md ("ExecuTorch") has the commands and the measured sizes and speeds
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from phaseloop.errors import ConfigError
 
@@ -26,3 +29,9 @@ def require() -> None:
     for name in ("executorch", "torchao"):
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"--format executorch needs the {name} library, which is not installed: {EXTRA}")
+
+
+def sidecars(out: Path) -> tuple[Path, Path]:
+    """(tokenizer file, record) beside the program ``out``."""
+    stem = Path(out).with_suffix("")
+    return stem.with_name(stem.name + ".tokenizer.json"), stem.with_name(stem.name + ".json")

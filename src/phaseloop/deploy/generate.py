@@ -21,7 +21,7 @@ import torch
 
 from phaseloop.data.tokenizer import HFTokenizer
 from phaseloop.decoding import decode
-from phaseloop.deploy.run import sidecars
+from phaseloop.deploy import EXTRA, sidecars
 from phaseloop.errors import CheckpointError, ConfigError
 from phaseloop.files import read_json, sha256_file
 from phaseloop.inference import Generation, Options
@@ -64,7 +64,7 @@ def open_pte(path, threads: int | None = None) -> Exported:
     try:
         from phaseloop.deploy.runtime import PteModel
     except ImportError:
-        raise ConfigError("running a .pte needs ExecuTorch's runtime: pip install 'phaseloop[deploy]'") from None
+        raise ConfigError(f"running a .pte needs ExecuTorch's runtime, which is not installed: {EXTRA}") from None
     return Exported(path, PteModel(path, threads), HFTokenizer(tok_path), record)
 
 

@@ -21,17 +21,11 @@ import time
 from pathlib import Path
 
 from phaseloop.data.tokenizer import ByteTokenizer, byte_level_tokenizer
-from phaseloop.deploy import pte
+from phaseloop.deploy import pte, sidecars
 from phaseloop.deploy.program import metadata, prepare
 from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_folder, run_tokenizer
 from phaseloop.errors import PhaseloopError
 from phaseloop.files import check_out_dir, dumps, sha256_file
-
-
-def sidecars(out: Path) -> tuple[Path, Path]:
-    """(tokenizer file, record) beside ``out``."""
-    stem = out.with_suffix("")
-    return stem.with_name(stem.name + ".tokenizer.json"), stem.with_name(stem.name + ".json")
 
 
 def check_out(out: Path) -> None:

@@ -4,6 +4,7 @@ as a device-side program loads it: the tests and benchmarks/bench_deploy.py run 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 import time
@@ -17,23 +18,26 @@ from phaseloop.errors import CheckpointError, ConfigError
 
 @contextlib.contextmanager
 def _quiet_native_log():
-    """File descriptor 2 to /dev/null: loading XNNPACK's first program logs how its CPU
-    probe went (five lines of cpuinfo_utils.cpp per process) straight to it. A load that
-    fails raises, and is reported in one line by the caller."""
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # no real descriptor (a captured stream)
-        yield
-        return
+    """File descriptor 2 (and Python's stderr, where it is another stream) to /dev/null:
+    ExecuTorch's native code logs there (loading XNNPACK's first program: five lines of its
+    CPU probe per process; a file it cannot load: its loader's complaint). A load that fails
+    raises, and the caller says so in one line."""
     sys.stderr.flush()
-    saved, null = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(null, fd)
-        yield
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 to quiet
+        saved = None
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        if saved is not None:
+            os.dup2(null, 2)
+        with contextlib.redirect_stderr(io.StringIO()):  # where Python's sys.stderr is not fd 2
+            yield
     finally:
-        os.dup2(saved, fd)
-        os.close(saved)
         os.close(null)
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 class PteModel:
