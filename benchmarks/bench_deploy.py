@@ -20,7 +20,7 @@ windows, each engine computing it), the rope-123m shape with random weights
 against hyperloop-small (8 applied layers each). The greedy tokens of every engine are
 compared with phaseloop fp32's (llama.cpp's equality check, which CI cannot run).
 
-    python benchmarks/bench_deploy.py                       # everything, ~25 min on 2 cores (exports ~8)
+    python benchmarks/bench_deploy.py                       # everything, ~35 min on 2 cores (exports ~12)
     python benchmarks/bench_deploy.py --shapes rope-123m --engines phaseloop-fp32,phaseloop-int4
     python benchmarks/bench_deploy.py --smoke               # rope-tiny, one round (the test)
 
