@@ -226,33 +226,32 @@ def llama_cpp_engine(outtype: str):
 
 def executorch_engine(kind: str):
     """The run's ``export --format executorch`` file (XNNPACK) decoded by ``phaseloop generate
-    FILE.pte``'s loop (deploy.generate) in ExecuTorch's runtime. Its weights: the file's
-    bytes (the program's constants; the embedding and head stay fp32 in every kind); a step
-    reads all of them but the embedding table, and the whole static cache (attention reads
-    every position, masked)."""
+    FILE.pte``'s function (deploy.generate) in ExecuTorch's runtime. Its weights: the file's
+    bytes (the program's constants; the embedding stays fp32 in every kind, the head unless
+    ``-head``); a step reads all of them but the embedding table, and the whole static cache
+    (attention reads every position, masked)."""
     def run(job: dict) -> dict:
         import os
 
-        from phaseloop.decoding import decode
-        from phaseloop.deploy.generate import open_pte, step_fn
+        from phaseloop.deploy.generate import generate, open_pte
+        from phaseloop.inference import Options
 
         exp = open_pte(job["pte"][kind], threads=job["threads"])
         now = os.path.getsize(exp.path)
-        cfg = exp.record["metadata"]
-        vocab, d = cfg["get_vocab_size"], job["cfg"]["d_model"]
+        vocab, d = exp.record["metadata"]["get_vocab_size"], job["cfg"]["d_model"]
         per_token = now - vocab * d * 4 * (0 if job["cfg"]["tied"] else 1) + d * 4 + exp.record["kv_cache_bytes"]
         prompt = torch.tensor([job["prompt"]])
         marks: list[float] = []
-        decode(step_fn(exp.model), prompt, 4)  # warm
-        out = decode(step_fn(exp.model), prompt, job["new_tokens"],
-                     on_output=lambda _: marks.append(time.perf_counter()))
+        generate(exp, prompt, Options(max_new_tokens=4))  # warm
+        out = generate(exp, prompt, Options(max_new_tokens=job["new_tokens"]),
+                       on_output=lambda _: marks.append(time.perf_counter()))
         long = torch.tensor([job["prefill_ids"]])
         exp.model(long, 0)
         t0 = time.perf_counter()
         exp.model(long, 0)
         prefill = len(job["prefill_ids"]) / (time.perf_counter() - t0)
         res = {"weight_bytes": now, "decode_tok_s": _timed_decode(marks), "prefill_tok_s": prefill,
-               "tokens": out[0, prompt.shape[1]:].tolist(), "step_ms": 1e3 / _timed_decode(marks),
+               "tokens": out.tokens[0].tolist(), "step_ms": 1e3 / _timed_decode(marks),
                "bytes_per_token": per_token, "rss_run": rss_now()}
         if job.get("windows") is not None:
             res["loss"] = _loss_of(lambda x: exp.model(x[None], 0)[0], job["windows"])

@@ -271,6 +271,7 @@ def test_generate_decodes_a_pte_in_the_runtime_as_the_run_decodes(rope_run, cli_
                            (["--quantized", "q.safetensors"], "--quantized with a .pte"),
                            (["--exit", "kl:0.1"], "--exit with a .pte"),
                            (["--kv-share", "1"], "--kv-share with a .pte"),
+                           (["--kv-fill", "latest"], "--kv-fill with a .pte"),
                            (["--speculative", "1"], "--speculative with a .pte"),
                            (["--no-cache"], "--no-cache with a .pte"),
                            (["--max-new-tokens", "40"], r"need 42 positions; rope-32.pte holds 32")):

@@ -115,6 +115,11 @@ def cmd_eval(args) -> int:
 def _options(args, model) -> Options:
     """Apply --depth / --extend-loops (one depth) to a loaded model; the decoding options."""
     set_model_depth(model, args.depth, args.extend_loops or None)
+    return _decode_options(args)
+
+
+def _decode_options(args) -> Options:
+    """generate's decoding flags as ``Options`` (a run's model or a .pte decodes with them)."""
     if args.exit and len(args.exit) > 1:
         raise PhaseloopError(f"--exit {args.exit[0].kind}: give one value here (a list sweeps "
                              "in `phaseloop eval` only)")
@@ -160,18 +165,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
-
 def generate_pte(args) -> int:
     """``phaseloop generate FILE.pte``: the program in ExecuTorch's runtime (deploy.generate)."""
     fixed = [flag for flag, on in (("--quantized", args.quantized), ("--depth", args.depth is not None),
-                                   ("--extend-loops", args.extend_loops), ("--kv-fill", args.kv_fill != "recompute"),
+                                   ("--extend-loops", args.extend_loops),
                                    ("--device", args.device not in ("auto", "cpu"))) if on]
     if fixed:
         raise PhaseloopError(f"{fixed[0]} with a .pte: its weights, depth and device were fixed at export "
                              "(phaseloop export ... --depth K --bits 4); run the checkpoint for another choice")
-    opts = Options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   seed=args.seed, use_cache=not args.no_cache, exit=args.exit[0] if args.exit else None,
-                   kv_share=args.kv_share, speculative=args.speculative)
+    opts = _decode_options(args)  # deploy.generate.check refuses what a program cannot decode with
     exp = open_pte(args.run)
     idx = torch.as_tensor(exp.tokenizer.encode(args.prompt or "\n"), dtype=torch.long)[None]
     g = generate_program(exp, idx, opts)
