@@ -16,7 +16,8 @@ prefill prompt (bisection on log10 EPS); "pass 1" exits every position after the
 Usage: python benchmarks/bench_adaptive.py [--models universal-small,looped-512,...]
        [--run looped-512=runs/looped-512 ...] [--rounds 3] [--decode 24] [--prefill 96]
        [--json out.json]
-Models: the *-small presets, and NAME-512 (d_model 512, matrix products dominate).
+Models: the *-small presets, NAME-512 and NAME-1024 (d_model 512 / 1024, where matrix products
+dominate); the default, all nine, takes about 6 minutes on 2 cores (the d 1024 ones 4 of them).
 """
 
 from __future__ import annotations
@@ -40,13 +41,19 @@ from phaseloop.inference import Options, TokenByToken, configured, generate
 from phaseloop.layers import KVCache
 
 WIDE = dict(d_model=512, n_heads=8, n_kv_heads=8, d_ff=1408)
-SHAPES = {  # NAME-512: the *-small model at d_model 512 (the looped ones 1 -> 1 x 6 -> 1)
+HUGE = dict(d_model=1024, n_heads=16, n_kv_heads=8, d_ff=2816)
+LOOP6 = dict(n_layers=3, n_begin=1, n_end=1, n_loops=6)
+SHAPES = {  # NAME-512 / NAME-1024: the *-small model at d_model 512 / 1024 (the looped ones 1 -> 1 x 6 -> 1)
     "universal-512": ("universal-small", dict(WIDE, n_kv_heads=4, d_ff=2048)),
-    "looped-512": ("looped-small", dict(WIDE, n_layers=3, n_begin=1, n_end=1, n_loops=6)),
-    "hyperloop-512": ("hyperloop-small", dict(WIDE, n_layers=3, n_begin=1, n_end=1, n_loops=6)),
+    "looped-512": ("looped-small", dict(WIDE, **LOOP6)),
+    "hyperloop-512": ("hyperloop-small", dict(WIDE, **LOOP6)),
+    "universal-1024": ("universal-small", dict(HUGE, d_ff=4096)),
+    "looped-1024": ("looped-small", dict(HUGE, **LOOP6)),
+    "hyperloop-1024": ("hyperloop-small", dict(HUGE, **LOOP6)),
 }
 RULES = ("kl", "kl-lens", "entropy", "state", "accel")
-DEFAULT = "universal-small,looped-small,hyperloop-small,universal-512,looped-512,hyperloop-512"
+DEFAULT = ("universal-small,looped-small,hyperloop-small,universal-512,looped-512,hyperloop-512,"
+           "universal-1024,looped-1024,hyperloop-1024")
 
 
 def build(name: str, runs: dict):
