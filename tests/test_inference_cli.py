@@ -49,6 +49,19 @@ def test_eval_kv_share_sweep(runs, capsys):
     assert rows[0]["val_loss"] != rows[2]["val_loss"]
 
 
+def test_eval_kv_share_plot_against_the_slots(runs, capsys, tmp_path, monkeypatch):
+    """--plot with --kv-share (no --depth needed): loss against K, 'full' at the passes."""
+    pytest.importorskip("matplotlib")
+    from phaseloop.analysis import plots
+
+    drawn = {}
+    monkeypatch.setattr(plots, "plot_depth_sweep", lambda rows, path, title, xlabel, group, x: drawn.update(
+        xs=[r[x] for r in rows], xlabel=xlabel))
+    rows = cli_json(["eval", runs["looped-tiny"], "--windows", "2", "--seq-len", "16", "--device", "cpu", "--json",
+                     "--kv-share", "1,2,full", "--plot", str(tmp_path / "k.png")], capsys)
+    assert drawn["xs"] == [1, 2, rows[2]["depth"]] and "slots" in drawn["xlabel"]
+
+
 def test_act_exit_rows_against_the_first_row(runs, capsys):
     common = ["eval", runs["universal-act-tiny"], "--windows", "2", "--device", "cpu", "--json"]
     rows = cli_json([*common, "--exit", "act:0.5,0.1"], capsys)
@@ -69,6 +82,10 @@ def test_act_exit_rows_against_the_first_row(runs, capsys):
     (["eval", "looped-tiny", "--kv-share", "1,x"], "e.g. 1,2,full"),
     (["eval", "looped-tiny", "--kv-share", "1", "--exit", "kl:1"], "one at a time"),
     (["eval", "looped-tiny", "--kv-fill", "latest"], "applies with --exit"),
+    (["generate", "looped-tiny", "--draft-tokens", "3"], "applies with --speculative"),
+    (["generate", "rope-tiny", "--draft-tokens", "3"], "applies with --speculative"),
+    (["generate", "looped-tiny", "--kv-share", "1", "--no-cache"], "drop --no-cache"),
+    (["generate", "looped-tiny", "--speculative", "1", "--kv-share", "1"], "drop --kv-share"),
 ])
 def test_bad_options_one_line(runs, capsys, argv, pattern):
     code, err = run_cli([argv[0], runs[argv[1]], "--device", "cpu", *argv[2:]], capsys)

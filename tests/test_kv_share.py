@@ -8,7 +8,7 @@ import torch
 
 from phaseloop import ConfigError, ModelConfig, build_model
 from phaseloop.early_exit import parse_exit, set_exit, set_kv_share
-from phaseloop.inference import TokenByToken
+from phaseloop.inference import Options, TokenByToken, generate
 from phaseloop.layers import KVCache
 
 torch.set_num_threads(1)
@@ -154,3 +154,26 @@ def test_bad_share_values_and_fill_without_a_rule():
     act = _model("universal-act-tiny")
     with pytest.raises(ConfigError, match="no pass is skipped"):
         set_exit(act, parse_exit("act:0.5")[0], "latest")
+
+
+def test_act_rows_under_a_shared_cache_are_each_row_alone():
+    """UT+ACT: a row's steps past its positions' halting overwrite a shared slot only while
+    another row still runs, so eval --kv-share (TokenByToken over a batch of windows)
+    evaluates each row alone, and generate refuses more than one prompt in one line."""
+    torch.manual_seed(0)
+    m = build_model(ModelConfig.from_preset("universal-act-tiny", init_std=0.2,
+                                            act_halting_bias_init=-1.0)).eval().double()
+    x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(5))
+    for k in (1, 2):
+        set_kv_share(m, k)
+        with torch.no_grad():
+            batched = TokenByToken(m)(x).logits
+            alone = torch.cat([TokenByToken(m)(x[i:i + 1]).logits for i in range(4)])
+        torch.testing.assert_close(batched, alone, atol=1e-10, rtol=1e-10)
+    set_kv_share(m, None)
+    with pytest.raises(ConfigError, match="one prompt at a time, not 4") as e:
+        generate(m, x, Options(max_new_tokens=2, kv_share=1))
+    assert "\n" not in str(e.value)
+    assert generate(m, x[:1], Options(max_new_tokens=2, kv_share=1)).tokens.shape == (1, 2)
+    with pytest.raises(ConfigError, match="drop --no-cache"):
+        generate(_model("looped-tiny"), x[:1], Options(max_new_tokens=2, kv_share=1, use_cache=False))

@@ -122,9 +122,26 @@ def test_bad_options_refused():
     for opts, pattern in ((Options(speculative=FULL), "1 .. 3 passes"),
                           (Options(speculative=1, exit=parse_exit("kl:1")[0]), "drop --exit"),
                           (Options(speculative=1, use_cache=False), "drop --no-cache"),
-                          (Options(speculative=1, draft_tokens=0), "positive integer")):
+                          (Options(speculative=1, draft_tokens=0), "positive integer"),
+                          (Options(speculative=1, kv_share=1), "drop --kv-share")):
         with pytest.raises(ConfigError, match=pattern):
             generate(m, x, opts)
     pooled = _model("hyperloop-tiny", hc_transition="pooled_mlp")
     with pytest.raises(ConfigError, match="cannot be rolled back"):  # its running sums
         generate(pooled, x, Options(max_new_tokens=4, speculative=1))
+
+
+@pytest.mark.parametrize("preset,over", TRUNKS, ids=[p for p, _ in TRUNKS])
+def test_eos_stops_where_plain_decoding_stops(preset, over):
+    """With an eos id the output ends at the token by which every row has produced it, as
+    plain decoding's; no new tokens: the model never runs (no cache bytes)."""
+    m = _model(preset, **over)
+    idx = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    seen = generate(m, idx, Options(max_new_tokens=14)).tokens
+    for eos in {int(seen[0, 2]), int(seen[1, 5]), int(seen[0, 0])}:
+        plain = generate(m, idx, Options(max_new_tokens=14, eos_id=eos))
+        spec = generate(m, idx, Options(max_new_tokens=14, eos_id=eos, speculative=1, draft_tokens=3))
+        assert torch.equal(spec.ids, plain.ids), eos
+        assert len(spec.passes) == spec.tokens.shape[1]
+    none = generate(m, idx, Options(max_new_tokens=0, speculative=1))
+    assert torch.equal(none.ids, idx) and none.kv_cache_bytes == 0 and none.rounds == 0

@@ -214,6 +214,8 @@ def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draf
         return logits_BV.argmax(-1) if greedy else torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
 
     cache = KVCache(capacity=prompt_BT.shape[1] + max_new_tokens + draft_tokens + 1)
+    if max_new_tokens <= 0:  # as ``decode``: the model never runs
+        return prompt_BT, {"cache": cache, "acceptance": None, "rounds": 0, "passes": 0}
     logits = model(prompt_BT, cache=cache).logits[:, -1]
     nxt_B = pick(logits, dist(logits))
     out, new, drafted, kept, rounds, passes = [nxt_B[:, None]], 1, 0, 0, 0, full
@@ -243,6 +245,11 @@ def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draf
             new += m + 1
     finally:
         set_model_depth(model, full, "last")
-    ids = torch.cat([prompt_BT, *out], 1)[:, :prompt_BT.shape[1] + max_new_tokens]
+    new_BN = torch.cat(out, 1)[:, :max_new_tokens]
+    if eos_id is not None:  # as ``decode``: stop at the token by which every row has produced eos
+        hit_BN = new_BN == eos_id
+        if bool(hit_BN.any(1).all()):
+            new_BN = new_BN[:, :int(hit_BN.int().argmax(1).max()) + 1]
+    ids = torch.cat([prompt_BT, new_BN], 1)
     return ids, {"cache": cache, "acceptance": kept / drafted if drafted else None, "rounds": rounds,
                  "passes": passes}

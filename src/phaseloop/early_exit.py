@@ -12,7 +12,9 @@ p_t is the next-token distribution after pass t, h_t the state):
   the head alone (a logit lens: a looped model's end block skipped), p_0 from the loop's
   input;
 * ``entropy:EPS`` — |H(p_t) - H(p_{t-1})| < EPS, p_t as for ``kl``, H_0 = 100 nats (Huginn's
-  ``criterion="entropy-diff"``, default 1e-3), so no position exits after the first pass;
+  ``criterion="entropy-diff"``, default 1e-3): as H(p_1) <= ln V, no position exits after
+  the first pass while EPS <= 100 - ln V (94.45 at V = 256); above it, those whose H(p_1)
+  > 100 - EPS do (the least certain ones: calibrate EPS below that bound);
 * ``argmax:K`` — the argmax of the lens readout has not changed in the last K passes;
 * ``state:EPS`` — ||h_t - h_{t-1}|| / ||h_{t-1}|| < EPS (Hyperloop: all n streams);
 * ``accel:EPS`` — the second-order rule of Pappone, Crisostomi, Rodolà 2025 ("Two-Scale

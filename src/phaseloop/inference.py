@@ -85,8 +85,17 @@ def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
     """Refuse, in one line, what ``model`` cannot decode with ``options``."""
     if options.temperature < 0:
         raise ConfigError(f"temperature {options.temperature}: must be >= 0 (0 = greedy)")
+    if options.kv_share is not None and not options.use_cache:
+        raise ConfigError("--kv-share shares the KV cache across passes: drop --no-cache (without a cache "
+                          "every pass reads its own keys, and nothing is shared)")
+    if options.kv_share is not None and act_rows(model, prompt_BT) > 1:
+        raise ConfigError(f"UT+ACT with --kv-share decodes one prompt at a time, not {prompt_BT.shape[0]}: "
+                          "the steps each row runs decide which keys a shared slot keeps")
     if options.speculative is None:
         return
+    if options.kv_share is not None:
+        raise ConfigError("--speculative verifies its drafts in one forward, which reads a shared KV cache "
+                          "unlike token-by-token decoding does: drop --kv-share")
     refuse_stack(model, "draft itself with fewer passes", "--speculative")
     full = model.trunk.passes
     if not isinstance(options.speculative, int) or not 1 <= options.speculative < full:
@@ -98,6 +107,13 @@ def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
         raise ConfigError("--speculative rolls the KV cache back after each round: drop --no-cache")
     if not isinstance(options.draft_tokens, int) or options.draft_tokens < 1:
         raise ConfigError(f"--draft-tokens {options.draft_tokens!r}: must be a positive integer")
+
+
+def act_rows(model, x_BT: torch.Tensor | None) -> int:
+    """Rows of ``x_BT`` a UT+ACT model would run in one batch (0: not ACT, or no input).
+    Under ``--kv-share`` they cannot share one: a row's later steps overwrite the shared
+    slots only if some other row still runs, so each row is decoded on its own."""
+    return 0 if x_BT is None or getattr(model.trunk, "halting", None) is None else x_BT.shape[0]
 
 
 def _passes(out, trunk) -> float | None:
@@ -166,6 +182,10 @@ class TokenByToken(nn.Module):
         if kw:
             raise ConfigError("token-by-token evaluation feeds one sequence per row; documents "
                               "(--doc-mask, --doc-positions) do not apply")
+        if getattr(self.model.trunk, "kv_share", None) is not None and act_rows(self.model, idx_BT) > 1:
+            # UT+ACT with shared slots: each row alone (``act_rows``), as decoding runs it
+            rows = [self(idx_BT[b:b + 1]) for b in range(idx_BT.shape[0])]
+            return type(rows[0])(logits=torch.cat([r.logits for r in rows], 0))
         cache = KVCache(capacity=idx_BT.shape[1])
         outs = [self.model(idx_BT[:, t:t + 1], cache=cache) for t in range(idx_BT.shape[1])]
         self.last_cache = cache

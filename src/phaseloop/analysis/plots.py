@@ -60,13 +60,14 @@ def plot_accuracy(per_seed: list[dict], path: str | Path, title: str) -> None:
 
 def plot_depth_sweep(rows: list[dict], path: str | Path, title: str,
                      xlabel: str = "depth at inference (UT steps / loop passes)",
-                     group: str | None = None) -> None:
-    """eval --depth: loss and bits per byte against the trunk's depth at inference; with
-    ``group`` (eval --exit: the rule), loss against each row's (mean) depth, one line per
-    value of ``rows[i][group]``, the first row (no rule) a point every line starts from."""
+                     group: str | None = None, x: str = "depth") -> None:
+    """eval --depth: loss and bits per byte against the trunk's depth at inference (or
+    against the rows' ``x``: eval --kv-share's slots per looped layer); with ``group``
+    (eval --exit: the rule), loss against each row's (mean) depth, one line per value of
+    ``rows[i][group]``, the first row (no rule) a point every line starts from."""
     fig, ax = pyplot().subplots(figsize=(5, 3.2))
     if group is None:
-        depths = [r["depth"] for r in rows]
+        depths = [r[x] for r in rows]
         ax.plot(depths, [r["val_loss"] for r in rows], "o-", label="loss (nats/token)")
         ax.plot(depths, [r["val_bpb"] for r in rows], "s--", label="bits per byte")
     else:

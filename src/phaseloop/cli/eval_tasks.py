@@ -29,17 +29,19 @@ _ONLY = ("limit", "shots", "batch_size", "samples")
 
 
 def check_flags(args) -> None:
-    """--limit/--shots/--batch-size/--samples need --tasks; --exit/--plot/--data do not apply with it."""
+    """--limit/--shots/--batch-size/--samples need --tasks; --exit/--kv-fill/--kv-share/--plot/--data
+    do not apply with it."""
     if args.tasks is None:
         given = [k for k in _ONLY if getattr(args, k) is not None]
         if given:
             raise PhaseloopError(f"--{given[0].replace('_', '-')} applies with --tasks; add --tasks "
                                  "hellaswag,... or drop it")
         return
-    for flag, value in (("--exit", args.exit), ("--plot", args.plot), ("--data", args.data)):
+    for flag, value in (("--exit", args.exit), ("--kv-fill", args.kv_fill != "recompute"),
+                        ("--kv-share", args.kv_share), ("--plot", args.plot), ("--data", args.data)):
         if value:
-            raise PhaseloopError(f"{flag} applies to the loss, not to --tasks (the tasks bring their own "
-                                 "data); drop one of them")
+            why = " (the tasks bring their own data)" if flag == "--data" else ""
+            raise PhaseloopError(f"{flag} applies to the loss, not to --tasks{why}; drop one of them")
 
 
 def eval_tasks(args) -> int:

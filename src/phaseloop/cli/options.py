@@ -78,7 +78,7 @@ def inference_options(p, sweep: bool = False) -> None:
     if not sweep:
         p.add_argument("--speculative", type=argtypes.positive_int, metavar="D",
                        help="self-speculative decoding: draft with D passes, verify at the full depth")
-        p.add_argument("--draft-tokens", type=argtypes.positive_int, default=4, metavar="K",
+        p.add_argument("--draft-tokens", type=argtypes.positive_int, metavar="K",
                        help="--speculative: tokens drafted per round (default 4)")
 
 

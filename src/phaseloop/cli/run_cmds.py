@@ -73,9 +73,9 @@ def cmd_eval(args) -> int:
     eval_tasks.check_flags(args)
     if args.tasks is not None:
         return eval_tasks.eval_tasks(args)
-    if args.depth is None and (args.extend_loops or (args.plot and not args.exit)):
-        raise PhaseloopError("--extend-loops and --plot apply with --depth (--plot also with --exit); "
-                             "add --depth K[,K...]")
+    if args.depth is None and (args.extend_loops or (args.plot and not (args.exit or args.kv_share))):
+        raise PhaseloopError("--extend-loops and --plot apply with --depth (--plot also with --exit or "
+                             "--kv-share); add --depth K[,K...]")
     if (args.exit or args.kv_share) and args.depth is not None and len(args.depth) > 1:
         raise PhaseloopError(f"{'--exit' if args.exit else '--kv-share'} sweeps at one depth; give one "
                              "--depth K (or none: the trained depth)")
@@ -123,10 +123,13 @@ def _decode_options(args) -> Options:
     if args.exit and len(args.exit) > 1:
         raise PhaseloopError(f"--exit {args.exit[0].kind}: give one value here (a list sweeps "
                              "in `phaseloop eval` only)")
+    if args.draft_tokens is not None and args.speculative is None:
+        raise PhaseloopError("--draft-tokens applies with --speculative D (the draft's passes): add it or "
+                             "drop --draft-tokens")
+    drafts = {} if args.draft_tokens is None else {"draft_tokens": args.draft_tokens}
     return Options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    seed=args.seed, use_cache=not args.no_cache, exit=args.exit[0] if args.exit else None,
-                   kv_fill=args.kv_fill, kv_share=args.kv_share, speculative=args.speculative,
-                   draft_tokens=args.draft_tokens)
+                   kv_fill=args.kv_fill, kv_share=args.kv_share, speculative=args.speculative, **drafts)
 
 
 def cmd_generate(args) -> int:

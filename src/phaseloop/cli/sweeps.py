@@ -38,12 +38,12 @@ def _sweep(args, model, run_cfg, corpus, windows, seq_len, device, points, docs=
     return rows
 
 
-def _report(args, rows, corpus, windows, seq_len, columns, xlabel, group=None) -> None:
+def _report(args, rows, corpus, windows, seq_len, columns, xlabel, group=None, x="depth") -> None:
     """The sweep's table of ``columns`` ((header, key, width, format); None prints -), or
-    --json the rows; --plot loss (and BPB) against the rows' ``depth``."""
+    --json the rows; --plot loss (and BPB) against the rows' ``x``."""
     if args.plot:
         plots.plot_depth_sweep(rows, args.plot, f"{run_folder(args.run).name}: {corpus.name} [{args.split}]",
-                               xlabel=xlabel, group=group)
+                               xlabel=xlabel, group=group, x=x)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
@@ -145,8 +145,9 @@ def eval_kv_share(args, model, run_cfg, corpus, windows, seq_len, device, docs=N
     for r in rows:
         r["loss_change"] = r["val_loss"] / ref["val_loss"] - 1
         r["bytes_ratio"] = r["kv_cache_bytes"] / ref["kv_cache_bytes"]
+        r["slots"] = r["depth"] if r["kv_share"] == "full" else min(r["kv_share"], r["depth"])  # the plot's x
     _report(args, rows, corpus, windows, seq_len,
             [("K", "kv_share", 6, "{}"), *_LOSS, ("dloss%", "loss_change", 8, "{:+.2%}"),
              ("KV bytes", "kv_cache_bytes", 11, "{:,}"), ("ratio", "bytes_ratio", 7, "{:.3f}"), _TOKS],
-            "KV slots per looped layer")
+            "KV slots per looped layer (full: one per pass)", x="slots")
     return 0
