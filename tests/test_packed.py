@@ -202,6 +202,48 @@ def test_foreign_damaged_and_mismatched_files_are_refused_by_name(world, tmp_pat
     assert not (tmp_path / "x").exists()
 
 
+def _edited(src, dst, meta=lambda m: m, tensors=lambda t: t):
+    """``src`` rewritten at ``dst`` with its header and tensors edited."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), "pt") as f:
+        m, t = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors(t), str(dst), metadata=meta(m))
+    return dst
+
+
+def test_edited_headers_and_damaged_values_are_refused(world, tmp_path, capsys):
+    """A file without the keys that tie it to a run (or an fp32 checkpoint given the quant
+    format) is not taken for this run's; a non-finite scale or a malformed layout entry is
+    refused by name, whichever command reads it."""
+    run, qfile = world["run"], world["run"] / "quant-w4-g32-rtn.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(qfile), "pt") as f:
+        layer = next(k for k in f.keys() if k.endswith(".scale"))
+    prefix = layer[: -len(".scale")]
+    fmt = {"format": "phaseloop.quant.v1"}
+    cases = [
+        (_edited(qfile, tmp_path / "noprov.safetensors",
+                 meta=lambda m: {k: v for k, v in m.items() if k != "model_config_sha256"}),
+         "holds no model_config_sha256"),
+        (_edited(world["other"] / "checkpoint" / "model.safetensors", tmp_path / "fake.safetensors",
+                 meta=lambda m: {**m, **fmt}), "holds no model_config_sha256"),
+        (_edited(qfile, tmp_path / "nan.safetensors",
+                 tensors=lambda t: {**t, layer: t[layer].clone().fill_(float("nan"))}), "not finite"),
+        (_edited(qfile, tmp_path / "zero.safetensors",
+                 tensors=lambda t: {**t, layer: torch.zeros_like(t[layer])}), "not positive"),
+        (_edited(qfile, tmp_path / "qmeta.safetensors",
+                 tensors=lambda t: {**t, prefix + ".qmeta": torch.zeros(2, 3, dtype=torch.int64)}), "qmeta"),
+    ]
+    for path, pattern in cases:
+        for cmd in (["eval", run, "--windows", "2"], ["export", run, "--out", tmp_path / "x"]):
+            code, err = run_cli([*cmd, "--quantized", path], capsys)
+            assert_one_line(code, err, pattern)
+            assert str(path) in err and not (tmp_path / "x").exists()
+
+
 def test_a_file_of_this_run_before_it_trained_further_is_refused(world, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(world["run"], run)

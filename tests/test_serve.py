@@ -158,8 +158,34 @@ def test_every_invalid_field_is_a_400_naming_it(server, body, param):
         param.split(".")[0]), err
 
 
+def test_a_failing_first_token_is_a_500_and_the_server_goes_on(server, monkeypatch):
+    """An exception while a sequence is admitted (prefill, first token) ends it with a 500
+    at once (it was in no group and no queue: before, the client waited forever)."""
+    engine = server.server.engine
+
+    def broken(*a, **k):
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    monkeypatch.setattr(engine, "_pick", broken)
+    t0 = time.monotonic()
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 500 and time.monotonic() - t0 < 30, r.text
+    monkeypatch.undo()
+    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3}).status_code == 200
+
+
+def test_temperature_and_top_p_below_float_precision_are_their_limits(server):
+    """A temperature whose logits / T overflow samples the argmax (the T -> 0 limit), and a
+    top_p that rounds to 0 keeps the most probable token: both are greedy decoding."""
+    greedy = post(server, "/v1/completions", {"prompt": "the ", "max_tokens": 6, "temperature": 0}).json()
+    for extra in ({"temperature": 1e-45}, {"temperature": 1.0, "top_p": 1e-320}):
+        r = post(server, "/v1/completions", {"prompt": "the ", "max_tokens": 6, "seed": 3, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy["choices"][0]["text"], r.text
+
+
 def test_bodies_routes_and_key(server):
     for raw, status in ((b"{not json", 400), (b"[1, 2]", 400), (b"\xff\xfe", 400),
+                        (b'{"prompt": "\\ud800abc"}', 400), (b"[" * 200_000, 400),  # a lone surrogate; deep
                         (json.dumps({"prompt": "x" * 2_000_000}).encode(), 413)):
         r = httpx.post(f"{server.url}/v1/completions", content=raw, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == status and "message" in r.json()["error"], r.text

@@ -16,7 +16,7 @@ pytest.importorskip("starlette")
 
 from serve_fixtures import fake_run  # noqa: E402
 
-from phaseloop import PRESETS  # noqa: E402
+from phaseloop import PRESETS, CheckpointError  # noqa: E402
 from phaseloop.cli import main  # noqa: E402
 from phaseloop.engine.checkpoint import load_run  # noqa: E402
 from phaseloop.quant.io import load_quantized_state_dict  # noqa: E402
@@ -95,6 +95,12 @@ def test_quantized_export_serves_the_dequantised_weights(runs, text_file, tmp_pa
             ids = torch.tensor([list(p.encode())])
             want = bytes(model.generate(ids, 12, temperature=0)[0, ids.shape[1]:].tolist()).decode("utf-8", "replace")
             assert complete(bg, p) == want
+    other = next(r for p, r in runs.items() if p != "rope-tiny")
+    assert main(["quantize", str(other), "--bits", "8", "--windows", "2", "--data", str(text_file)]) == 0
+    for bad, pattern in ((run / "checkpoint" / "model.safetensors", "not a phaseloop quantised file"),
+                         (next(other.glob("quant-w8-*.safetensors")), "quantised from another model")):
+        with pytest.raises(CheckpointError, match=pattern):  # a file of another model, or none
+            load(tmp_path / "exported", quantized=str(bad))
 
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

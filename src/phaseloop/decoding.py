@@ -25,7 +25,10 @@ def sampling_probs(logits_BV: torch.Tensor, temperature: float, top_k: int | Non
     then to the nucleus (Holtzman et al. 2020, §3.1): the most probable tokens whose
     probabilities, largest first, sum to ``top_p`` (the one that crosses it included),
     renormalised. ``top_p`` None or 1: no nucleus cut."""
-    logits_BV = logits_BV / temperature
+    scaled_BV = logits_BV / temperature
+    if bool(torch.isposinf(scaled_BV).any()):  # T below float precision (logits / T overflowed):
+        scaled_BV = (logits_BV - logits_BV.amax(-1, keepdim=True)) / temperature  # the limit, the argmax
+    logits_BV = scaled_BV
     if top_k is not None and top_k < logits_BV.shape[-1]:
         kth = torch.topk(logits_BV, top_k).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
@@ -34,7 +37,8 @@ def sampling_probs(logits_BV: torch.Tensor, temperature: float, top_k: int | Non
         return probs_BV
     sorted_BV, order_BV = probs_BV.sort(-1, descending=True)
     before_BV = sorted_BV.cumsum(-1) - sorted_BV  # mass of the more probable tokens
-    cut_BV = torch.zeros_like(probs_BV, dtype=torch.bool).scatter(-1, order_BV, before_BV >= top_p)
+    # the most probable token is always kept (a top_p below float precision compares as 0)
+    cut_BV = torch.zeros_like(probs_BV, dtype=torch.bool).scatter(-1, order_BV, (before_BV >= top_p) & (before_BV > 0))
     probs_BV = probs_BV.masked_fill(cut_BV, 0.0)
     return probs_BV / probs_BV.sum(-1, keepdim=True)
 

@@ -29,8 +29,8 @@ _ONLY = ("limit", "shots", "batch_size", "samples")
 
 
 def check_flags(args) -> None:
-    """--limit/--shots/--batch-size/--samples need --tasks; --exit/--kv-fill/--kv-share/--plot/--data
-    do not apply with it."""
+    """--limit/--shots/--batch-size/--samples need --tasks; --exit/--kv-fill/--kv-share/--quantized/
+    --plot/--data do not apply with it."""
     if args.tasks is None:
         given = [k for k in _ONLY if getattr(args, k) is not None]
         if given:
@@ -38,7 +38,8 @@ def check_flags(args) -> None:
                                  "hellaswag,... or drop it")
         return
     for flag, value in (("--exit", args.exit), ("--kv-fill", args.kv_fill != "recompute"),
-                        ("--kv-share", args.kv_share), ("--plot", args.plot), ("--data", args.data)):
+                        ("--kv-share", args.kv_share), ("--quantized", getattr(args, "quantized", None)),
+                        ("--plot", args.plot), ("--data", args.data)):
         if value:
             why = " (the tasks bring their own data)" if flag == "--data" else ""
             raise PhaseloopError(f"{flag} applies to the loss, not to --tasks{why}; drop one of them")

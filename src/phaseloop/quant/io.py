@@ -108,12 +108,15 @@ def split_quantized(sd: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
     prefixes = {k[: -len(".qmeta")] for k in sd if k.endswith(".qmeta")}
     for prefix in sorted(prefixes):
         try:
-            bits, g, out_f, in_f, sym, dcode = (int(v) for v in sd[prefix + ".qmeta"].tolist())
+            meta = sd[prefix + ".qmeta"]
+            if meta.dtype != torch.int64 or tuple(meta.shape) != (6,):
+                raise ValueError(f"qmeta {meta.dtype} {list(meta.shape)}, expected int64 [6]")
+            bits, g, out_f, in_f, sym, dcode = (int(v) for v in meta.tolist())
             qw = QuantizedWeight(sd[prefix + ".qdata"], sd[prefix + ".scale"], sd[prefix + ".zero"], bits, g,
                                  (out_f, in_f), _CODE_DTYPES.get(dcode, torch.float32), bool(sym))
             _check(qw)
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"quantised entry {prefix!r} is incomplete or corrupt: {str(e)[:80]}") from None
+        except (KeyError, ValueError, RuntimeError, TypeError) as e:
+            raise CheckpointError(f"quantised entry {prefix!r} is incomplete or corrupt: {first_line(e, 80)}") from None
         qweights[prefix] = qw
     qsuffix_keys = {p + "." + s for p in prefixes for s in _SUFFIXES}
     plain.update({k: v for k, v in sd.items() if k not in qsuffix_keys})
@@ -133,3 +136,7 @@ def _check(qw: QuantizedWeight) -> None:
         raise ValueError(f"scale / zero {list(qw.scale.shape)} / {list(qw.zero.shape)}, expected {list(groups)}")
     if not (qw.scale.is_floating_point() and qw.zero.is_floating_point()):
         raise ValueError("scale and zero must be floating point")
+    if not (bool(torch.isfinite(qw.scale).all()) and bool(torch.isfinite(qw.zero).all())):
+        raise ValueError("a scale or zero is not finite")
+    if not bool((qw.scale > 0).all()):
+        raise ValueError("a scale is not positive")

@@ -27,7 +27,7 @@ from phaseloop.engine.checkpoint import (
     read_run_config,
     run_folder,
 )
-from phaseloop.errors import CheckpointError, PhaseloopError
+from phaseloop.errors import CheckpointError, PhaseloopError, first_line
 from phaseloop.files import read_json, sha256_file, why_missing
 from phaseloop.model import build_model
 from phaseloop.quant.io import FORMAT, load_quantized_state_dict, split_quantized
@@ -69,9 +69,13 @@ def provenance(run: str | Path, run_cfg: dict) -> dict:
             "checkpoint_sha256": checkpoint_sha256(ckpt) if ckpt is not None else ""}
 
 
-def read_quantized(path: str | Path, run: str | Path, run_cfg: dict) -> tuple[dict, dict]:
+PROVENANCE = ("model_config_sha256", "checkpoint_sha256")  # what ties a quantised file to its run
+
+
+def read_quantized(path: str | Path, run: str | Path | None, run_cfg: dict) -> tuple[dict, dict]:
     """(tensors, metadata) of the quantised file ``path``, refused in one line naming it
-    when it is missing, damaged, not a quantised file or not made from ``run``."""
+    when it is missing, damaged, not a quantised file or not made from ``run`` (None: an
+    export of it, whose checkpoint is not at hand: the model config alone is compared)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -90,11 +94,17 @@ def read_quantized(path: str | Path, run: str | Path, run_cfg: dict) -> tuple[di
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"--quantized {path} is not a phaseloop quantised file (its format is "
                               f"{meta.get('format')!r}, not {FORMAT!r}); {QUANTIZE_AGAIN}")
-    want = provenance(run, run_cfg)
-    if meta.get("model_config_sha256", want["model_config_sha256"]) != want["model_config_sha256"]:
+    lacks = [k for k in PROVENANCE if k not in meta] or (
+        [] if any(k.endswith(".qmeta") for k in tensors) else ["quantised layer"])
+    if lacks:
+        raise CheckpointError(f"--quantized {path} holds no {lacks[0]}: not written by `phaseloop quantize`, "
+                              f"or its header was edited; {QUANTIZE_AGAIN}")
+    want = provenance(run, run_cfg) if run is not None else {"model_config_sha256": config_digest(run_cfg["model"]),
+                                                             "run": "this export's run"}
+    if meta["model_config_sha256"] != want["model_config_sha256"]:
         raise CheckpointError(f"--quantized {path} was quantised from another model ({meta.get('arch')} run "
                               f"{meta.get('run')}), not {want['run']}; {QUANTIZE_AGAIN}")
-    if meta.get("checkpoint_sha256", want["checkpoint_sha256"]) != want["checkpoint_sha256"]:
+    if run is not None and meta["checkpoint_sha256"] != want["checkpoint_sha256"]:
         raise CheckpointError(f"--quantized {path} was quantised from another checkpoint (run {meta.get('run')}, "
                               f"or this run before it trained further); {QUANTIZE_AGAIN}")
     return tensors, meta
@@ -107,8 +117,10 @@ def load_dequantized(model: nn.Module, path: str | Path, run: str | Path, run_cf
     try:
         load_quantized_state_dict(tensors, model)
     except RuntimeError as e:
-        raise CheckpointError(f"--quantized {path} does not fit this run's model ({str(e)[:80]}); "
+        raise CheckpointError(f"--quantized {path} does not fit this run's model ({first_line(e, 80)}); "
                               f"{QUANTIZE_AGAIN}") from None
+    except CheckpointError as e:  # a damaged quantised entry
+        raise CheckpointError(f"--quantized {path}: {e}; {QUANTIZE_AGAIN}") from None
     return meta
 
 
@@ -176,7 +188,7 @@ def load_packed(run: str | Path, path: str | Path, device: str | torch.device = 
     try:
         missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
     except RuntimeError as e:  # a shape that does not fit
-        raise CheckpointError(f"--quantized {path} does not fit this run's model ({str(e)[:80]}); "
+        raise CheckpointError(f"--quantized {path} does not fit this run's model ({first_line(e, 80)}); "
                               f"{QUANTIZE_AGAIN}") from None
     missing = [k for k in missing if k.rpartition(".")[0] not in kernels]  # the packed modules' own
     if missing or unexpected:

@@ -72,8 +72,15 @@ class Server:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise APIError(400, "the request body is not JSON") from None
+        except RecursionError:
+            raise APIError(400, "the request body is not JSON this server reads: nested too deeply") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        try:  # a \ud800-style escape decodes to a lone surrogate, which no tokenizer encodes
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request body holds a lone surrogate escape (e.g. \\ud800), which is not "
+                           "text; send valid UTF-8") from None
         model = body.get("model")
         if isinstance(model, str) and model != self.served.name:
             raise APIError(404, f"the model {model!r} does not exist here; this server serves "

@@ -157,7 +157,15 @@ class Engine:
                 while (self.waiting and len(same) < self.max_batch - self.running
                        and self.waiting[0].prompt is first.prompt and self.waiting[0].settings == first.settings):
                     same.append(self.waiting.popleft())
-            self._admit(same)
+            try:
+                self._admit(same)
+            except Exception:  # its prefill or first token failed: these end, in no group or queue
+                traceback.print_exc(file=sys.stderr)
+                with self.cond:
+                    queued = {id(w) for w in self.waiting}
+                for s in same:
+                    if id(s) not in queued:
+                        s.end("error")
         for g in self.groups:
             self._step(g)
         self._retire()

@@ -20,12 +20,13 @@ import torch
 
 from phaseloop.engine import resolve_device
 from phaseloop.engine.checkpoint import load_run, run_tokenizer
-from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError
+from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError, first_line
 from phaseloop.files import sha256_file, why_missing
 from phaseloop.inference import decode_layout
 from phaseloop.model import build_model
 from phaseloop.quant import load_packed, weight_bytes
 from phaseloop.quant.io import load_quantized_state_dict
+from phaseloop.quant.load import read_quantized
 from phaseloop.serve.options import Settings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -68,13 +69,11 @@ def _packed(path: Path, quantized: str, device: str, dtype: str):
 def _quantized(model, path: Path) -> dict:
     """The dequantised weights of a ``phaseloop quantize`` file, loaded into an exported
     ``model`` (``quant.io.load_quantized_state_dict``: the function the quantised model computes)."""
-    if not path.is_file():
-        raise PhaseloopError(f"--quantized {path} {why_missing(path)}; pass the quant-*.safetensors "
-                             "that `phaseloop quantize` wrote")
+    tensors, _ = read_quantized(path, None, {"model": model.cfg.to_dict()})  # a quantised file of this model
     try:
-        load_quantized_state_dict(path, model)
-    except RuntimeError as e:
-        raise CheckpointError(f"--quantized {path} does not fit this model ({str(e).splitlines()[0][:80]}); "
+        load_quantized_state_dict(tensors, model)
+    except (RuntimeError, CheckpointError) as e:
+        raise CheckpointError(f"--quantized {path} does not fit this model ({first_line(e, 80)}); "
                               "pass the file quantised from it") from None
     return {"file": path.name, "sha256": sha256_file(path), "packed": False}
 
