@@ -128,6 +128,7 @@ def test_other_models_and_bad_combinations_are_refused(runs, tmp_path, capsys):
          "--format gguf takes a rope run, a stack of distinct layers"),
         (["export", runs["rope"], "--depth", "2", "--out", tmp_path / "a"], "has no depth to change"),
         (["export", runs["rope"], "--format", "gguf", "--out", tmp_path], "is a folder"),
+        (["export", runs["rope"], "--format", "gguf", "--out", tmp_path / "a.txt"], "pass --out NAME.gguf"),
         (["export", runs["rope"], "--format", "onnx", "--out", tmp_path / "a"], "invalid choice"),
     ]
     for argv, pattern in cases:
@@ -150,10 +151,28 @@ def test_a_failed_gguf_write_leaves_nothing(runs, tmp_path, monkeypatch, capsys)
         raise OSError(28, "No space left on device", "x")
 
     monkeypatch.setattr(g.gguf.GGUFWriter, "write_tensors_to_file", full_disk)
+    for out in (tmp_path / "m.gguf", tmp_path / "a" / "b" / "m.gguf"):  # and the folders it made
+        code, err = run_cli(["export", runs["rope"], "--format", "gguf", "--out", out], capsys)
+        assert_one_line(code, err, f"{out}: No space left on device")
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_that_appears_during_the_export_is_left_alone(runs, tmp_path, monkeypatch, capsys):
+    """The name was free when the export began; a file put there while it wrote (minutes
+    for a .pte) is neither overwritten nor removed."""
+    import phaseloop.hf.gguf as g
+
+    write = g.write_gguf
     out = tmp_path / "m.gguf"
+
+    def meanwhile(*a, **k):
+        write(*a, **k)
+        out.write_bytes(b"mine")
+
+    monkeypatch.setattr(g, "write_gguf", meanwhile)
     code, err = run_cli(["export", runs["rope"], "--format", "gguf", "--out", out], capsys)
-    assert_one_line(code, err, f"{out}: No space left on device")
-    assert list(tmp_path.iterdir()) == []
+    assert_one_line(code, err, "appeared while it was being written")
+    assert out.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
 @pytest.fixture(scope="module")

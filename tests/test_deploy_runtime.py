@@ -28,7 +28,7 @@ from conftest import REPO, assert_one_line, run_cli, write_corpus
 if not os.environ.get("CI"):  # CI installs the deploy extra: a missing one fails there
     pytest.importorskip("executorch")
 
-from phaseloop import ConfigError, ModelConfig, build_model, registry
+from phaseloop import ConfigError, ModelConfig, PhaseloopError, build_model, registry
 from phaseloop.data.tokenizer import ByteTokenizer
 from phaseloop.deploy import pte
 from phaseloop.deploy.program import metadata, prepare
@@ -292,3 +292,71 @@ def test_generate_decodes_a_pte_in_the_runtime_as_the_run_decodes(rope_run, cli_
     assert_one_line(code, err, "its tokenizer bad.tokenizer.json is missing")
     code, err = run_cli(["generate", tmp_path / "none.pte"], capsys)
     assert_one_line(code, err, "none.pte: no such .pte file")
+    _damaged_sidecars_are_refused(fp32, tmp_path, capsys)
+
+
+def _copy(pte_file, dst):
+    for s, d in ((pte_file, dst), *zip(sidecars(pte_file), sidecars(dst))):
+        shutil.copyfile(s, d)
+    return dst
+
+
+def _damaged_sidecars_are_refused(fp32, tmp_path, capsys):
+    """A record that is not one, a replaced tokenizer, a folder or a symlink loop where a
+    file should be: one line each, never taken for a missing file; a prompt id past the
+    program's vocabulary is refused before the program runs."""
+    from phaseloop.deploy.generate import generate, open_pte
+    from phaseloop.inference import Options
+
+    rec = json.loads(sidecars(fp32)[1].read_text())
+    meta = rec["metadata"]
+    for name, edited in (("list", [1, 2]),
+                         ("nolen", {**rec, "metadata": {k: v for k, v in meta.items() if k != "get_max_seq_len"}}),
+                         ("strlen", {**rec, "metadata": {**meta, "get_max_seq_len": "32"}}),
+                         ("passes", {**rec, "passes": "6"})):
+        p = _copy(fp32, tmp_path / f"{name}.pte")
+        sidecars(p)[1].write_text(json.dumps(edited))
+        code, err = run_cli(["generate", p], capsys)
+        assert_one_line(code, err, "is not the record of an ExecuTorch export")
+    p = _copy(fp32, tmp_path / "tok.pte")
+    tok = sidecars(p)[0]
+    tok.write_text(json.dumps(json.loads(tok.read_text()), indent=1))  # the same vocabulary, another file
+    code, err = run_cli(["generate", p], capsys)
+    assert_one_line(code, err, "is not the tokenizer its record tok.json describes")
+    p = _copy(fp32, tmp_path / "dir.pte")
+    sidecars(p)[1].unlink()
+    sidecars(p)[1].mkdir()
+    code, err = run_cli(["generate", p], capsys)
+    assert_one_line(code, err, "its record dir.json is a folder")
+    loop = tmp_path / "loop.pte"
+    loop.symlink_to(loop)
+    code, err = run_cli(["generate", loop], capsys)
+    assert_one_line(code, err, "is a symlink loop")
+    exp = open_pte(fp32)
+    with pytest.raises(ConfigError, match="token id 300, outside rope-32.pte's vocabulary of 256"):
+        generate(exp, torch.tensor([[5, 300]]), Options(max_new_tokens=2))
+
+
+def test_export_refuses_a_checkpoint_that_changes_while_read(rope_run, tmp_path, monkeypatch, capsys):
+    """The record names the weights exported: a checkpoint rewritten while the export read
+    it (a trainer saving) is refused; a name taken while the export wrote is left alone."""
+    import phaseloop.deploy.run as deploy_run
+
+    run = shutil.copytree(rope_run[0], tmp_path / "run")
+    load = deploy_run.load_run
+
+    def saving_meanwhile(*a, **k):
+        out = load(*a, **k)
+        with open(run / "checkpoint" / "model.safetensors", "ab") as f:
+            f.write(b" ")
+        return out
+
+    monkeypatch.setattr(deploy_run, "load_run", saving_meanwhile)
+    code, err = run_cli(["export", run, "--format", "executorch", "--out", tmp_path / "m.pte"], capsys)
+    assert_one_line(code, err, "its checkpoint changed while it was read")
+    assert not (tmp_path / "m.pte").exists()
+    a, b = tmp_path / "a.json", tmp_path / "b.pte"
+    b.write_bytes(b"mine")
+    with pytest.raises(PhaseloopError, match="appeared while it was being written"):
+        deploy_run.write_all([(a, b"1"), (b, b"2")])
+    assert b.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.iterdir()) == ["b.pte", "run"]

@@ -194,3 +194,21 @@ def parse_toml(text: str, source: str, error: type[PhaseloopError] = ConfigError
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise error(f"{source} is not valid TOML ({e}); fix that line") from None
+
+
+def publish_new(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Rename the written ``tmp`` to ``path`` unless something took ``path`` meanwhile (an
+    export that runs for minutes checked it was free at the start): a hard link fails on
+    an existing name where a rename would overwrite it. ``tmp`` is gone afterwards."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise PhaseloopError(f"{path} appeared while it was being written; it was left alone and nothing was "
+                             "written: choose another --out") from None
+    except OSError:  # a file system without hard links: rename, if the name is still free
+        if os.path.lexists(path):
+            raise PhaseloopError(f"{path} appeared while it was being written; it was left alone and nothing "
+                                 "was written: choose another --out") from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)

@@ -12,6 +12,7 @@ speculation (docs/deploy.md, ExecuTorch).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from phaseloop.data.tokenizer import HFTokenizer
 from phaseloop.decoding import decode
 from phaseloop.deploy import EXTRA, sidecars
 from phaseloop.errors import CheckpointError, ConfigError
-from phaseloop.files import read_json, sha256_file
+from phaseloop.files import read_json, sha256_file, why_missing
 from phaseloop.inference import Generation, Options
 
 
@@ -42,25 +43,52 @@ class Exported:
         return self.record["metadata"]["get_max_seq_len"]
 
 
+def _why_not_a_file(p: Path) -> str:
+    """Why ``p`` is not a regular file to read: a folder, a symlink loop, a broken link, absent."""
+    return "is a folder, not a file" if p.is_dir() else why_missing(p)
+
+
+def _record(rec_path: Path) -> dict:
+    """The export's record, checked for what ``generate FILE.pte`` reads from it."""
+    record = read_json(rec_path)  # unreadable JSON: one line naming it
+    meta = record.get("metadata") if isinstance(record, dict) else None
+    if (not isinstance(meta, dict) or record.get("format") != "executorch"
+            or not isinstance(record.get("pte_sha256"), str) or not _count(meta.get("get_max_seq_len"), 1)
+            or not _count(meta.get("get_vocab_size"), 1)
+            or not all(record.get(k) is None or _count(record[k], 0) for k in ("passes", "kv_cache_bytes"))):
+        raise CheckpointError(f"{rec_path} is not the record of an ExecuTorch export; export the run again")
+    return record
+
+
+def _count(v, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
 def open_pte(path, threads: int | None = None) -> Exported:
     """``path`` and its sidecars, checked, loaded; one-line errors for a missing or damaged
     file, a missing sidecar, a file other than its record's, or no ExecuTorch installed."""
     path = Path(path)
     if not path.is_file():
+        if os.path.lexists(path):
+            raise CheckpointError(f"{path} {_why_not_a_file(path)}; pass the .pte that `phaseloop export "
+                                  "--format executorch` wrote")
         raise CheckpointError(f"{path}: no such .pte file; write one with `phaseloop export RUN --format "
                               f"executorch --out {path.name}`")
     tok_path, rec_path = sidecars(path)
     for p, what in ((rec_path, "record"), (tok_path, "tokenizer")):
+        if os.path.lexists(p) and not p.is_file():
+            raise CheckpointError(f"{path}: its {what} {p.name} {_why_not_a_file(p)}; keep the three files "
+                                  "export wrote together or export the run again")
         if not p.is_file():
             raise CheckpointError(f"{path}: its {what} {p.name} is missing (export writes it beside the "
                                   ".pte); keep the three files together or export the run again")
-    record = read_json(rec_path)
-    if record.get("format") != "executorch" or not isinstance(record.get("metadata"), dict) \
-            or "pte_sha256" not in record:
-        raise CheckpointError(f"{rec_path} is not the record of an ExecuTorch export; export the run again")
+    record = _record(rec_path)
     if sha256_file(path) != record["pte_sha256"]:
         raise CheckpointError(f"{path} is not the file its record {rec_path.name} describes (sha256 differs): "
                               "damaged or replaced; export the run again")
+    if "tokenizer_sha256" in record and sha256_file(tok_path) != record["tokenizer_sha256"]:
+        raise CheckpointError(f"{tok_path} is not the tokenizer its record {rec_path.name} describes (sha256 "
+                              "differs): replaced; export the run again")
     try:
         from phaseloop.deploy.runtime import PteModel
     except ImportError:
@@ -80,11 +108,15 @@ def check(exp: Exported, options: Options, prompt_BT: torch.Tensor) -> None:
     if prompt_BT.shape[0] != 1:
         raise ConfigError(f"a .pte decodes one sequence (batch 1), got {prompt_BT.shape[0]}")
     n = options.max_new_tokens  # the last new token is never fed back
-    need = prompt_BT.shape[1] + n - 1 if n else 0
+    need = prompt_BT.shape[1] + max(n - 1, 0)
     if prompt_BT.shape[1] < 1 or need > exp.max_len:
         raise ConfigError(f"prompt ({prompt_BT.shape[1]} tokens) + --max-new-tokens {options.max_new_tokens} "
                           f"need {need} positions; {exp.path.name} holds {exp.max_len} (get_max_seq_len): "
                           "ask for fewer, or export with a larger --max-seq-len")
+    V = exp.record["metadata"]["get_vocab_size"]
+    if prompt_BT.numel() and int(prompt_BT.max()) >= V:
+        raise ConfigError(f"the prompt holds token id {int(prompt_BT.max())}, outside {exp.path.name}'s vocabulary "
+                          f"of {V}: its tokenizer is not the run's; export the run again")
 
 
 def step_fn(model):

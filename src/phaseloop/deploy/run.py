@@ -25,7 +25,7 @@ from phaseloop.deploy import pte, sidecars
 from phaseloop.deploy.program import metadata, prepare
 from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_folder, run_tokenizer
 from phaseloop.errors import PhaseloopError
-from phaseloop.files import check_out_dir, dumps, sha256_file
+from phaseloop.files import check_out_dir, dumps, publish_new, sha256_file
 
 
 def check_out(out: Path) -> None:
@@ -57,25 +57,31 @@ def export_run(run: str | Path, out: str | Path, *, depth: int | None = None, ex
     if head and bits is None:
         raise PhaseloopError("--head quantises the output head with the other Linears: add --bits 8 or --bits 4")
     t0 = time.perf_counter()
+    run_dir = run_folder(run)
+    ckpt = checkpoint_dir(run_dir) if run_dir == Path(run) else Path(run)
+    weights_sha256 = sha256_file(ckpt / "model.safetensors")  # before loading: what is exported
     model, run_cfg = load_run(run, "cpu")
+    if sha256_file(ckpt / "model.safetensors") != weights_sha256:
+        raise PhaseloopError(f"{run_dir}: its checkpoint changed while it was read (training still runs?); "
+                             "export again once it stops")
     tok = run_tokenizer(run, run_cfg)
     program = prepare(model, depth, extend_loops, max_len)
     quantized = pte.quantize_linears(program, bits, head) if bits else []
     meta = metadata(program, tok)
     data = pte.lower(program, meta, backend)
-    run_dir = run_folder(run)
-    ckpt = checkpoint_dir(run_dir) if run_dir == Path(run) else Path(run)
     tok_path, record_path = sidecars(out)
+    tok_json = tokenizer_json(tok)
     record = {"format": "executorch", "backend": backend, "arch": model.cfg.arch,
               "depth": depth, "extend_loops": extend_loops,  # None: the trained depth
               "passes": program.model.trunk.passes,  # what every token runs (None: a stack)
               "kv_cache_bytes": sum(b.nbytes for b in program.cache.buffers()),
               "bits": bits, "head": head, "quantized_layers": quantized, "metadata": meta, "bytes": len(data),
               "pte_sha256": hashlib.sha256(data).hexdigest(),
-              "tokenizer": tok_path.name, "run": str(run_dir.resolve()),
-              "checkpoint_sha256": sha256_file(ckpt / "model.safetensors"),
+              "tokenizer": tok_path.name, "tokenizer_sha256": hashlib.sha256(tok_json).hexdigest(),
+              "run": str(run_dir.resolve()),
+              "checkpoint_sha256": weights_sha256,
               "export_s": round(time.perf_counter() - t0, 1)}
-    write_all([(tok_path, tokenizer_json(tok)), (record_path, (dumps(record, indent=2) + "\n").encode()),
+    write_all([(tok_path, tok_json), (record_path, (dumps(record, indent=2) + "\n").encode()),
                (out, data)])  # the .pte last: one on disk comes with its sidecars
     return {**record, "out": str(out)}
 
@@ -96,7 +102,7 @@ def write_all(files: list[tuple[Path, bytes]]) -> None:
                 f.write(data)
             os.chmod(tmp, 0o644)
         for (path, _), tmp in zip(files, staged):
-            os.replace(tmp, path)
+            publish_new(tmp, path)
             done.append(path)
     except BaseException as e:
         for p in (*staged, *done):
@@ -107,3 +113,4 @@ def write_all(files: list[tuple[Path, bytes]]) -> None:
         if isinstance(e, OSError):  # name the file asked for, not its temporary name
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
+

@@ -13,7 +13,7 @@ import torch
 from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 from executorch.runtime import Runtime
 
-from phaseloop.errors import CheckpointError, ConfigError
+from phaseloop.errors import CheckpointError, ConfigError, first_line
 
 
 @contextlib.contextmanager
@@ -72,7 +72,11 @@ class PteModel:
         if self.max_len is not None and not 0 <= start <= start + T <= self.max_len:
             raise ConfigError(f"positions {start} .. {start + T - 1} are outside the program's cache of "
                               f"{self.max_len} (get_max_seq_len); start a new sequence at 0")
-        return self.method.execute([tokens_1T.long(), torch.arange(start, start + T)])[0]
+        try:
+            return self.method.execute([tokens_1T.long(), torch.arange(start, start + T)])[0]
+        except RuntimeError as e:  # e.g. a token id past the embedding's rows
+            raise CheckpointError(f"the program failed on tokens {start} .. {start + T - 1} ({first_line(e, 80)}); "
+                                  "check that its tokenizer is the one exported with it") from None
 
     def constant(self, name: str):
         """A metadata method's value (``get_max_seq_len`` ...)."""

@@ -31,7 +31,7 @@ import numpy as np
 from phaseloop.data.tokenizer import ByteTokenizer, _gpt2_byte_decoder
 from phaseloop.engine.checkpoint import config_digest, run_folder, run_tokenizer
 from phaseloop.errors import PhaseloopError
-from phaseloop.files import check_out_dir
+from phaseloop.files import check_out_dir, publish_new
 from phaseloop.hf.llama_map import hyperparameters, llama_tensors, source_model
 
 OUTTYPES = ("f32", "f16", "q8_0")
@@ -193,15 +193,20 @@ def export_gguf(run: str | Path, out: str | Path, outtype: str = "f32", quantize
         raise PhaseloopError(f"--outtype {outtype}: choose {', '.join(OUTTYPES)}")
     if out.is_dir():
         raise PhaseloopError(f"--out {out} is a folder; --format gguf writes one file: pass a new PATH.gguf")
+    if out.suffix != ".gguf":
+        raise PhaseloopError(f"--out {out}: a GGUF file is named NAME.gguf (llama.cpp's tools look for it); "
+                             "pass --out NAME.gguf")
     if out.exists() or out.is_symlink():
         raise PhaseloopError(f"--out {out} exists; choose a new file (nothing is overwritten)")
     check_out_dir(out.parent)
     model, run_cfg = source_model(run, quantized, "gguf")
     tok = run_tokenizer(run, run_cfg)
     gguf_tokenizer(tok, model.cfg.vocab_size)  # a tokenizer llama.cpp cannot hold: refused before writing
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # removed again on failure
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
+    ok = False
     try:
         extra = {"run": run_folder(run).resolve(), "model_config_sha256": config_digest(run_cfg["model"]),
                  "quantized": Path(quantized).name if quantized else ""}
@@ -210,8 +215,12 @@ def export_gguf(run: str | Path, out: str | Path, outtype: str = "f32", quantize
         except OSError as e:  # a full disk: named by the file asked for
             raise OSError(e.errno, e.strerror, os.fspath(out)) from None
         os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
+        publish_new(tmp, out)  # never over a file that appeared meanwhile
+        ok = True
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        for p in made if not ok else ():
+            with contextlib.suppress(OSError):
+                p.rmdir()
     return out
