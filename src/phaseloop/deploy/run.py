@@ -59,9 +59,10 @@ def export_run(run: str | Path, out: str | Path, *, depth: int | None = None, ex
     t0 = time.perf_counter()
     run_dir = run_folder(run)
     ckpt = checkpoint_dir(run_dir) if run_dir == Path(run) else Path(run)
-    weights_sha256 = sha256_file(ckpt / "model.safetensors")  # before loading: what is exported
-    model, run_cfg = load_run(run, "cpu")
-    if sha256_file(ckpt / "model.safetensors") != weights_sha256:
+    weights = None if ckpt is None else ckpt / "model.safetensors"
+    weights_sha256 = sha256_file(weights) if weights is not None and weights.is_file() else None  # before reading
+    model, run_cfg = load_run(run, "cpu")  # no checkpoint: refused here
+    if sha256_file(weights) != weights_sha256:
         raise PhaseloopError(f"{run_dir}: its checkpoint changed while it was read (training still runs?); "
                              "export again once it stops")
     tok = run_tokenizer(run, run_cfg)

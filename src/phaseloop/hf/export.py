@@ -192,9 +192,14 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
                extend_loops: str | None = None) -> Path:
     """Write the run as a Hugging Face folder at ``out`` (absent or empty); returns it."""
     out = new_folder(out)
-    hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized, depth, extend_loops, packed=False)
     run, run_dir = Path(run), run_folder(run)
     ckpt = checkpoint_dir(run_dir) if run_dir == run else run
+    weights = None if ckpt is None else ckpt / "model.safetensors"
+    sha = file_sha256(weights) if weights is not None and weights.is_file() else None  # before reading it
+    hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized, depth, extend_loops, packed=False)  # or refused
+    if file_sha256(weights) != sha:
+        raise PhaseloopError(f"{run_dir}: its checkpoint changed while it was read (training still runs?); "
+                             "export again once it stops")
     summary = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
     with atomic_folder(out) as tmp:
         hf.config.auto_map = dict(AUTO_MAP)
@@ -210,7 +215,7 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
                                     f'`pip install phaseloop`)."""\n\nfrom phaseloop.hf.{module} '
                                     f'import {cls}  # noqa: F401\n')
         (tmp / "phaseloop.json").write_text(dumps({
-            "run": str(run_dir.resolve()), "checkpoint_sha256": file_sha256(ckpt / "model.safetensors"),
+            "run": str(run_dir.resolve()), "checkpoint_sha256": sha,
             "quantization": getattr(hf.config, "phaseloop_quantization", None), "dtype": dtype,
             "train": run_cfg.get("train"), "data": run_cfg.get("data"), "summary": summary,
             **({"init": run_cfg["init"]} if "init" in run_cfg else {})}, indent=2))  # --init-from's source
