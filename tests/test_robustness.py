@@ -154,6 +154,10 @@ DAMAGE = [
     ("trainer state truncated", lambda c: (c / "trainer.safetensors").write_bytes(
         (c / "trainer.safetensors").read_bytes()[:100]), "trainer.safetensors differs", True),
     ("manifest garbled", lambda c: (c / "manifest.json").write_text("{nope"), "manifest.json", False),
+    ("manifest missing", lambda c: (c / "manifest.json").unlink(), "its manifest.json is missing", False),
+    ("manifest a list", lambda c: (c / "manifest.json").write_text("[]"), "is not a manifest", False),
+    ("manifest entry a number", lambda c: (c / "manifest.json").write_text(
+        '{"files": {"model.safetensors": 3}}'), "is not a manifest", False),
     ("trainer.json flipped", lambda c: (c / "trainer.json").write_text(
         (c / "trainer.json").read_text().replace('"step": 6', '"step": 5')), "trainer.json differs", True),
 ]
@@ -193,6 +197,26 @@ def test_malformed_metrics_line_is_refused_and_a_torn_last_line_dropped(world, t
     code, err = run_cli(["train", "--out", run, "--resume", "--quiet"], capsys)
     assert code == 0, err
     assert (run / "metrics.jsonl").read_text().splitlines() == lines
+
+
+def test_a_lost_checkpoint_folder_is_not_a_fresh_start(world, tmp_path, capsys):
+    """A finished run (or one that kept checkpoints) whose checkpoint/ folder is gone, or is
+    a file, is refused by --resume instead of being trained again from step 0; a metrics
+    file that is not UTF-8 is damage, named."""
+    for damage, pattern in ((lambda r: shutil.rmtree(r / "checkpoint"), "finished (summary.json)"),
+                            (lambda r: (shutil.rmtree(r / "checkpoint"), (r / "checkpoint").write_text("x")),
+                             "has a checkpoint that is not a folder")):
+        run = _copy(world, tmp_path / pattern[:4])
+        damage(run)
+        before = snapshot(run)
+        code, err = run_cli(["train", "--out", run, "--resume", "--quiet"], capsys)
+        assert_one_line(code, err, pattern)
+        assert snapshot(run) == before
+    run = _copy(world, tmp_path / "utf")
+    (run / "summary.json").unlink()
+    (run / "metrics.jsonl").write_bytes((run / "metrics.jsonl").read_bytes() + b"\xff\n")
+    code, err = run_cli(["train", "--out", run, "--resume", "--quiet"], capsys)
+    assert_one_line(code, err, "metrics.jsonl is not UTF-8 text")
 
 
 def test_resume_cleans_orphans_and_refuses_nothing_it_should_not(world, tmp_path, capsys):

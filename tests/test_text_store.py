@@ -167,6 +167,14 @@ def _legacy(d):
     (d / token_store.VERIFIED).unlink(missing_ok=True)
 
 
+def _edit_manifest(d, **keys):
+    """The store's manifest with ``keys`` set (None: removed)."""
+    m = json.loads((d / "manifest.json").read_text())
+    for k, v in keys.items():
+        m.pop(k) if v is None else m.__setitem__(k, v)
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
 STORE_CASES = [
     ("bytes", lambda d: _zero(d / "tokens-00000.bin"), ["train", *TINY, "--data", "{text}", "--out", "{root}/x"],
      "tokens-00000.bin differs from the file written"),
@@ -179,6 +187,8 @@ STORE_CASES = [
     ("bytes", lambda d: (d / "tokens-00000.bin").write_bytes((d / "tokens-00000.bin").read_bytes()[:-5]),
      ["train", *TINY, "--data", "{text}", "--out", "{root}/x"], "its manifest says"),
     ("bytes", lambda d: (d / "manifest.json").write_text("{"), ["eval", "{run}"], "is damaged (JSONDecodeError)"),
+    ("bytes", lambda d: _edit_manifest(d, documents=None), ["eval", "{run}"], "is damaged (KeyError)"),
+    ("bytes", lambda d: _edit_manifest(d, bytes=0), ["eval", "{run}"], "its manifest's bytes is 0"),
     ("bytes", lambda d: (d / "manifest.json").unlink(), ["train", *TINY, "--data", "{text}", "--out", "{root}/x"],
      "is damaged (FileNotFoundError)"),  # never taken for a store not built yet
     ("bpe", lambda d: (_legacy(d), (d / "tokens-00000.bin").write_bytes(
@@ -308,3 +318,25 @@ def test_dataset_rows_that_are_not_text(tmp_path):
     datasets.Dataset.from_dict({"text": ["", None, "  "]}).save_to_disk(str(tmp_path / "empty"))
     with pytest.raises(DataError, match="holds only whitespace"):
         load_corpus(tmp_path / "empty")
+
+
+def test_a_build_in_progress_is_not_taken_for_an_interrupted_one(tmp_path):
+    """Two processes building the same store: a build folder of a live process (this
+    host's) or of another host's recent one is left alone; a dead process's is removed."""
+    import os
+    import socket
+    import subprocess
+
+    from phaseloop.data.store import _abandoned
+
+    host, prefix = socket.gethostname(), ".s.tmp-"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    cases = {f"{os.getpid()}@{host}~x": False, f"{dead.pid}@{host}~y": True, f"{os.getpid()}@elsewhere~z": False}
+    for name, gone in cases.items():
+        (tmp_path / (prefix + name)).mkdir()
+        assert _abandoned(tmp_path / (prefix + name), prefix) is gone, name
+    old = tmp_path / (prefix + "1@elsewhere~w")
+    old.mkdir()
+    os.utime(old, (0, 0))  # another host's, untouched for more than a day
+    assert _abandoned(old, prefix)

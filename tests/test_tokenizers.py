@@ -4,6 +4,8 @@ real corpora in ../shared/data; nothing touches the network."""
 
 import json
 import math
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -198,6 +200,20 @@ def test_jsonl_parquet_arrow_records_and_text_column(tmp_path):
         load_corpus(tmp_path / "d.parquet", text_column="title").fingerprint
     with pytest.raises(DataError, match="record 1: 'id' is a number"):  # never read as its repr
         load_corpus(tmp_path / "d.parquet", text_column="id")
+    # damage and oddities: invalid UTF-8 in a string column is replaced (as in .jsonl), a line
+    # nested too deeply is one line naming it, a non-UTF-8 file name in a folder is fine
+    bad = pa.table({"text": pa.array([b"ok\n", b"caf\xe9\n"], pa.binary()).cast(pa.string(), safe=False)})
+    with pa.OSFile(str(tmp_path / "bad.arrow"), "wb") as fh, pa.ipc.new_file(fh, bad.schema) as w:
+        w.write_table(bad)
+    assert bytes(load_corpus(tmp_path / "bad.arrow").tokens[:]) == "ok\n\ncaf\ufffd\n".encode()
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
+    with pytest.raises(DataError, match="deep.jsonl:1: .*nested too deeply"):
+        load_corpus(tmp_path / "deep.jsonl")
+    folder = tmp_path / "names"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one\n")
+    (folder / os.fsdecode(b"caf\xe9.txt")).write_text("two\n")
+    assert len(load_corpus(folder).doc_starts) == 2
 
 
 def test_wikitext_articles_are_documents_and_split_by_document(data_dir):
@@ -298,6 +314,26 @@ def test_run_keeps_its_tokenizer_and_refuses_a_changed_one(bpe, tmp_path, text_f
     copy.write_bytes(bpe.path.read_bytes())
     after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     assert after == before
+
+
+def test_a_tokenizer_in_a_folder_named_bytes_is_not_the_byte_tokenizer(bpe, tmp_path, text_file, capsys,
+                                                                       monkeypatch):
+    """Identity is the file's digest, not its folder's name: such a run evaluates and
+    resumes with its own tokenizer; `tokenizer train --name bytes` is refused."""
+    named = tmp_path / "bytes"
+    named.mkdir()
+    shutil.copyfile(bpe.path, named / "tokenizer.json")
+    assert main(["train", "--preset", "rope-tiny", "--data", str(text_file), "--tokenizer", str(named),
+                 "--out", str(tmp_path / "run"), "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                 "--eval-windows", "2", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--windows", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_tokens_per_byte"] < 1  # BPE, not bytes (1.0)
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--quiet"]) == 0  # not "another tokenizer"
+    monkeypatch.setenv("PHASELOOP_CACHE", str(tmp_path / "cache"))
+    assert main(["tokenizer", "train", "--data", str(text_file), "--vocab-size", "300", "--name", "bytes",
+                 "--quiet"]) == 2
+    assert "built-in byte tokenizer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra,msg", [

@@ -26,8 +26,11 @@ def sampling_probs(logits_BV: torch.Tensor, temperature: float, top_k: int | Non
     probabilities, largest first, sum to ``top_p`` (the one that crosses it included),
     renormalised. ``top_p`` None or 1: no nucleus cut."""
     scaled_BV = logits_BV / temperature
-    if bool(torch.isposinf(scaled_BV).any()):  # T below float precision (logits / T overflowed):
-        scaled_BV = (logits_BV - logits_BV.amax(-1, keepdim=True)) / temperature  # the limit, the argmax
+    broken = torch.isposinf(scaled_BV).any() | torch.isnan(scaled_BV).any() | ~torch.isfinite(scaled_BV).any(-1).all()
+    if bool(broken):  # T below float precision (logits / T overflowed, or T rounded to 0): the T -> 0
+        # limit of softmax(logits / T), the argmax (ties share it)
+        scaled_BV = torch.zeros_like(logits_BV).masked_fill(logits_BV < logits_BV.amax(-1, keepdim=True),
+                                                            float("-inf"))
     logits_BV = scaled_BV
     if top_k is not None and top_k < logits_BV.shape[-1]:
         kth = torch.topk(logits_BV, top_k).values[:, -1:]

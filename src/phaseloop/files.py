@@ -212,3 +212,14 @@ def publish_new(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
         os.replace(tmp, path)
         return
     os.unlink(tmp)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (another user's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True

@@ -177,6 +177,9 @@ def _records(path: Path, col: str) -> Iterator[str]:
                         row = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise DataError(f"{path}:{i}: not a JSON object ({e.msg}); fix the line") from None
+                    except RecursionError:
+                        raise DataError(f"{path}:{i}: not a JSON object this reader takes (nested too "
+                                        "deeply); fix the line") from None
                     yield _text(row if isinstance(row, dict) else {}, col, f"{path}:{i}")
         return
     try:
@@ -202,10 +205,21 @@ def _records(path: Path, col: str) -> Iterator[str]:
         raise DataError(f"{path}: no column {col!r} (columns: {', '.join(names)}); pass "
                         "--text-column with one of them")
     i = 0
-    for b in batches:
-        for v in b.column(col).to_pylist():
-            i += 1
-            yield _as_text(v, col, f"{path}: record {i}")
+    try:
+        for b in batches:
+            column = b.column(col)
+            if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+                # invalid UTF-8 in a damaged file: replaced, as a .jsonl's is (not a traceback)
+                values = [None if v is None else v.decode("utf-8", errors="replace")
+                          for v in column.cast(pa.large_binary()).to_pylist()]
+            else:
+                values = column.to_pylist()
+            for v in values:
+                i += 1
+                yield _as_text(v, col, f"{path}: record {i}")
+    except (pa.ArrowException, OSError) as e:  # a damaged page or batch past the header
+        raise DataError(f"{path}: record {i + 1} cannot be read ({first_line(e, 80)}); the file is damaged, "
+                        "write it again") from None
 
 
 def _articles(lines, split_anywhere: bool) -> Iterator[Iterator[bytes]]:
@@ -266,7 +280,8 @@ def _fingerprint(files: list[Path], root: Path, text_column: str) -> str:
     else:
         h = hashlib.sha256()
         for f in files:
-            h.update(f"{sha256_file(f)}  {f.relative_to(root).as_posix()}\n".encode())
+            # the name's bytes as the file system holds them (a non-UTF-8 name is no traceback)
+            h.update(f"{sha256_file(f)}  ".encode() + os.fsencode(f.relative_to(root).as_posix()) + b"\n")
         fp = h.hexdigest()
     if any(f.suffix in RECORD_SUFFIXES for f in files):  # the column read is part of the data
         fp = hashlib.sha256(f"{fp}:{text_column}".encode()).hexdigest()

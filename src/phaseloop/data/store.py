@@ -28,14 +28,16 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 from phaseloop.data.sources import Source
 from phaseloop.errors import DataError
-from phaseloop.files import atomic_write_bytes, cache_dir, sha256_file
+from phaseloop.files import atomic_write_bytes, cache_dir, pid_alive, sha256_file
 
 FORMAT = "phaseloop.tokens.v2"  # v1: the same without sha256 digests
 VERIFIED = "verified.json"
@@ -109,6 +111,10 @@ class Store:
         self.path = path
         try:
             self.manifest = json.loads((path / "manifest.json").read_text())
+            for key, lo in (("documents", 0), ("tokens", 0), ("bytes", 1)):
+                v = self.manifest[key]
+                if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                    raise self._damaged(f"its manifest's {key} is {v!r}")
             dtype = np.dtype(self.manifest["dtype"])
             shards = []
             for sh in self.manifest["shards"]:
@@ -207,9 +213,10 @@ def build(source: Source, tok, batch_bytes: int = 2 << 20, shard_tokens: int = 1
     if final.exists() or final.is_symlink():  # only a finished build is renamed here: open or refuse it
         return Store(final, tok.vocab_size, sep=sep)
     final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):  # an interrupted earlier build
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):  # an interrupted earlier build, not one
+        if _abandoned(stale, f".{final.name}.tmp-"):         # another process is writing now
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-{os.getpid()}@{socket.gethostname()}~"))
     try:
         manifest = _write(source, tok, tmp, batch_bytes, shard_tokens, progress, sep)
         if sep is not None:
@@ -225,6 +232,18 @@ def build(source: Source, tok, batch_bytes: int = 2 << 20, shard_tokens: int = 1
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Store(final, tok.vocab_size, written=True, sep=sep)
+
+
+def _abandoned(folder: Path, prefix: str, day: float = 86400.0) -> bool:
+    """A build folder ``PREFIX PID@HOST~*`` whose process is gone (this host), or one older
+    than a day (another host's, or a name without them): safe to remove."""
+    pid, _, rest = folder.name[len(prefix):].partition("@")
+    if rest.split("~", 1)[0] == socket.gethostname() and pid.isdigit():
+        return not pid_alive(int(pid))
+    try:
+        return time.time() - folder.stat().st_mtime > day
+    except OSError:
+        return False
 
 
 def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, progress: bool,
@@ -290,7 +309,7 @@ def _write(source: Source, tok, out: Path, batch_bytes: int, shard_tokens: int, 
 
     ok = False
     try:
-        for doc in source.documents(split_anywhere=tok.name == "bytes"):
+        for doc in source.documents(split_anywhere=tok.kind == "bytes"):  # not a tokenizer file named so
             pending.append(None)
             pieces = doc if tok.chunk_safe else [b"".join(doc)]
             for piece in pieces:

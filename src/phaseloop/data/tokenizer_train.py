@@ -49,6 +49,8 @@ def train_tokenizer(data: str, kind: str, vocab_size: int, out: str | Path | Non
                           f"of a byte-level BPE; use >= {len(alphabet) + 1} (or --kind wordlevel)")
     if (out is None) == (name is None):
         raise ConfigError("give exactly one of --out DIR and --name NAME")
+    if name == "bytes":
+        raise ConfigError("--name bytes is the built-in byte tokenizer's name (-t bytes); choose another")
     folder = Path(out) if out is not None else registry() / check_name(name)
     if (folder / FILE).exists():
         raise ConfigError(f"{folder / FILE} exists; choose another --out/--name (nothing is overwritten)")

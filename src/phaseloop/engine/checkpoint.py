@@ -7,6 +7,7 @@ file is refused by name, never loaded nor taken for a missing checkpoint."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -197,11 +198,19 @@ def verify_checkpoint(ckpt: Path, names=CKPT_FILES) -> None:
     ckpt = Path(ckpt)
     fix = "restore it from a copy, or start the run again in another --out (nothing was changed)"
     if not (ckpt / MANIFEST).exists():
+        if _writes_manifests(ckpt.parent / "config.json"):
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: its {MANIFEST} is missing (the phaseloop "
+                                  f"that wrote it always writes one); {fix}")
         missing = [n for n in CKPT_FILES if not (ckpt / n).is_file()]
         if missing:
             raise CheckpointError(f"checkpoint {ckpt} is damaged: {missing[0]} is missing; {fix}")
         return
-    files = read_json(ckpt / MANIFEST).get("files", {})
+    manifest = read_json(ckpt / MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(f, dict) and isinstance(f.get("bytes"), int) and isinstance(f.get("sha256"), str)
+            for f in files.values()):
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: its {MANIFEST} is not a manifest; {fix}")
     for n in names:
         path, want = ckpt / n, files.get(n)
         if want is None:
@@ -211,6 +220,16 @@ def verify_checkpoint(ckpt: Path, names=CKPT_FILES) -> None:
         if path.stat().st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
             raise CheckpointError(f"checkpoint {ckpt} is damaged: {n} differs from the file written "
                                   f"(size or sha256); {fix}")
+
+
+def _writes_manifests(config: Path) -> bool:
+    """Whether the run's config.json says a phaseloop >= 0.2 wrote it (every checkpoint of
+    one has a manifest; older runs may not)."""
+    try:
+        version = json.loads(config.read_text()).get("software", {}).get("phaseloop", "")
+        return tuple(int(x) for x in version.split(".")[:2]) >= (0, 2)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
 
 
 def remove_orphans(run_dir: Path) -> list[Path]:
@@ -344,7 +363,8 @@ def run_tokenizer(path: str | Path, run_cfg: dict):
     tokenizer.json, refused when that copy no longer has the recorded sha256."""
     run_dir = run_folder(path)
     data = run_cfg.get("data", {})
-    if data.get("tokenizer", "bytes") == "bytes":
+    if data.get("tokenizer", "bytes") == "bytes" and data.get("tokenizer_sha256") is None:
+        # (a tokenizer file has a digest, whatever its folder's name)
         return ByteTokenizer()
     copy = run_dir / TOKENIZER_COPY
     if not copy.is_file():

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from phaseloop.config import ModelConfig
-from phaseloop.engine.checkpoint import MANIFEST, TMP_PREFIX, checkpoint_dir, read_run_config, remove_orphans
+from phaseloop.engine.checkpoint import CKPT, MANIFEST, TMP_PREFIX, checkpoint_dir, read_run_config, remove_orphans
 from phaseloop.engine.config import TrainConfig
 from phaseloop.errors import CheckpointError, PhaseloopError
 from phaseloop.files import atomic_write_bytes, check_out_dir, dumps, read_json, write_json
@@ -60,7 +61,11 @@ def _first_difference(saved: dict, want: dict, section: str) -> str | None:
 def _records(path: Path) -> tuple[list[str], list[dict], bool]:
     """(lines, records, torn): a last line cut short by a kill is dropped (``torn``);
     a bad line before it is damage, refused by line number."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    try:
+        text = path.read_text() if path.exists() else ""
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not UTF-8 text: the file is damaged; restore it to resume") from None
+    lines = [line for line in text.splitlines() if line.strip()]
     records = []
     for i, line in enumerate(lines):
         try:
@@ -196,6 +201,12 @@ class RunFolder:
         resuming, hold every training record up to the checkpoint (``check_records``)."""
         lines, records, torn = _records(self.metrics_path)
         ckpt = self.checkpoint
+        if ckpt is None and self.resuming:
+            lost = self._progress_without_checkpoint()
+            if lost:
+                raise CheckpointError(f"{self.path} {lost}, but its {CKPT}/ folder is missing or not a folder: "
+                                      f"restore it from a copy, or train again in another --out (nothing was "
+                                      "changed)")
         if ckpt is None or not isinstance(self.config, dict):
             return
         try:  # a damaged manifest or trainer.json is refused by name when the checkpoint loads
@@ -204,6 +215,16 @@ class RunFolder:
         except (PhaseloopError, KeyError, TypeError):
             return
         check_records(self.metrics_path, records, step, self.config.get("train", {}))
+
+    def _progress_without_checkpoint(self) -> str | None:
+        """What says this run got past a checkpoint although none is there (a lost folder:
+        resuming from step 0 would retrain it and let --keep-checkpoints drop the new ones)."""
+        if os.path.lexists(self.path / CKPT):
+            return f"has a {CKPT} that is not a folder"
+        if (self.path / "summary.json").is_file():
+            return "finished (summary.json)"
+        kept = sorted(p.name for p in self.path.glob(f"{CKPT}-*")) + (["best"] if (self.path / "best").is_dir() else [])
+        return f"kept {kept[0]}" if kept else None  # (metrics alone are not: a first save may have died)
 
     def start(self, step: int) -> None:
         """Create the folder, remove orphans of interrupted writes, keep the metric

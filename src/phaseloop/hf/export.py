@@ -26,7 +26,7 @@ from phaseloop import registry
 from phaseloop.depth import set_model_depth
 from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_folder, run_tokenizer
 from phaseloop.errors import PhaseloopError
-from phaseloop.files import check_out_dir, dumps, read_json, writing
+from phaseloop.files import check_out_dir, dumps, pid_alive, read_json, writing
 from phaseloop.files import sha256_file as file_sha256
 from phaseloop.hf.modeling import PhaseloopForCausalLM
 from phaseloop.hf.tokenizer import hf_tokenizer
@@ -131,16 +131,6 @@ def _tmp_prefix(out: Path) -> str:
     return f".{out.name}.tmp-"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True
-
-
 def remove_export_orphans(out: Path) -> list[Path]:
     """Remove the temporary folders an export to ``out`` killed midway left beside it
     (``.NAME.tmp-PID-*``, a model's size each), unless their process still runs."""
@@ -149,7 +139,7 @@ def remove_export_orphans(out: Path) -> list[Path]:
         return gone
     for p in out.parent.glob(_tmp_prefix(out) + "*"):
         pid = p.name[len(_tmp_prefix(out)):].split("-", 1)[0]
-        if p.is_dir() and not p.is_symlink() and not (pid.isdigit() and _alive(int(pid))):
+        if p.is_dir() and not p.is_symlink() and not (pid.isdigit() and pid_alive(int(pid))):
             shutil.rmtree(p, ignore_errors=True)
             gone.append(p)
     return gone

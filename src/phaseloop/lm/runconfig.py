@@ -212,7 +212,8 @@ def resolve_run(config: str | os.PathLike | dict | None = None, *, preset: str |
         base = {"source": load["spec"], "text_column": load.get("text_column", "text"),
                 "split": load.get("split", "train"), "streaming": load.get("streaming", False),
                 "doc_sep": load.get("doc_sep")}
-        if saved["data"].get("tokenizer", "bytes") != "bytes":
+        if saved["data"].get("tokenizer", "bytes") != "bytes" or saved["data"].get("tokenizer_sha256"):
+            # a tokenizer file (the byte tokenizer has no digest), whatever its folder's name
             base["tokenizer"] = str(run_folder(out) / TOKENIZER_COPY)
         data = {**DATA_DEFAULTS, **base, **given}
         tok = run_tokenizer(out, saved) if "tokenizer" not in given else load_tokenizer(data["tokenizer"])
