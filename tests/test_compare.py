@@ -213,6 +213,35 @@ def test_paired_t_test_verdicts():
     tie = paired_t_test([1.0, 2.0], [1.0, 2.0])
     assert tie["verdict"] == "indistinguishable" and tie["p"] == 1.0 and tie["t"] is None
     assert "2 seeds" in paired_t_test([1.0, 1.1], [0.5, 0.7])["note"]
+    for bad in (float("nan"), float("inf"), None):  # a diverged run: no test, never "worse (p=0)"
+        r = paired_t_test([3.8, 3.9, 3.7], [3.6, bad, 3.5])
+        assert r["verdict"] == "n/a" and r["p"] is None and "not finite" in r["note"]
+    assert math.isnan(t_two_sided_p(float("nan"), 3))
+
+
+def test_report_of_a_run_that_ended_non_finite(tmp_path, text_file):
+    """A run whose last loss was written as null (non-finite, --skip-nonfinite let it
+    finish) is reported, its t-test n/a; a reference without evaluations is one error."""
+    out = tmp_path / "c"
+    recipe = tiny_recipe(text_file, train={**TINY_TRAIN, "steps": 2})
+    run_comparison(recipe, out, progress=False, log=lambda m: None)
+    run = out / "runs" / "three-phase-n-3-s1"
+    run = run if run.is_dir() else next(p for p in (out / "runs").iterdir() if not p.name.startswith("rope"))
+    s = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**s, "val_loss": None}))
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [{**r, "val_loss": None} if "val_loss" in r else r for r in lines]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run_comparison(recipe, out, progress=False, log=lambda m: None)  # finished: the report again
+    verdicts = [v.get("vs_reference") or {} for v in json.loads((out / "summary.json").read_text())["variants"]]
+    assert any(t.get("verdict") == "n/a" and "not finite" in t.get("note", "") for t in verdicts), verdicts
+    for ref in (out / "runs").glob("rope-s*"):
+        (ref / "metrics.jsonl").write_text("")
+    with pytest.raises(RecipeError, match="has no evaluation step"):
+        run_comparison(recipe, out, progress=False, log=lambda m: None)
+    (out / "recipe.json").write_text("[1, 2]")  # valid JSON, not a recipe: damage named
+    with pytest.raises(RecipeError, match="recipe.json is damaged"):
+        run_comparison(recipe, out, progress=False, log=lambda m: None)
 
 
 # ---------------------------------------------------------------------------- runner

@@ -63,6 +63,7 @@ def final_loss(run_dir: Path) -> float:
                                                                      "from 1 to 2,147,483,647"),
     (dict(tune={"lr": [1e-3, 2e-3], "seeds": [5], "warmup_steps": [2**40]}), "from 0 to 2,147,483,647"),
     (dict(eval_limit=2**40), "eval_limit=1099511627776: at most 2,147,483,647"),
+    (dict(tune={"lr": [0.001, 0.0010000001, 2e-3], "seeds": [5]}), "agree to 6 significant digits"),
     (dict(seeds=[2**63]), "integers from 0 to 2^63 - 1"),
     (dict(tune={"lr": [1e-3, 2e-3], "seeds": [5]}, variants=[{"spec": "rope", "train": {"lr": 1e-3}}]),
      "variant 'rope' sets train.lr and [tune] tunes lr"),

@@ -175,6 +175,8 @@ def test_results_read_from_claim_files(tmp_path):
                "spearman": 0.25}
         (out / f"act_w0.01_b1.0-s{seed}.json").write_text(json.dumps(rec))
     (out / "broken-s9.json").write_text("{")  # not a result: skipped
+    (out / "act_w0.01_b1.0-s7.json").write_text(json.dumps(  # a record of another shape: skipped too
+        {"name": "act_w0.01_b1.0", "seed": 7, "per_length": {"4": {"acc": "high"}}}))
     b = TestClient(create_app(ServerContext.from_paths([tmp_path]))).get("/api/learn/results").json()
     v = b["measured"]["variants"][0]
     assert b["measured"]["found"] and v["seeds"] == [0, 1]

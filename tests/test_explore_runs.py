@@ -147,11 +147,27 @@ def test_runs_endpoints(comparison):
     ("/api/runs/comparison", {"root": "ci", "path": "runs/rope-s0"}, "is not a comparison folder"),
     ("/api/runs/plot", {"root": "ci", "name": "report.md"}, "is not a plot of this comparison"),
     ("/api/runs/plot", {"root": "ci", "name": "../ci/summary.json"}, "is not a plot"),
+    ("/api/runs/curves", {"root": "ci", "path": "a" * 300}, "cannot be read"),  # a name too long
+    ("/api/runs/curves", {"root": "ci", "path": "a/" * 2100}, "cannot be read"),
 ])
 def test_runs_bad_input_is_a_400_with_the_message(comparison, url, params, message):
     client = TestClient(create_app(ServerContext.from_paths([comparison])))
     r = client.get(url, params=params)
     assert r.status_code == 400 and message in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("file,content", [("recipe.json", [1]), ("summary.json", {}),
+                                          ("summary.json", {"variants": [{"name": "x"}]})])
+def test_a_damaged_comparison_file_is_a_400_naming_it(comparison, tmp_path, file, content):
+    import shutil
+
+    copy = tmp_path / "ci"
+    shutil.copytree(comparison, copy, symlinks=True)
+    (copy / file).write_text(json.dumps(content))
+    client = TestClient(create_app(ServerContext.from_paths([copy])))
+    for url, extra in (("/api/runs/comparison", {}), ("/api/runs/plot", {"name": "x.png"})):
+        r = client.get(url, params={"root": "ci", **extra})
+        assert r.status_code == 400 and "is damaged" in r.json()["error"], r.text
 
 
 def test_symlinked_run_is_refused(tmp_path):
@@ -279,3 +295,27 @@ def test_comparison_downstream_table_in_a_browser(comparison, tmp_path, explore_
     heads = [th.text for th in browser.find_elements("css selector", "#downstream-table thead th")]
     assert heads[2:4] == ["piqa (acc_norm)", "boolq (acc)"]
     assert browser.find_element("css selector", "#downstream-table tbody tr:nth-child(3)").text.split()[-1] == "0.375"
+
+
+def test_text_from_a_comparison_is_shown_never_run(comparison, tmp_path, explore_server, browser):
+    """A recipe's description and a variant's name are text on the page: markup in them is
+    shown as written (no element made, nothing fetched from outside)."""
+    import shutil
+
+    copy = tmp_path / "ci"
+    shutil.copytree(comparison, copy, symlinks=True)
+    desc = "RoPE <img id='injected' src='http://example.com/t.png'> vs looped"
+    stored = read_json(copy / "recipe.json")
+    stored["recipe"]["description"] = desc
+    (copy / "recipe.json").write_text(json.dumps(stored))
+    summary = read_json(copy / "summary.json")
+    name = summary["variants"][1]["name"] = "looped <b id='bold'>x</b>"
+    (copy / "summary.json").write_text(json.dumps(summary))
+    base = explore_server([copy])
+    browser.get(base + "/runs/compare?root=ci")
+    wait = _waiter(browser)
+    wait(lambda: len(browser.find_elements("css selector", "#compare-table tbody tr")) == 2)
+    assert desc in browser.find_element("id", "cmp-head").text
+    assert not browser.find_elements("id", "injected") and not browser.find_elements("id", "bold")
+    assert browser.find_element("css selector", "#compare-table tbody tr:nth-child(2) td").text == name
+    assert external_urls(browser) == []

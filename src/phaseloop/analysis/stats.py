@@ -27,6 +27,8 @@ def t_two_sided_p(t: float, df: int) -> float:
     for even df."""
     if df < 1:
         raise ValueError("df must be >= 1")
+    if math.isnan(t):  # no statistic, no probability (max(0, nan) would say 0)
+        return float("nan")
     if math.isinf(t):
         return 0.0
     th = math.atan(abs(t) / math.sqrt(df))
@@ -49,6 +51,10 @@ def t_two_sided_p(t: float, df: int) -> float:
 def paired_t_test(ref: list[float], var: list[float], alpha: float = 0.05) -> dict:
     """Paired t-test of var - ref over seeds; verdict better / worse (lower / higher
     loss, p < alpha) or indistinguishable. One pair: no noise estimate ("n/a")."""
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (*ref, *var)):
+        n = min(len(ref), len(var))
+        return {"n": n, "mean_diff": None, "t": None, "df": n - 1, "p": None, "verdict": "n/a",
+                "note": "a seed's loss is not finite (its run diverged): no test"}
     d = [v - r for r, v in zip(ref, var)]
     n = len(d)
     mean = sum(d) / n if n else float("nan")

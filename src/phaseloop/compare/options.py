@@ -169,6 +169,12 @@ class Tune:
                 raise RecipeError(f"[tune] {k}={xs!r}: must be a list of distinct {kind.__name__}s {rng}, "
                                   f"e.g. {k} = {[25, 50] if kind is int else [0.0, 0.1]}")
             setattr(t, k, sorted(kind(x) for x in xs))
+        for k in ("lr", "weight_decay"):  # a grid point's folder is named by each value to 6 digits
+            xs = getattr(t, k)
+            same = next(((a, b) for a, b in zip(xs, xs[1:]) if f"{a:g}" == f"{b:g}"), None)
+            if same:
+                raise RecipeError(f"[tune] {k}: {same[0]!r} and {same[1]!r} agree to 6 significant digits, "
+                                  "which name their runs; make them differ there")
         if t.steps is not None and (not isinstance(t.steps, int) or isinstance(t.steps, bool)
                                     or not 1 <= t.steps <= MAX_INT):
             raise RecipeError(f"[tune] steps={t.steps!r}: must be an integer from 1 to {MAX_INT:,} (default: "

@@ -43,14 +43,19 @@ def summarize(out: Path, recipe: Recipe, plan: list[Planned]) -> dict:
     if not ref["seeds"]:
         raise RecipeError(f"no finished run of the reference {recipe.reference!r} in {out}")
     ref_mean = mean_curve(ref["curves"])
+    if not ref_mean["step"]:
+        raise RecipeError(f"the reference {recipe.reference!r} has no evaluation step its seeds' metrics.jsonl "
+                          f"all hold (in {out / 'runs'}); run them again or restore those files")
     target = ref_mean["val_loss"][-1]  # reference's final validation loss (seed mean)
     ref_step = first_reach(ref_mean["step"], ref_mean["val_loss"], target)
     ref_time = first_reach(ref_mean["elapsed_s"], ref_mean["val_loss"], target)
 
     def t_test(a: dict, b: dict) -> dict:  # paired over the seeds both finished: b - a
         paired = [s for s in b["seeds"] if s in a["seeds"]]
-        return paired_t_test([a["summaries"][a["seeds"].index(s)]["val_loss"] for s in paired],
-                             [b["summaries"][b["seeds"].index(s)]["val_loss"] for s in paired], recipe.alpha)
+        def loss(r, s):  # null in summary.json: a run that ended non-finite
+            v = r["summaries"][r["seeds"].index(s)]["val_loss"]
+            return float("nan") if v is None else v
+        return paired_t_test([loss(a, s) for s in paired], [loss(b, s) for s in paired], recipe.alpha)
 
     scored = summarize_downstream(out, recipe, rows)
     variants = []

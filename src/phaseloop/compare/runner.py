@@ -48,7 +48,7 @@ def _claim_folder(out: Path, recipe: Recipe) -> None:
     stored = out / "recipe.json"
     want = json.loads(json.dumps(recipe.to_dict()))
     if stored.exists():
-        have = read_json(stored).get("recipe", {})
+        have = _stored(stored).get("recipe", {})
         try:  # through today's Recipe: fields added since are filled with their defaults
             have = json.loads(json.dumps(Recipe.from_dict(have, str(stored)).to_dict()))
         except PhaseloopError:
@@ -329,7 +329,16 @@ def stored_recipe(out: Path) -> Recipe:
     if not (out / "recipe.json").is_file():
         raise RecipeError(f"{out} holds no comparison (no recipe.json); start one with "
                           f"`phaseloop compare RECIPE --out {out}`, or pass the --out it was started with")
-    return Recipe.from_dict(read_json(out / "recipe.json").get("recipe"), str(out / "recipe.json"))
+    return Recipe.from_dict(_stored(out / "recipe.json").get("recipe"), str(out / "recipe.json"))
+
+
+def _stored(path: Path) -> dict:
+    """A comparison's recipe.json: a JSON object, or damage named."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path} is damaged (not a JSON object); restore it, or start the comparison "
+                          "again in another --out")
+    return data
 
 
 def runs_on_disk(recipe: Recipe, plan: list[Planned],

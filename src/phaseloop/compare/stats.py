@@ -3,6 +3,7 @@ curves (the tests over seeds are ``analysis.stats``)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from phaseloop.analysis.stats import mean_std, paired_t_test, t_two_sided_p  # noqa: F401  (re-exported)
@@ -33,7 +34,8 @@ def speedup(ref_x: float | None, var_x: float | None) -> float | None:
 def read_curves(run_dir: Path) -> dict:
     """Evaluation records of a run: steps, val_loss, elapsed_s (training time)."""
     evals = [r for r in read_metrics(run_dir) if "val_loss" in r]
-    return {"step": [r["step"] for r in evals], "val_loss": [r["val_loss"] for r in evals],
+    return {"step": [r["step"] for r in evals],  # a non-finite loss is written as null: NaN here
+            "val_loss": [float("nan") if r["val_loss"] is None else r["val_loss"] for r in evals],
             "elapsed_s": [r.get("elapsed_s", float("nan")) for r in evals]}
 
 
@@ -44,8 +46,9 @@ def mean_curve(curves: list[dict]) -> dict:
     for s in common:
         ls = [c["val_loss"][c["step"].index(s)] for c in curves]
         es = [c["elapsed_s"][c["step"].index(s)] for c in curves]
-        out["val_loss"].append(sum(ls) / len(ls))
-        out["lo"].append(min(ls))
-        out["hi"].append(max(ls))
+        out["val_loss"].append(sum(ls) / len(ls))  # NaN if a seed's is (a diverged run)
+        nan = any(math.isnan(x) for x in ls)
+        out["lo"].append(float("nan") if nan else min(ls))
+        out["hi"].append(float("nan") if nan else max(ls))
         out["elapsed_s"].append(sum(es) / len(es))
     return out

@@ -92,15 +92,19 @@ class ServerContext:
         if rel_path.is_absolute() or "\\" in rel or ".." in rel_path.parts:
             raise BadInput(f"path {rel!r} must be relative to {root!r}, without '..'")
         path = base.joinpath(*rel_path.parts)
-        # no symlink anywhere below the served root (a link could lead outside it)
-        cur = base
-        for part in rel_path.parts:
-            cur = cur / part
-            if cur.is_symlink():
-                raise BadInput(f"path {rel!r} goes through a symbolic link; explore does not "
-                               "follow links")
-        if not path.resolve().is_relative_to(base):
-            raise BadInput(f"path {rel!r} leaves the served folder {root!r}")
+        try:
+            # no symlink anywhere below the served root (a link could lead outside it)
+            cur = base
+            for part in rel_path.parts:
+                cur = cur / part
+                if cur.is_symlink():
+                    raise BadInput(f"path {rel[:200]!r} goes through a symbolic link; explore does not "
+                                   "follow links")
+            inside = path.resolve().is_relative_to(base)
+        except OSError as e:  # a name too long for the file system, say
+            raise BadInput(f"path {rel[:200]!r} cannot be read ({e.strerror or type(e).__name__})") from None
+        if not inside:
+            raise BadInput(f"path {rel[:200]!r} leaves the served folder {root!r}")
         return path
 
     def model(self, key: Any, load: Callable[[], Any]) -> Any:

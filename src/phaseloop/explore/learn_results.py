@@ -58,9 +58,21 @@ def _claim_files(ctx) -> list[tuple[str, dict]]:
                     rec = json.loads(path.read_text())
                 except (OSError, ValueError):
                     continue  # not ours or damaged: listed as skipped below
-                if isinstance(rec, dict) and {"name", "seed", "per_length"} <= rec.keys():
+                if _fits(rec):  # else: not a claim record, or a damaged one: left out
                     found.append((f"{root}/{rel + '/' if rel else ''}{path.name}", rec))
     return found
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fits(rec) -> bool:
+    """A claim run's record as ``claim-act`` writes it (what ``measured`` reads of it)."""
+    per = rec.get("per_length") if isinstance(rec, dict) else None
+    return (isinstance(rec.get("name") if per is not None else None, str) and isinstance(per, dict)
+            and isinstance(rec.get("seed"), int) and _number(rec.get("final_loss"))
+            and all(str(k).isdigit() and isinstance(v, dict) and _number(v.get("acc")) for k, v in per.items()))
 
 
 def measured(ctx) -> dict:

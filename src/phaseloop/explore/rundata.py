@@ -19,6 +19,7 @@ from pathlib import Path
 from phaseloop.analysis.params import format_count
 from phaseloop.compare.evals import accuracy_verdict, fmt_acc
 from phaseloop.compare.report import _fmt, _speed, _verdict
+from phaseloop.errors import DataError
 from phaseloop.files import read_json
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "tok_per_s", "elapsed_s")
@@ -179,8 +180,17 @@ def run_info(path: Path) -> dict:
 
 def comparison(path: Path) -> dict:
     """A comparison's table (report.py's own cell formats), per-seed final losses and
-    plots, from the summary.json its report wrote; before it is written, its runs only."""
+    plots, from the summary.json its report wrote; before it is written, its runs only.
+    A recipe.json or summary.json of another shape is refused by name (a 400)."""
+    try:
+        return _comparison(path)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise DataError(f"the comparison {path.name}'s recipe.json or summary.json is damaged "
+                        f"({type(e).__name__}: {str(e)[:60]}); write its report again: phaseloop compare "
+                        f"--out {path.name} --report") from None
 
+
+def _comparison(path: Path) -> dict:
     recipe = read_json(path / "recipe.json").get("recipe", {})
     runs = [rel for k, rel in find(path) if k == "run"]
     out = {"name": recipe.get("name"), "description": recipe.get("description"),
@@ -190,7 +200,7 @@ def comparison(path: Path) -> dict:
         return out
     s = read_json(path / "summary.json")
     out.update(target_val_loss=s.get("target_val_loss"), train_time_s=s.get("train_time_s"),
-               plots=[p for p in s.get("plots", []) if (path / p).is_file()])
+               plots=[p for p in s.get("plots", []) if isinstance(p, str) and (path / p).is_file()])
     for v in s["variants"]:
         row = {"name": v["name"], "spec": v.get("spec"), "seeds": v["finished_seeds"]}
         if v["finished_seeds"]:

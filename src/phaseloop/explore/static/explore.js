@@ -4,6 +4,12 @@
 // Every plot's config: no plotly logo in the mode bar (a link to plotly.com; the app is offline).
 if (typeof Plotly !== "undefined") Plotly.setPlotConfig({displaylogo: false});
 
+// Text from the served folders (run and variant names, a recipe's description, file names)
+// put into HTML: escaped, so it is shown, never run or fetched.
+function esc(text) {
+  return String(text ?? "").replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"})[c]);
+}
+
 async function api(path, params) {
   const url = new URL(path, window.location.origin);
   for (const [k, v] of Object.entries(params || {})) url.searchParams.set(k, v);

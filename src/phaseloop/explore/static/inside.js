@@ -183,7 +183,7 @@ api("/api/inside/runs").then(({runs}) => {
   $("run").innerHTML = runs.map(r => {
     const v = JSON.stringify([r.root, r.path]);
     const sel = r.root === q.get("root") && r.path === (q.get("path") || "") ? " selected" : "";
-    return `<option value='${v}'${sel}>${r.name}</option>`;
+    return `<option value="${esc(v)}"${sel}>${esc(r.name)}</option>`;
   }).join("");
   $("go").onclick = () => analyse().catch(() => {});
   $("gen-go").onclick = () => drawGeneration().catch(() => {});

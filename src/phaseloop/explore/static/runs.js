@@ -29,7 +29,7 @@ function followCurves(runs, lossDiv, bpbDiv, statusEl) {
       const li = document.createElement("li");
       const last = d.train.step.length ? d.train.step[d.train.step.length - 1] : null;
       const lastVal = d.eval.val_loss.length ? d.eval.val_loss[d.eval.val_loss.length - 1] : null;
-      li.innerHTML = `<code>${runLabel(runs[i])}</code>: <span class="records">${fmtInt(d.records)}</span> records, ` +
+      li.innerHTML = `<code>${esc(runLabel(runs[i]))}</code>: <span class="records">${fmtInt(d.records)}</span> records, ` +
         `last step <span class="last-step">${last ?? "—"}</span> of ${d.steps ?? "?"}, ` +
         `val loss <span class="last-val">${lastVal == null ? "—" : lastVal.toFixed(4)}</span>` +
         (d.finished ? " (finished)" : " (training…)") +
