@@ -232,6 +232,18 @@ def test_single_document_split_is_todays_tail(text_file):
     assert len(va) == int(len(c.tokens) * 0.1)
 
 
+def test_a_far_document_boundary_does_not_move_the_split(text_file, tmp_path):
+    """A small file beside a large one: the only boundary is far from the 10 % cut, so the
+    cut stays at the token (snapping there held out 99.8 % of the data)."""
+    folder = tmp_path / "uneven"
+    folder.mkdir()
+    (folder / "a.txt").write_text("x" * 2000 + "\n")
+    shutil.copyfile(text_file, folder / "b.txt")
+    c = load_corpus(folder)
+    tr, va = c.split(0.1, 33)
+    assert len(va) == int(len(c.tokens) * 0.1)
+
+
 def test_hf_datasets_offline_local_and_errors(tmp_path, monkeypatch):
     import datasets
 

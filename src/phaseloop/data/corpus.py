@@ -44,7 +44,9 @@ class Corpus:
 
     def split(self, val_fraction: float = 0.1, min_len: int = 2):
         """(train, validation) tokens: the last ``val_fraction``, cut at the nearest
-        document boundary when there are several documents."""
+        document boundary when there are several documents and one lies within half the
+        validation size of the cut (else at the token: a boundary further off would make
+        the split far from ``val_fraction``, e.g. nearly all of the data held out)."""
         n = len(self.tokens)
         n_val = max(int(n * val_fraction), min_len)
         if n - n_val < min_len:
@@ -54,7 +56,8 @@ class Corpus:
         ok = [int(s) for s in self.doc_starts[1:] if min_len <= s <= n - min_len]
         if ok:
             i = bisect.bisect_left(ok, cut)
-            cut = min(ok[max(0, i - 1): i + 1], key=lambda s: (abs(s - cut), s))
+            near = min(ok[max(0, i - 1): i + 1], key=lambda s: (abs(s - cut), s))
+            cut = near if abs(near - cut) <= n_val / 2 else cut
         return self.tokens.view(0, cut), self.tokens.view(cut, n)
 
 
