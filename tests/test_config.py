@@ -200,3 +200,7 @@ def test_a_second_registration_of_a_name_is_refused(monkeypatch):
     assert registry.get_arch("rope") is rope
     spec = registry.register_arch(registry.ArchSpec(name="rope", trunk=Stack), replace=True)
     assert registry.get_arch("rope") is spec
+    monkeypatch.setattr(registry, "PRESETS", dict(registry.PRESETS))  # a preset name taken by another arch
+    with pytest.raises(ValueError, match="preset 'looped-tiny' is 'looped''s already"):
+        registry.register_arch(registry.ArchSpec(name="evil", trunk=Stack, presets={"looped-tiny": {}}))
+    assert registry.PRESETS["looped-tiny"]["arch"] == "looped" and "evil" not in registry.ARCHS

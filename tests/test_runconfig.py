@@ -311,3 +311,13 @@ def test_a_missing_or_unreadable_config_file(tmp_path, capsys):
     (tmp_path / "run" / "config.json").write_text("[1, 2]")
     one_line_error(capsys, run_main(["train", "--out", str(tmp_path / "run"), "--resume", "--print-config"]),
                    "config.json is not a run config")
+
+
+def test_a_preset_given_over_a_printed_config_is_that_preset(tmp_path, capsys):
+    """`--config FILE --preset X` on a --print-config file (every field listed): the model is
+    X's with the file's own changes of its preset, not the file's model relabelled."""
+    f = tmp_path / "3pt.toml"
+    f.write_text(printed(capsys, ["--preset", "3pt-tiny", "--set", "d_ff=96"]))
+    out = printed(capsys, ["--config", str(f), "--preset", "rope-tiny"])
+    assert 'arch = "rope"' in out and "n_phases = 1" in out and "d_ff = 96" in out  # the file's own change kept
+    assert printed(capsys, ["--config", str(f)]).count('arch = "three_phase"') == 1

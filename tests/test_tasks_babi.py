@@ -8,10 +8,12 @@ import torch
 
 from phaseloop.tasks import (
     BabiExample,
+    TaskDataError,
     failed_tasks,
     format_example,
     load_babi,
     parse_babi,
+    parse_babi_file,
     ponder_by_supporting,
     task_error,
 )
@@ -92,6 +94,10 @@ def test_missing_folder_and_task_file(en1k, tmp_path):
         load_babi(en1k, task=21)
     with pytest.raises(ValueError, match="split"):
         load_babi(en1k, task=1, split="dev")
+    bad = tmp_path / "qa1_bad_train.txt"  # a byte that is not UTF-8: one line naming the line
+    bad.write_bytes((en1k / "qa1_single-supporting-fact_train.txt").read_bytes()[:300] + b"1 Mary \xff.\n")
+    with pytest.raises(TaskDataError, match=r"qa1_bad_train.txt:\d+: not valid UTF-8"):
+        parse_babi_file(bad)
 
 
 def test_parse_inline_and_malformed():

@@ -52,11 +52,13 @@ def test_empty_test_file_path_says_so(pairs, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, words", [(["--test-file", "PAIRS"], "--test-file applies to jsonl"),
                                           (["--n-test", "0"], "--n-test 0"),
-                                          (["--n-test", "-3"], "--n-test -3")])
+                                          (["--n-test", "-3"], "--n-test -3"),
+                                          (["--train-len", "\u00b2"], "'\u00b2' is not a length"),
+                                          (["--out", ""], "--out '': name a folder")])
 def test_options_that_do_not_apply_are_refused(extra, words, pairs, tmp_path, capsys):
     extra = [str(pairs) if a == "PAIRS" else a for a in extra]
-    err = one_line_error(capsys, main(["task", "--task", "copy", *extra, "--steps", "1",
-                                       "--out", str(tmp_path / "r"), "--quiet"]))
+    out = [] if "--out" in extra else ["--out", str(tmp_path / "r")]
+    err = one_line_error(capsys, main(["task", "--task", "copy", *extra, "--steps", "1", *out, "--quiet"]))
     assert words in err
 
 

@@ -159,6 +159,10 @@ def register_arch(spec: ArchSpec, replace: bool = False) -> ArchSpec:
         raise ValueError(f"arch {spec.name!r}: defaults for {sorted(set(spec.defaults) - known)}, "
                          "which are not fields of ModelConfig or of its option groups")
 
+    taken = [n for n in spec.presets if n in PRESETS and PRESETS[n].get("arch") != spec.name and not replace]
+    if taken:
+        raise ValueError(f"arch {spec.name!r}: preset {taken[0]!r} is {PRESETS[taken[0]].get('arch')!r}'s already; "
+                         "name yours otherwise, or pass replace=True to register_arch to replace it")
     for name, fields_ in spec.presets.items():
         PRESETS[name] = {"arch": spec.name, **fields_}
     ARCHS[spec.name] = spec

@@ -5,11 +5,12 @@ fit the model's window; ``--json`` the results, ``--samples`` every document's s
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from phaseloop.cli import argtypes
 from phaseloop.engine import dist
 from phaseloop.errors import PhaseloopError
-from phaseloop.files import atomic_write_bytes
+from phaseloop.files import atomic_write_bytes, check_out_dir
 
 
 def add_arguments(ev) -> None:
@@ -39,10 +40,18 @@ def check_flags(args) -> None:
         return
     for flag, value in (("--exit", args.exit), ("--kv-fill", args.kv_fill != "recompute"),
                         ("--kv-share", args.kv_share), ("--quantized", getattr(args, "quantized", None)),
+                        ("--seq-len", args.seq_len), ("--split", args.split != "val"),
                         ("--plot", args.plot), ("--data", args.data)):
         if value:
-            why = " (the tasks bring their own data)" if flag == "--data" else ""
+            why = {"--data": " (the tasks bring their own data)",
+                   "--seq-len": " (they score in the model's own window)"}.get(flag, "")
             raise PhaseloopError(f"{flag} applies to the loss, not to --tasks{why}; drop one of them")
+    if args.samples is not None:  # checked before anything is scored
+        out = Path(args.samples)
+        if not args.samples or out.is_dir():
+            raise PhaseloopError(f"--samples {args.samples!r}: name a file to write (a .jsonl), not "
+                                 f"{'a folder' if args.samples else 'nothing'}")
+        check_out_dir(out.parent, "--samples")
 
 
 def eval_tasks(args) -> int:
@@ -51,7 +60,7 @@ def eval_tasks(args) -> int:
     results = evaluate_run(args.run, args.tasks, depths=args.depth, extend_loops=args.extend_loops,
                            limit=args.limit, shots=args.shots or 0, batch_size=args.batch_size or 32,
                            device=args.device)
-    if args.samples:
+    if args.samples is not None:
         atomic_write_bytes(args.samples, "".join(json.dumps(line) + "\n" for r in results
                                                  for line in _sample_lines(r)).encode())
     note = truncation_note(results[0]["tasks"], results[0]["window"])

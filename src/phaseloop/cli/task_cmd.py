@@ -83,7 +83,7 @@ def _task_setup(args):
     tc = task_train_config(device=device, **depth, **{k: v for k, v in (
         ("steps", args.steps), ("batch_size", args.batch_size), ("lr", args.lr)) if v is not None})
     items = [s.strip() for s in args.seeds.split(",")]
-    if not all(s.isdigit() for s in items):
+    if not all(s.isdecimal() for s in items):
         raise PhaseloopError(f"bad --seeds {args.seeds!r}; write integers like 0,1")
     return cfg, arch, tc, list(dict.fromkeys(int(s) for s in items))
 
@@ -91,6 +91,8 @@ def _task_setup(args):
 def _task_out(args, kind: str) -> Path:
     if args.resume and not args.out:
         raise PhaseloopError("--resume needs --out, the folder of the run to continue")
+    if args.out == "":
+        raise PhaseloopError("--out '': name a folder for the run (or drop --out for runs/KIND-TIME)")
     return Path(args.out or f"runs/{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
@@ -106,7 +108,7 @@ def cmd_task(args) -> int:
     spec = registry.seq2seq_archs().get(arch) or cfg.spec  # the paper's offsets where it used them
     offsets = args.offsets if args.offsets is not None else (
         "auto" if args.paper and spec.task_offsets else "0")
-    if offsets != "auto" and not offsets.isdigit():
+    if offsets != "auto" and not offsets.isdecimal():
         raise PhaseloopError(f"bad --offsets {offsets!r}; write auto or an integer >= 0")
     out = _task_out(args, f"task-{args.task.split(':')[0]}-{model_label(cfg, arch)}")
     res = run_task(args.task, cfg, tc, seeds, train_len, test_len, out, n_test=args.n_test,
@@ -132,7 +134,7 @@ def cmd_babi(args) -> int:
     except ValueError:
         raise PhaseloopError(f"bad --tasks {args.tasks!r}; write task numbers like 1,2,3") from None
     window = None if args.max_sentences == "all" else args.max_sentences
-    if window is not None and not window.isdigit():
+    if window is not None and not window.isdecimal():
         raise PhaseloopError(f"bad --max-sentences {window!r}; write an integer or all")
     out = _task_out(args, f"babi-{arch or cfg.arch}")
     res = run_babi_seeds(cfg, data_dir, tasks, tc, seeds, args.joint, window and int(window), out, arch,

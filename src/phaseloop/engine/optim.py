@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import platform
+import re
 import resource
 import sys
 from collections.abc import Callable
@@ -88,6 +89,8 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Optim
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(name, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ConfigError.invalid(f"device={name!r}: use auto, cpu or cuda[:N]", "train config")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError.invalid(f"device={name!r}: no CUDA device here; use --device cpu", "train config")
     if name.startswith("cuda"):  # TF32 for the fp32 matmuls autocast leaves (Ampere and later)

@@ -37,7 +37,7 @@ from phaseloop.data.corpus import corpus_args, load_corpus
 from phaseloop.data.tokenizer import Tokenizer, load_tokenizer
 from phaseloop.engine import TrainConfig, dist
 from phaseloop.engine.checkpoint import TOKENIZER_COPY, read_run_config, run_folder, run_tokenizer
-from phaseloop.errors import ConfigError
+from phaseloop.errors import ConfigError, PhaseloopError
 from phaseloop.files import parse_toml
 from phaseloop.lm.train import fit_vocab, train
 
@@ -182,6 +182,14 @@ def resolve_run(config: str | os.PathLike | dict | None = None, *, preset: str |
             raise ConfigError(f"unknown {name} key(s) {', '.join(unknown)}; known: {', '.join(sorted(_known(name)))}")
     fields = dict(file["model"])
     file_preset = fields.pop("preset", None)
+    if preset is not None and isinstance(file_preset, str) and preset != file_preset and fields:
+        # --preset replaces the file's: keep only what the file changes of its own preset (a
+        # --print-config file lists every field, which would otherwise rebuild the old model)
+        try:
+            own = ModelConfig.from_preset(file_preset).to_dict()
+        except PhaseloopError:
+            own = {}
+        fields = {k: v for k, v in fields.items() if k not in own or own[k] != v}
     preset = preset or file_preset
     if preset is not None and not isinstance(preset, str):
         raise ConfigError.invalid(f"preset={preset!r}: must be a preset name, e.g. "

@@ -119,7 +119,7 @@ def parse_lengths(text: str) -> range | list[int]:
 
 def _parse_int(s: str, item: str, text: str) -> int:
     s = s.strip()
-    if not s.isdigit():
+    if not s.isdecimal():
         raise ConfigError(
             f"bad length spec {text!r}: {item!r} is not a length; use positive integers like '1-20' or '40,80'"
         )

@@ -121,8 +121,14 @@ def parse_babi_file(path: str | os.PathLike, task: int | None = None) -> list[Ba
         task = _task_of(p)
         if task is None:
             raise ConfigError(f"cannot tell the bAbI task from the file name {p.name!r}; pass task=N")
-    with open(p, encoding="utf-8") as fh:
-        return parse_babi(fh, task, source=str(p))
+    lines = []
+    for i, raw in enumerate(p.read_bytes().splitlines(keepends=True), 1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise TaskDataError(f"{p}:{i}: not valid UTF-8 text; save the file as UTF-8 (the bAbI "
+                                "release is)") from None
+    return parse_babi(lines, task, source=str(p))
 
 
 def babi_files(folder: str | os.PathLike, split: str = "train") -> dict[int, Path]:
