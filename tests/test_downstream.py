@@ -265,6 +265,7 @@ def test_depth_sweep_per_depth_and_the_trained_depth_equals_plain(tmp_path, caps
     (["--tasks", "hellaswagg"], "did you mean 'hellaswag'"),
     (["--tasks", "piqa,piqa"], "names piqa twice"),
     (["--tasks", "hellaswag", "--shots", "1"], "would come from the evaluation split"),
+    (["--tasks", "arc_challenge", "--shots", "300", "--limit", "1"], "has 299 examples to draw few-shot"),
     (["--limit", "3"], "--limit applies with --tasks"),
     (["--tasks", "piqa", "--exit", "kl:0.1"], "--exit applies to the loss"),
     (["--tasks", "piqa", "--kv-share", "1"], "--kv-share applies to the loss"),

@@ -53,6 +53,7 @@ def test_empty_test_file_path_says_so(pairs, tmp_path, capsys):
 @pytest.mark.parametrize("extra, words", [(["--test-file", "PAIRS"], "--test-file applies to jsonl"),
                                           (["--n-test", "0"], "--n-test 0"),
                                           (["--n-test", "-3"], "--n-test -3"),
+                                          (["--n-test", "100000000000"], "1 .. 100,000 examples"),
                                           (["--train-len", "\u00b2"], "'\u00b2' is not a length"),
                                           (["--out", ""], "--out '': name a folder")])
 def test_options_that_do_not_apply_are_refused(extra, words, pairs, tmp_path, capsys):

@@ -168,7 +168,12 @@ class TaskSet:
                 t0 = time.perf_counter()
                 self.tasks[n] = manager.load([TASKS[n].lm_eval_name])
                 self.build_s[n] = time.perf_counter() - t0
-                self.tasks[n]["tasks"][TASKS[n].lm_eval_name].set_config(key="num_fewshot", value=shots)
+                task = self.tasks[n]["tasks"][TASKS[n].lm_eval_name]
+                task.set_config(key="num_fewshot", value=shots)
+                pool = task.fewshot_docs() if shots else None  # lm-eval samples without replacement
+                if pool is not None and shots > len(pool):
+                    raise ConfigError(f"--shots {shots}: {n} has {len(pool)} examples to draw few-shot examples "
+                                      f"from; use at most {len(pool)}")
 
     def evaluate(self, model, tok, batch_size: int = 32) -> dict:
         """One model on every task: {"tasks": [row per task], "average": ..., "samples":

@@ -54,8 +54,11 @@ from phaseloop.tasks.task_model import (
 )
 from phaseloop.tasks.vocab import CharVocab
 
+MAX_N_TEST = 100_000  # test examples per length: more only fills memory (each one is kept)
+
 
 # ----------------------------------------------------------------------------- one model
+
 def fit_model_config(model_cfg: ModelConfig, vocab_size: int, max_len: int) -> ModelConfig:
     """The config with the task's vocabulary and a max_seq_len covering ``max_len``."""
     return model_cfg.replace(vocab_size=vocab_size, max_seq_len=max(model_cfg.max_seq_len, max_len))
@@ -259,9 +262,10 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
                           "(--test-len, --n-test)")
     if test_file is not None and not str(test_file).strip():
         raise ConfigError("--test-file has an empty path; write --test-file PATH/TO/FILE.jsonl")
-    if name != "jsonl" and (isinstance(n_test, bool) or not isinstance(n_test, int) or n_test < 1):
-        raise ConfigError(f"--n-test {n_test!r}: the test set needs at least 1 example per test length; "
-                          "pass an integer >= 1")
+    if name != "jsonl" and (isinstance(n_test, bool) or not isinstance(n_test, int)
+                            or not 1 <= n_test <= MAX_N_TEST):
+        raise ConfigError(f"--n-test {n_test!r}: the test set needs 1 .. {MAX_N_TEST:,} examples per test "
+                          "length; pass an integer in that range")
     vocab_of = (lambda examples: TokenizerVocab(load_tokenizer(tokenizer))) if tokenizer else CharVocab.for_examples
     label = model_label(model_cfg, arch)
     out = _prepare_out(out_dir, resume)
