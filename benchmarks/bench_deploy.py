@@ -159,7 +159,7 @@ def setup(shape: str, work: Path, engines: list[str], threads: int, quick: bool)
     for name, bits, group in (("int8", 8, -1), ("int4", 4, 32), ("int8-head", 8, -1), ("int4-head", 4, 32)):
         head = ["--head"] if name.endswith("-head") else []
         path = run / f"quant-w{bits}-g{group}-rtn{'-head' * bool(head)}.safetensors"
-        if f"phaseloop-{name}" in engines and not path.is_file():
+        if {f"phaseloop-{name}", f"phaseloop-compiled-{name}"} & set(engines) and not path.is_file():
             _cli(["quantize", run, "--bits", bits, "--group-size", group, "--windows", 2, "--device", "cpu", *head])
         job["quant"][name] = str(path)
     if cfg.arch == "rope" and any("llama" in ENGINES[e][2] for e in engines) and not (root / "llama").is_dir():
@@ -247,6 +247,10 @@ def report(results: dict, bw: list[dict], out_json: str | None) -> None:
                            for e, r in rows.items() if e.startswith("phaseloop-int")})
             print("\n" + "; ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
             rows["ratios"] = ratios
+        compiles = {e: _med(runs, "compile_s") for e, runs in engines.items() if _med(runs, "compile_s")}
+        if compiles:
+            print("compile (once per process, not in tok/s): "
+                  + "; ".join(f"{e} {v:.1f} s" for e, v in compiles.items()))
         summary["shapes"][shape] = rows
     if out_json:
         Path(out_json).write_text(json.dumps(summary, indent=2))
@@ -279,8 +283,9 @@ def main(argv=None) -> int:
         if why:
             print(f"skipped {e}: {why}")
     wanted = [e for e in wanted if e in ENGINES and ENGINES[e][1]() is None]
-    if args.smoke:  # two of the ExecuTorch files: exports are the slow part of the test
-        wanted = [e for e in wanted if not e.startswith("executorch-") or e in ("executorch-fp32", "executorch-int4")]
+    if args.smoke:  # two of the ExecuTorch files and one compile: exports and compiles are the slow part
+        wanted = [e for e in wanted if not e.startswith(("executorch-", "phaseloop-compiled-"))
+                  or e in ("executorch-fp32", "executorch-int4", "phaseloop-compiled-fp32")]
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-deploy-"))
     work.mkdir(parents=True, exist_ok=True)
     jobs, plan = {}, []

@@ -92,35 +92,44 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _load_phaseloop(job: dict, quantized: str | None):
+    """The run's model (packed from ``job["quant"][quantized]``), laid out as `phaseloop
+    generate` lays it out; its weight bytes and the bytes one decode step reads but the KV cache."""
+    from phaseloop.engine.checkpoint import load_run
+    from phaseloop.inference import decode_layout
+    from phaseloop.quant import load_packed, weight_bytes
+
+    if quantized is None:
+        model, _ = load_run(job["run"])
+    else:
+        model, _, _ = load_packed(job["run"], job["quant"][quantized])
+    decode_layout(model)  # as `phaseloop generate` and `serve` lay it out
+    now, _ = weight_bytes(model)
+    emb = model.embed.tok.weight
+    per_token = now - emb.numel() * emb.element_size() + model.cfg.d_model * emb.element_size()
+    if model.cfg.tie_embeddings:
+        per_token += emb.numel() * emb.element_size()  # the head reads the whole table
+    return model, now, per_token
+
+
+def _prefill(forward, job: dict) -> float:
+    long = torch.tensor([job["prefill_ids"]])
+    with torch.no_grad():
+        forward(long)
+        t0 = time.perf_counter()
+        forward(long)
+        return len(job["prefill_ids"]) / (time.perf_counter() - t0)
+
+
 def phaseloop_engine(quantized: str | None):
     def run(job: dict) -> dict:
-        from phaseloop.engine.checkpoint import load_run
-        from phaseloop.inference import decode_layout
-        from phaseloop.quant import load_packed, weight_bytes
-
-        if quantized is None:
-            model, _ = load_run(job["run"])
-        else:
-            model, _, _ = load_packed(job["run"], job["quant"][quantized])
-        decode_layout(model)  # as `phaseloop generate` and `serve` lay it out
-        now, _ = weight_bytes(model)
-        cfg = model.cfg
-        emb = model.embed.tok.weight
-        per_token = now - emb.numel() * emb.element_size() + cfg.d_model * emb.element_size()
-        if cfg.tie_embeddings:
-            per_token += emb.numel() * emb.element_size()  # the head reads the whole table
+        model, now, per_token = _load_phaseloop(job, quantized)
         prompt = torch.tensor([job["prompt"]])
         marks: list[float] = []
         model.generate(prompt, 4, temperature=0)  # warm
         out = model.generate(prompt, job["new_tokens"], temperature=0,
                              on_output=lambda _: marks.append(time.perf_counter()))
-        long = torch.tensor([job["prefill_ids"]])
-        with torch.no_grad():
-            model(long)
-            t0 = time.perf_counter()
-            model(long)
-            prefill = len(job["prefill_ids"]) / (time.perf_counter() - t0)
-        res = {"weight_bytes": now, "decode_tok_s": _timed_decode(marks), "prefill_tok_s": prefill,
+        res = {"weight_bytes": now, "decode_tok_s": _timed_decode(marks), "prefill_tok_s": _prefill(model, job),
                "tokens": out[0, prompt.shape[1]:].tolist(), "step_ms": 1e3 / _timed_decode(marks),
                "bytes_per_token": per_token + kv_bytes(job["cfg"], len(job["prompt"]) + job["new_tokens"] / 2)}
         if job.get("windows") is not None:
@@ -128,6 +137,30 @@ def phaseloop_engine(quantized: str | None):
                 res["loss"] = _loss_of(lambda x: model(x[None]).logits[0], job["windows"])
         res["peak_rss"], res["rss_run"] = peak_rss(), rss_now()  # before the diagnostic below
         res["matmul_ms"] = _matmul_ms(model, prompt)
+        return res
+    return run
+
+
+def phaseloop_compiled_engine(quantized: str | None):
+    """`phaseloop generate --compile` (deploy/compiled.py): the one-token step compiled with
+    frozen, prepacked weights on a static cache of prompt + new tokens (attention reads all of
+    it at every step: the floor counts it); the prompt's forward and the prefill run eagerly."""
+    def run(job: dict) -> dict:
+        from phaseloop.decoding import decode
+        from phaseloop.deploy.compiled import CompiledDecoder
+
+        model, now, per_token = _load_phaseloop(job, quantized)
+        prompt = torch.tensor([job["prompt"]])
+        dec = CompiledDecoder(model, prompt.shape[1] + job["new_tokens"])
+        marks: list[float] = []
+        decode(dec.step, prompt, 4)  # warm
+        dec.reset()
+        out = decode(dec.step, prompt, job["new_tokens"], on_output=lambda _: marks.append(time.perf_counter()))
+        res = {"weight_bytes": now, "decode_tok_s": _timed_decode(marks), "prefill_tok_s": _prefill(model, job),
+               "tokens": out[0, prompt.shape[1]:].tolist(), "step_ms": 1e3 / _timed_decode(marks),
+               "compile_s": dec.compile_seconds,
+               "bytes_per_token": per_token + kv_bytes(job["cfg"], dec.program.max_len)}
+        res["peak_rss"], res["rss_run"] = peak_rss(), rss_now()
         return res
     return run
 
@@ -279,6 +312,10 @@ ENGINES = {
     # the head packed too (`quantize --head`), as llama.cpp's q8_0 quantises output.weight
     "phaseloop-int8-head": (phaseloop_engine("int8-head"), lambda: None, ("quant",)),
     "phaseloop-int4-head": (phaseloop_engine("int4-head"), lambda: None, ("quant",)),
+    # `generate --compile`: the decode step compiled by inductor (deploy/compiled.py)
+    "phaseloop-compiled-fp32": (phaseloop_compiled_engine(None), lambda: None, ()),
+    "phaseloop-compiled-int4": (phaseloop_compiled_engine("int4"), lambda: None, ("quant",)),
+    "phaseloop-compiled-int4-head": (phaseloop_compiled_engine("int4-head"), lambda: None, ("quant",)),
     "transformers": (transformers_engine, lambda: None, ("llama",)),
     "llama.cpp-f32": (llama_cpp_engine("f32"), _no_llama_cpp, ("gguf",)),
     "llama.cpp-q8_0": (llama_cpp_engine("q8_0"), _no_llama_cpp, ("gguf",)),

@@ -175,6 +175,8 @@ def test_bench_deploy_smoke_runs(capsys, tmp_path, one_thread):
     assert {"phaseloop-fp32", "phaseloop-int8", "phaseloop-int4", "transformers"} <= set(rows)
     assert rows["transformers"]["same_tokens"] and rows["phaseloop-int4"]["weight_bytes"] < \
         0.4 * rows["phaseloop-fp32"]["weight_bytes"]
+    # `generate --compile`'s step: phaseloop's greedy tokens, its compile reported apart
+    assert rows["phaseloop-compiled-fp32"]["same_tokens"] and "compile (once per process" in out
     assert all(r["decode_tok_s"] > 0 and r["floor_tok_s"] > 0 for k, r in rows.items() if k != "ratios")
     if os.environ.get("CI") or importlib.util.find_spec("executorch"):  # CI installs the deploy extra
         # the run's own .pte in ExecuTorch's runtime: phaseloop's greedy tokens (fp32), fewer bytes

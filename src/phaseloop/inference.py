@@ -54,6 +54,7 @@ class Generation:
     kv_cache_bytes: int = 0
     acceptance: float | None = None
     rounds: int | None = None
+    compile_seconds: float | None = None  # a compiled step's compile (deploy/compiled.py), not in seconds
 
     @property
     def tokens_per_s(self) -> float:

@@ -12,6 +12,8 @@ from phaseloop.analysis import plots
 from phaseloop.cli import argtypes, eval_tasks
 from phaseloop.cli.options import depth_options, exit_options, inference_options, on_a_run
 from phaseloop.cli.sweeps import eval_depths, eval_exits, eval_kv_share
+from phaseloop.deploy.compiled import check as check_compiled
+from phaseloop.deploy.compiled import generate as generate_compiled
 from phaseloop.deploy.generate import generate as generate_program
 from phaseloop.deploy.generate import open_pte
 from phaseloop.depth import set_model_depth
@@ -48,6 +50,9 @@ def add_parsers(sub) -> None:
     gen.add_argument("--no-cache", action="store_true", help="recompute the full prefix every token")
     gen.add_argument("--json", action="store_true", help="text, tokens, tokens/s, passes per token, "
                      "KV cache bytes, weight bytes (and the acceptance rate with --speculative) as JSON")
+    gen.add_argument("--compile", action="store_true", help="compile the one-token decode step (inductor, "
+                     "frozen prepacked weights; CPU, batch 1, a fixed depth): faster decoding after a compile "
+                     "of seconds to a minute (docs/deploy.md)")
     quantized_option(gen)
     depth_options(gen)
     exit_options(gen)
@@ -144,10 +149,12 @@ def cmd_generate(args) -> int:
     opts = _options(args, model)
     tok = run_tokenizer(args.run, run_cfg)
     idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]
+    if args.compile:
+        check_compiled(model, opts, idx)  # before the note below (a refusal is one line)
     if idx.shape[1] + args.max_new_tokens > model.cfg.max_seq_len:
         dist.say(f"note: prompt + new tokens ({idx.shape[1] + args.max_new_tokens}) exceed the model's "
                  f"max_seq_len {model.cfg.max_seq_len}: later positions are beyond what it was trained on")
-    g = generate(model, idx, opts)
+    g = generate_compiled(model, idx, opts) if args.compile else generate(model, idx, opts)
     new = g.tokens[0].tolist()
     if args.json:
         out = {"prompt": tok.decode(idx[0].tolist()), "text": tok.decode(new), "tokens": new,
@@ -156,6 +163,8 @@ def cmd_generate(args) -> int:
         out["weight_bytes"], out["weight_bytes_fp32"] = weight_bytes(model)
         if opts.speculative is not None:
             out.update(acceptance=g.acceptance, rounds=g.rounds, draft_passes=opts.speculative)
+        if args.compile:
+            out["compile_seconds"] = g.compile_seconds
         print(json.dumps(out, indent=2))
         return 0
     if opts.exit is not None and g.mean_passes is not None:
@@ -176,6 +185,8 @@ def generate_pte(args) -> int:
     if fixed:
         raise PhaseloopError(f"{fixed[0]} with a .pte: its weights, depth and device were fixed at export "
                              "(phaseloop export ... --depth K --bits 4); run the checkpoint for another choice")
+    if args.compile:
+        raise PhaseloopError("--compile with a .pte: the program is compiled already (ExecuTorch); drop --compile")
     opts = _decode_options(args)  # deploy.generate.check refuses what a program cannot decode with
     exp = open_pte(args.run)
     idx = torch.as_tensor(exp.tokenizer.encode(args.prompt or "\n"), dtype=torch.long)[None]

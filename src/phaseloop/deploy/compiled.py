@@ -1,0 +1,137 @@
+"""``phaseloop generate RUN --compile``: batch-1 decoding with the one-token step compiled
+(docs/deploy.md, "Compiled decode").
+
+The model decodes on a ``StaticKVCache`` (``program.RunnerProgram``, the shape of the
+ExecuTorch program), so a decode step has the same tensor shapes at every position and is
+one static graph. Inductor compiles it once with the weights frozen as constants and
+``max_autotune``: on the CPU each Linear's weight is prepacked for inductor's GEMM
+template (AVX-512 micro-kernels), which streams a one-row product's weights faster than
+BLAS's matrix-vector path, and the rest of the step (norms, RoPE, attention over the
+cache, the loop over layers) runs as generated C++ instead of one Python dispatch per op.
+
+The prompt's forward runs eagerly on the same cache and weights (a graph per prompt
+length would prepack every weight again). The costs: the compile (``compile_seconds``,
+reported apart from tokens/s) and the prepacked copy of each Linear weight beside the
+eager one. A static graph runs a fixed depth: exits, ``--kv-share`` and speculation are
+refused, and UT + ACT runs every step (halted positions keep weight 0: the same output).
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+
+from phaseloop.decoding import decode
+from phaseloop.deploy.program import RunnerProgram
+from phaseloop.errors import ConfigError
+from phaseloop.inference import Generation, Options
+
+# inductor's config for the step: weights as constants (prepacked), GEMM templates tried
+COMPILE_OPTIONS = {"freezing": True, "max_autotune": True}
+
+
+def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
+    """One line for what a compiled decode cannot do, before anything compiles."""
+    fixed = [name for name, on in (("--exit", options.exit is not None), ("--kv-share", options.kv_share),
+                                   ("--kv-fill", options.kv_fill != "recompute"),
+                                   ("--speculative", options.speculative is not None),
+                                   ("--no-cache", not options.use_cache)) if on]
+    if fixed:
+        raise ConfigError(f"{fixed[0]} with --compile: the compiled step runs a fixed depth on a static KV "
+                          f"cache; drop {fixed[0]} or --compile")
+    if options.temperature < 0:
+        raise ConfigError(f"temperature {options.temperature}: must be >= 0 (0 = greedy)")
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ConfigError(f"--compile decodes on the CPU (inductor's CPU GEMM templates), the model is on "
+                          f"{device}: drop --compile or use --device cpu")
+    if prompt_BT.shape[0] != 1 or prompt_BT.shape[1] < 1:
+        raise ConfigError(f"--compile decodes one non-empty prompt (batch 1), got shape {tuple(prompt_BT.shape)}")
+    need, limit = positions(prompt_BT, options), model.cfg.max_seq_len
+    if need > limit:
+        raise ConfigError(f"prompt ({prompt_BT.shape[1]} tokens) + --max-new-tokens {options.max_new_tokens} need "
+                          f"{need} positions; --compile's static cache holds at most max_seq_len = {limit}: ask "
+                          "for fewer tokens or drop --compile")
+
+
+def positions(prompt_BT: torch.Tensor, options: Options) -> int:
+    """Positions the cache must hold: the prompt and every new token fed back (not the last)."""
+    return prompt_BT.shape[1] + max(options.max_new_tokens - 1, 0)
+
+
+class CompiledDecoder:
+    """``model`` on a static cache of ``max_len`` positions with its one-token step compiled
+    (module docstring). ``step`` is ``decoding.decode``'s step: a one-token input runs the
+    compiled graph, a longer one (the prompt) the eager model; ``reset`` starts a new sequence."""
+
+    def __init__(self, model, max_len: int):
+        self.program = RunnerProgram(model.eval(), max_len).allocate()  # one-line refusal: no static cache
+        self._graph = torch.compile(self.program, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+        self.pos = 0
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                self._compiled(torch.zeros(1, 1, dtype=torch.long))
+        except ConfigError:
+            raise
+        except Exception as e:  # no C++ compiler, an op inductor cannot lower
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"--compile: inductor could not compile this {model.cfg.arch} model's decode step "
+                              f"({type(e).__name__}: {first}); decode without --compile") from None
+        self.compile_seconds = time.perf_counter() - t0
+        self.reset()
+
+    @property
+    def cache(self):
+        return self.program.cache
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(b.nbytes for b in self.cache.buffers())
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.pos = 0
+
+    def _compiled(self, x_11: torch.Tensor) -> torch.Tensor:
+        # the graph reads positions from input_pos only; cache.pos stays at the value it was
+        # traced with (as in the exported program), so no call recompiles
+        self.cache.pos = 0
+        logits = self._graph(x_11, torch.tensor([self.pos]))
+        self.pos += 1
+        return logits
+
+    def step(self, x_BT: torch.Tensor, _cache=None) -> SimpleNamespace:
+        T = x_BT.shape[1]
+        if self.pos + T > self.program.max_len:
+            raise ConfigError(f"{self.pos + T} positions exceed the compiled step's cache of "
+                              f"{self.program.max_len}; start a new sequence (reset)")
+        if T == 1 and self.pos > 0:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                logits = self._compiled(x_BT)
+        else:
+            logits = self.program(x_BT, torch.arange(self.pos, self.pos + T))
+            self.pos += T
+        return SimpleNamespace(logits=logits, stats={})
+
+
+@torch.no_grad()
+def generate(model, prompt_BT: torch.Tensor, options: Options, on_output=None) -> Generation:
+    """Decode ``prompt_BT`` [1, T] with the step compiled (``Generation.compile_seconds``:
+    the compile, not in ``seconds``)."""
+    check(model, options, prompt_BT)
+    was_training = model.training
+    try:
+        dec = CompiledDecoder(model, positions(prompt_BT, options))
+        gen = torch.Generator().manual_seed(options.seed)
+        t0 = time.perf_counter()
+        ids = decode(dec.step, prompt_BT, options.max_new_tokens, temperature=options.temperature,
+                     top_k=options.top_k, generator=gen, eos_id=options.eos_id, on_output=on_output)
+        seconds = time.perf_counter() - t0
+    finally:
+        model.train(was_training)
+    n = ids.shape[1] - prompt_BT.shape[1]
+    return Generation(ids, ids[:, prompt_BT.shape[1]:], seconds, [model.trunk.passes] * n, dec.kv_cache_bytes,
+                      compile_seconds=dec.compile_seconds)

@@ -1,0 +1,106 @@
+"""``generate --compile`` (deploy/compiled.py): the one-token step compiled by inductor with
+frozen, prepacked weights decodes what eager decoding does — each step's logits within
+1e-4 of the largest (fp32 summation order only) on the same tokens, greedy tokens equal —
+for every trunk kind and for packed int4 weights; what it cannot run is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model_config, tiny_run
+
+from phaseloop.cli import main
+from phaseloop.deploy.compiled import CompiledDecoder, check, generate
+from phaseloop.early_exit import ExitRule
+from phaseloop.errors import ConfigError
+from phaseloop.inference import Options
+from phaseloop.inference import generate as generate_eager
+from phaseloop.kvcache import KVCache
+from phaseloop.model import build_model
+from phaseloop.quant import PackedLinear, QuantizedWeight, quantize_rtn
+
+TOL = 1e-4  # relative to the largest logit: the compiled products sum in another order
+
+
+def _model(arch: str, **over):
+    torch.manual_seed(0)
+    return build_model(tiny_model_config(arch, **over)).eval()
+
+
+def _packed_int4(model):
+    """``model`` with every Linear whose width 32 divides as packed int4 (group 32)."""
+    for mod in list(model.modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, torch.nn.Linear) and child.in_features % 32 == 0:
+                q, scale, zero = quantize_rtn(child.weight.detach(), 4, 32)
+                setattr(mod, child_name, PackedLinear(QuantizedWeight.from_codes(q, scale, zero, 4), child.bias))
+    assert any(isinstance(m, PackedLinear) and m.kernel == "int4" for m in model.modules())
+    return model
+
+
+CASES = {
+    "rope": lambda: _model("rope"),
+    "universal+act": lambda: _model("universal", act=True, act_max_steps=3),
+    "hyperloop": lambda: _model("hyperloop"),
+    "rope-int4": lambda: _packed_int4(_model("rope", d_model=64)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_steps_equal_eager_steps(case):
+    model = CASES[case]()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prompt = torch.tensor([[3, 1, 4, 1, 5]])
+        opts = Options(max_new_tokens=10, temperature=0.0)
+        eager = generate_eager(model, prompt, opts)
+        compiled = generate(model, prompt, opts)
+        assert compiled.compile_seconds > 0 and compiled.seconds > 0
+        assert compiled.tokens.tolist() == eager.tokens.tolist()
+        # teacher-forced on eager's tokens: every step's logits, compiled vs eager
+        dec, cache = CompiledDecoder(model, 16), KVCache()
+        ids = eager.ids[0].tolist()
+        with torch.no_grad():
+            want = model(prompt, cache=cache).logits[:, -1]
+            got = dec.step(prompt).logits[:, -1]
+            worst = 0.0
+            for tok in ids[5:-1]:
+                x = torch.tensor([[tok]])
+                want, got = model(x, cache=cache).logits[:, -1], dec.step(x).logits[:, -1]
+                worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        assert worst <= TOL, worst
+        if case == "universal+act":  # a static cache runs every step
+            assert compiled.passes == [model.trunk.passes] * 10
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_what_the_compiled_step_cannot_run_is_refused():
+    model, prompt = _model("universal"), torch.tensor([[1, 2, 3]])
+    for opts, word in ((Options(exit=ExitRule("kl", 0.1)), "--exit"), (Options(kv_share=1), "--kv-share"),
+                       (Options(speculative=1), "--speculative"), (Options(use_cache=False), "--no-cache"),
+                       (Options(kv_fill="latest"), "--kv-fill")):
+        with pytest.raises(ConfigError, match=word):
+            check(model, opts, prompt)
+    with pytest.raises(ConfigError, match="batch 1"):
+        check(model, Options(), torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ConfigError, match="max_seq_len = 32"):
+        check(model, Options(max_new_tokens=40), prompt)
+
+
+def test_generate_compile_on_the_command_line(tmp_path, capsys):
+    run = tiny_run(tmp_path, 2, 2)["run"]
+    capsys.readouterr()  # train's own output
+    base = ["generate", str(run), "--json", "--max-new-tokens", "6", "--temperature", "0", "--prompt", "the"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--compile"]) == 0
+    comp = json.loads(capsys.readouterr().out)
+    assert comp["tokens"] == plain["tokens"] and comp["compile_seconds"] > 0 and "compile_seconds" not in plain
+    for extra, word in ((["--speculative", "1"], "--speculative"), (["--max-new-tokens", "500"], "max_seq_len")):
+        assert main([*base, "--compile", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert word in err and len(err.splitlines()) == 1, err
