@@ -78,6 +78,22 @@ def test_compiled_steps_equal_eager_steps(case):
         torch.set_num_threads(threads)
 
 
+def test_the_weights_are_frozen_into_the_compiled_step():
+    """Inductor's freezing is on (the prepacked GEMMs need it): a change to the model after
+    the compile does not reach the compiled step; the eager prompt forward sees it."""
+    model, x = _model("rope"), torch.tensor([[3, 1]])
+    dec = CompiledDecoder(model, 8)
+    with torch.no_grad():
+        dec.step(x[:, :1])  # the prompt: eager
+        before = dec.step(x[:, 1:]).logits  # compiled
+        model.head.weight.add_(1.0)
+        dec.reset()
+        dec.step(x[:, :1])
+        after = dec.step(x[:, 1:]).logits
+        eager = model(x).logits[:, -1:]
+    assert torch.equal(before, after) and (eager - after).abs().max() > 0.1
+
+
 def test_what_the_compiled_step_cannot_run_is_refused():
     model, prompt = _model("universal"), torch.tensor([[1, 2, 3]])
     for opts, word in ((Options(exit=ExitRule("kl", 0.1)), "--exit"), (Options(kv_share=1), "--kv-share"),

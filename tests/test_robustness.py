@@ -350,6 +350,29 @@ def test_an_unwritable_out_is_one_line(world, tmp_path, capsys, monkeypatch):
     assert_one_line(code, err, "No space left on device")
 
 
+def test_read_unchanged_refuses_a_file_rewritten_while_read(tmp_path):
+    """The exports' guard (deploy/run.py, hf/export.py): the digest taken before the read,
+    and one line when the file changed (or vanished) meanwhile; no file: None, no check."""
+    import hashlib
+
+    from phaseloop import files
+    from phaseloop.errors import PhaseloopError
+
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(b"a" * 64)
+    with files.read_unchanged(p, "run") as digest:
+        pass
+    assert digest["sha256"] == hashlib.sha256(b"a" * 64).hexdigest()
+    for change in (lambda: p.write_bytes(b"b" * 64), p.unlink):
+        p.write_bytes(b"a" * 64)
+        with pytest.raises(PhaseloopError, match="run: its checkpoint changed while it was read"):
+            with files.read_unchanged(p, "run"):
+                change()
+    with files.read_unchanged(None, "run") as digest:
+        pass
+    assert digest["sha256"] is None
+
+
 def test_sha256_file_reads_a_settled_file_once_and_any_change_again(tmp_path, monkeypatch):
     """The digest is kept per (inode, size, mtime, ctime) for files older than 2 s, so a
     checkpoint verified twice is read once; a rewrite, or a file changed just now (file

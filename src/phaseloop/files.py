@@ -157,6 +157,19 @@ def write_json(path: Path, obj) -> None:
 _SHA256: dict[tuple, str] = {}  # (device, inode, size, mtime_ns, ctime_ns) -> digest, this process only
 
 
+@contextlib.contextmanager
+def read_unchanged(path: Path | None, owner):
+    """Around a block that reads ``path`` (a run's weights, for an export): yields a dict whose
+    ``sha256`` is the file's digest taken before the block (None: no file; the block refuses
+    that itself), and refuses in one line a file whose digest changed meanwhile (a run still
+    training overwrote it: the export would record a digest of other weights)."""
+    before = {"sha256": sha256_file(path) if path is not None and path.is_file() else None}
+    yield before
+    if path is not None and (sha256_file(path) if path.is_file() else None) != before["sha256"]:
+        raise PhaseloopError(f"{owner}: its checkpoint changed while it was read (training still runs?); "
+                             "export again once it stops")
+
+
 def sha256_file(path: Path) -> str:
     """sha256 of a file (the one digest phaseloop computes of files: checkpoints, corpora,
     tokenizers), read once per process while its inode, size and times stay the same: a

@@ -25,7 +25,7 @@ from phaseloop.deploy import pte, sidecars
 from phaseloop.deploy.program import metadata, prepare
 from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_folder, run_tokenizer
 from phaseloop.errors import PhaseloopError
-from phaseloop.files import check_out_dir, dumps, publish_new, sha256_file
+from phaseloop.files import check_out_dir, dumps, publish_new, read_unchanged
 
 
 def check_out(out: Path) -> None:
@@ -60,11 +60,9 @@ def export_run(run: str | Path, out: str | Path, *, depth: int | None = None, ex
     run_dir = run_folder(run)
     ckpt = checkpoint_dir(run_dir) if run_dir == Path(run) else Path(run)
     weights = None if ckpt is None else ckpt / "model.safetensors"
-    weights_sha256 = sha256_file(weights) if weights is not None and weights.is_file() else None  # before reading
-    model, run_cfg = load_run(run, "cpu")  # no checkpoint: refused here
-    if sha256_file(weights) != weights_sha256:
-        raise PhaseloopError(f"{run_dir}: its checkpoint changed while it was read (training still runs?); "
-                             "export again once it stops")
+    with read_unchanged(weights, run_dir) as digest:
+        model, run_cfg = load_run(run, "cpu")  # no checkpoint: refused here
+    weights_sha256 = digest["sha256"]
     tok = run_tokenizer(run, run_cfg)
     program = prepare(model, depth, extend_loops, max_len)
     quantized = pte.quantize_linears(program, bits, head) if bits else []

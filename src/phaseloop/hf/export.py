@@ -26,7 +26,7 @@ from phaseloop import registry
 from phaseloop.depth import set_model_depth
 from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_folder, run_tokenizer
 from phaseloop.errors import PhaseloopError
-from phaseloop.files import check_out_dir, dumps, pid_alive, read_json, writing
+from phaseloop.files import check_out_dir, dumps, pid_alive, read_json, read_unchanged, writing
 from phaseloop.files import sha256_file as file_sha256
 from phaseloop.hf.modeling import PhaseloopForCausalLM
 from phaseloop.hf.tokenizer import hf_tokenizer
@@ -185,11 +185,9 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
     run, run_dir = Path(run), run_folder(run)
     ckpt = checkpoint_dir(run_dir) if run_dir == run else run
     weights = None if ckpt is None else ckpt / "model.safetensors"
-    sha = file_sha256(weights) if weights is not None and weights.is_file() else None  # before reading it
-    hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized, depth, extend_loops, packed=False)  # or refused
-    if file_sha256(weights) != sha:
-        raise PhaseloopError(f"{run_dir}: its checkpoint changed while it was read (training still runs?); "
-                             "export again once it stops")
+    with read_unchanged(weights, run_dir) as digest:
+        hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized, depth, extend_loops, packed=False)  # or refused
+    sha = digest["sha256"]
     summary = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
     with atomic_folder(out) as tmp:
         hf.config.auto_map = dict(AUTO_MAP)
