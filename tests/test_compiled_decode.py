@@ -94,6 +94,34 @@ def test_the_weights_are_frozen_into_the_compiled_step():
     assert torch.equal(before, after) and (eager - after).abs().max() > 0.1
 
 
+def test_a_process_compiles_more_decoders_than_dynamos_recompile_limit():
+    """Each decoder compiles its own graph (CI failed the ninth decoder of a worker process
+    when they shared RunnerProgram.forward's cache); a dropped decoder leaves no compiled step behind."""
+    import gc
+    import weakref
+
+    model = _model("rope", n_layers=1)
+    limit = torch._dynamo.config.recompile_limit
+    graphs = []
+    for _ in range(limit + 1):
+        dec = CompiledDecoder(model, 4)
+        graphs.append(weakref.ref(dec._graph))
+        with torch.no_grad():
+            dec.step(torch.tensor([[1]]))
+            assert dec.step(torch.tensor([[2]])).logits.shape == (1, 1, model.cfg.vocab_size)
+    del dec
+    gc.collect()
+    assert sum(g() is not None for g in graphs) == 0
+
+
+def test_no_new_tokens_compiles_nothing(monkeypatch):
+    import phaseloop.deploy.compiled as compiled
+
+    monkeypatch.setattr(compiled, "CompiledDecoder", None)  # would fail if called
+    g = generate(_model("rope"), torch.tensor([[1, 2]]), Options(max_new_tokens=0))
+    assert g.tokens.shape == (1, 0) and g.ids.tolist() == [[1, 2]] and g.compile_seconds == 0.0
+
+
 def test_what_the_compiled_step_cannot_run_is_refused():
     model, prompt = _model("universal"), torch.tensor([[1, 2, 3]])
     for opts, word in ((Options(exit=ExitRule("kl", 0.1)), "--exit"), (Options(kv_share=1), "--kv-share"),

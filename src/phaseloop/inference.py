@@ -40,6 +40,14 @@ class Options:
     speculative: int | None = None
     draft_tokens: int = 4
 
+    def dynamic_flags(self) -> list[str]:
+        """The flags in use that a program of fixed depth on its own static cache (an
+        ExecuTorch export, a compiled step) cannot take."""
+        return [flag for flag, on in (("--exit", self.exit is not None), ("--kv-share", self.kv_share is not None),
+                                      ("--kv-fill", self.kv_fill != "recompute"),
+                                      ("--speculative", self.speculative is not None),
+                                      ("--no-cache", not self.use_cache)) if on]
+
 
 @dataclass
 class Generation:

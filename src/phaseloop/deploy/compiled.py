@@ -18,7 +18,9 @@ refused, and UT + ACT runs every step (halted positions keep weight 0: the same 
 
 from __future__ import annotations
 
+import itertools
 import time
+import types
 from types import SimpleNamespace
 
 import torch
@@ -36,10 +38,7 @@ COMPILE_OPTIONS = {"freezing": True, "max_autotune": True}
 
 def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
     """One line for what a compiled decode cannot do, before anything compiles."""
-    fixed = [name for name, on in (("--exit", options.exit is not None), ("--kv-share", options.kv_share),
-                                   ("--kv-fill", options.kv_fill != "recompute"),
-                                   ("--speculative", options.speculative is not None),
-                                   ("--no-cache", not options.use_cache)) if on]
+    fixed = options.dynamic_flags()
     if fixed:
         raise ConfigError(f"{fixed[0]} with --compile: the compiled step runs a fixed depth on a static KV "
                           f"cache; drop {fixed[0]} or --compile")
@@ -63,6 +62,22 @@ def positions(prompt_BT: torch.Tensor, options: Options) -> int:
     return prompt_BT.shape[1] + max(options.max_new_tokens - 1, 0)
 
 
+_NEXT = itertools.count()
+
+
+def _run(program: RunnerProgram, tokens_11: torch.Tensor, input_pos_1: torch.Tensor) -> torch.Tensor:
+    return program(tokens_11, input_pos_1)
+
+
+def _own_step():
+    """``_run`` with a code object of its own. Dynamo keeps compiled graphs per code object,
+    at most ``recompile_limit`` (8) of them: compiling ``RunnerProgram.forward`` itself, the
+    ninth decoder of a process failed, and every earlier one's frozen weights stayed alive.
+    Each decoder's graph now lives and dies with the decoder."""
+    code = _run.__code__.replace(co_name=f"decode_step_{next(_NEXT)}")
+    return types.FunctionType(code, _run.__globals__, code.co_name)
+
+
 class CompiledDecoder:
     """``model`` on a static cache of ``max_len`` positions with its one-token step compiled
     (module docstring). ``step`` is ``decoding.decode``'s step: a one-token input runs the
@@ -73,7 +88,7 @@ class CompiledDecoder:
         import torch._inductor.config as inductor_config  # here: importing inductor takes a while
 
         self.program = RunnerProgram(model.eval(), max_len).allocate()  # one-line refusal: no static cache
-        self._graph = torch.compile(self.program, fullgraph=True, dynamic=False)
+        self._graph = torch.compile(_own_step(), fullgraph=True, dynamic=False)
         self.pos = 0
         t0 = time.perf_counter()
         try:
@@ -105,10 +120,11 @@ class CompiledDecoder:
         # traced with (as in the exported program), so no call recompiles
         self.cache.pos = 0
         x_11 = x_11.reshape(1).to(torch.long, copy=True).view(1, 1)  # the traced strides: no guard fails
-        logits = self._graph(x_11, torch.tensor([self.pos]))
+        logits = self._graph(self.program, x_11, torch.tensor([self.pos]))
         self.pos += 1
         return logits
 
+    @torch.no_grad()  # the graph was traced without autograd: a grad-mode guard never fails
     def step(self, x_BT: torch.Tensor, _cache=None) -> SimpleNamespace:
         T = x_BT.shape[1]
         if self.pos + T > self.program.max_len:
@@ -128,6 +144,8 @@ def generate(model, prompt_BT: torch.Tensor, options: Options, on_output=None) -
     """Decode ``prompt_BT`` [1, T] with the step compiled (``Generation.compile_seconds``:
     the compile, not in ``seconds``)."""
     check(model, options, prompt_BT)
+    if options.max_new_tokens == 0:  # nothing to decode: nothing to compile
+        return Generation(prompt_BT, prompt_BT[:, :0], 0.0, [], 0, compile_seconds=0.0)
     was_training = model.training
     try:
         dec = CompiledDecoder(model, positions(prompt_BT, options))

@@ -98,10 +98,7 @@ def open_pte(path, threads: int | None = None) -> Exported:
 
 def check(exp: Exported, options: Options, prompt_BT: torch.Tensor) -> None:
     """One line for what a program cannot do, before it runs."""
-    fixed = [name for name, on in (("--exit", options.exit is not None), ("--kv-share", options.kv_share),
-                                   ("--kv-fill", options.kv_fill != "recompute"),
-                                   ("--speculative", options.speculative is not None),
-                                   ("--no-cache", not options.use_cache)) if on]
+    fixed = options.dynamic_flags()
     if fixed:
         raise ConfigError(f"{fixed[0]} with a .pte: an exported program runs its fixed depth with its own "
                           "cache; run the checkpoint instead (phaseloop generate RUN)")
