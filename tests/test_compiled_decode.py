@@ -98,20 +98,26 @@ def test_a_process_compiles_more_decoders_than_dynamos_recompile_limit():
     """Each decoder compiles its own graph (CI failed the ninth decoder of a worker process
     when they shared RunnerProgram.forward's cache); a dropped decoder leaves no compiled step behind."""
     import gc
-    import weakref
 
     model = _model("rope", n_layers=1)
-    limit = torch._dynamo.config.recompile_limit
+    limit = 2  # dynamo's default is 8: the same property, fewer compiles
     graphs = []
-    for _ in range(limit + 1):
-        dec = CompiledDecoder(model, 4)
-        graphs.append(weakref.ref(dec._graph))
-        with torch.no_grad():
-            dec.step(torch.tensor([[1]]))
-            assert dec.step(torch.tensor([[2]])).logits.shape == (1, 1, model.cfg.vocab_size)
-    del dec
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for _ in range(limit + 1):
+            graphs.append(_decoder_runs(model))
     gc.collect()
     assert sum(g() is not None for g in graphs) == 0
+
+
+def _decoder_runs(model):
+    """A decoder's prompt and one compiled step; a weak reference to its compiled step."""
+    import weakref
+
+    dec = CompiledDecoder(model, 4)
+    with torch.no_grad():
+        dec.step(torch.tensor([[1]]))
+        assert dec.step(torch.tensor([[2]])).logits.shape == (1, 1, model.cfg.vocab_size)
+    return weakref.ref(dec._graph)
 
 
 def test_no_new_tokens_compiles_nothing(monkeypatch):
