@@ -40,6 +40,11 @@ class Options:
     speculative: int | None = None
     draft_tokens: int = 4
 
+    def cache_positions(self, prompt_len: int) -> int:
+        """Positions a cached decode writes: the prompt and every new token fed back (the
+        last one never is: ``decoding.decode``)."""
+        return prompt_len + max(self.max_new_tokens - 1, 0)
+
     def dynamic_flags(self) -> list[str]:
         """The flags in use that a program of fixed depth on its own static cache (an
         ExecuTorch export, a compiled step) cannot take."""

@@ -50,16 +50,11 @@ def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
                           f"{device}: drop --compile or use --device cpu")
     if prompt_BT.shape[0] != 1 or prompt_BT.shape[1] < 1:
         raise ConfigError(f"--compile decodes one non-empty prompt (batch 1), got shape {tuple(prompt_BT.shape)}")
-    need, limit = positions(prompt_BT, options), model.cfg.max_seq_len
+    need, limit = options.cache_positions(prompt_BT.shape[1]), model.cfg.max_seq_len
     if need > limit:
         raise ConfigError(f"prompt ({prompt_BT.shape[1]} tokens) + --max-new-tokens {options.max_new_tokens} need "
                           f"{need} positions; --compile's static cache holds at most max_seq_len = {limit}: ask "
                           "for fewer tokens or drop --compile")
-
-
-def positions(prompt_BT: torch.Tensor, options: Options) -> int:
-    """Positions the cache must hold: the prompt and every new token fed back (not the last)."""
-    return prompt_BT.shape[1] + max(options.max_new_tokens - 1, 0)
 
 
 _NEXT = itertools.count()
@@ -148,7 +143,7 @@ def generate(model, prompt_BT: torch.Tensor, options: Options, on_output=None) -
         return Generation(prompt_BT, prompt_BT[:, :0], 0.0, [], 0, compile_seconds=0.0)
     was_training = model.training
     try:
-        dec = CompiledDecoder(model, positions(prompt_BT, options))
+        dec = CompiledDecoder(model, options.cache_positions(prompt_BT.shape[1]))
         gen = torch.Generator().manual_seed(options.seed)
         t0 = time.perf_counter()
         ids = decode(dec.step, prompt_BT, options.max_new_tokens, temperature=options.temperature,

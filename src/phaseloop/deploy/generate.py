@@ -104,8 +104,7 @@ def check(exp: Exported, options: Options, prompt_BT: torch.Tensor) -> None:
                           "cache; run the checkpoint instead (phaseloop generate RUN)")
     if prompt_BT.shape[0] != 1:
         raise ConfigError(f"a .pte decodes one sequence (batch 1), got {prompt_BT.shape[0]}")
-    n = options.max_new_tokens  # the last new token is never fed back
-    need = prompt_BT.shape[1] + max(n - 1, 0)
+    need = options.cache_positions(prompt_BT.shape[1])
     if prompt_BT.shape[1] < 1 or need > exp.max_len:
         raise ConfigError(f"prompt ({prompt_BT.shape[1]} tokens) + --max-new-tokens {options.max_new_tokens} "
                           f"need {need} positions; {exp.path.name} holds {exp.max_len} (get_max_seq_len): "
