@@ -1,7 +1,8 @@
 """``generate --compile`` (deploy/compiled.py): the one-token step compiled by inductor with
 frozen, prepacked weights decodes what eager decoding does — each step's logits within
 1e-4 of the largest (fp32 summation order only) on the same tokens, greedy tokens equal —
-for every trunk kind and for packed int4 weights; what it cannot run is one line, exit 2."""
+for a stack (RoPE), UT + ACT, Hyperloop and packed int4 weights; what it cannot run is one
+line, exit 2."""
 
 from __future__ import annotations
 
