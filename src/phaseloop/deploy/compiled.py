@@ -9,6 +9,12 @@ template (AVX-512 micro-kernels), which streams a one-row product's weights fast
 BLAS's matrix-vector path, and the rest of the step (norms, RoPE, attention over the
 cache, the loop over layers) runs as generated C++ instead of one Python dispatch per op.
 
+Dynamo's guards (a check of every weight and buffer the step reads, 0.6 ms of a 7 ms
+step at rope-123m int4) run on the first compiled step after each prompt, the only point
+where eager code (the prompt's forward) ran since the last check; the steps after it skip
+them (``skip_guard_eval_unsafe``: one graph, inputs of a fixed shape and dtype that this
+module builds itself).
+
 The prompt's forward runs eagerly on the same cache and weights (a graph per prompt
 length would prepack every weight again). The costs: the compile (``compile_seconds``,
 reported apart from tokens/s) and the prepacked copy of each Linear weight beside the
@@ -84,7 +90,7 @@ class CompiledDecoder:
 
         self.program = RunnerProgram(model.eval(), max_len).allocate()  # one-line refusal: no static cache
         self._graph = torch.compile(_own_step(), fullgraph=True, dynamic=False)
-        self.pos = 0
+        self.pos, self._guarded = 0, False
         t0 = time.perf_counter()
         try:
             with torch.no_grad(), inductor_config.patch(COMPILE_OPTIONS):
@@ -108,7 +114,7 @@ class CompiledDecoder:
 
     def reset(self) -> None:
         self.cache.reset()
-        self.pos = 0
+        self.pos, self._guarded = 0, False
 
     def _compiled(self, x_11: torch.Tensor) -> torch.Tensor:
         # the graph reads positions from input_pos only; cache.pos stays at the value it was
@@ -126,11 +132,13 @@ class CompiledDecoder:
             raise ConfigError(f"{self.pos + T} positions exceed the compiled step's cache of "
                               f"{self.program.max_len}; start a new sequence (reset)")
         if T == 1 and self.pos > 0:
-            with torch.compiler.set_stance("fail_on_recompile"):
+            # guards once after eager code ran (module docstring); a failing one raises
+            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=self._guarded):
                 logits = self._compiled(x_BT)
+            self._guarded = True
         else:
             logits = self.program(x_BT, torch.arange(self.pos, self.pos + T))
-            self.pos += T
+            self.pos, self._guarded = self.pos + T, False
         return SimpleNamespace(logits=logits, stats={})
 
 
