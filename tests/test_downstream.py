@@ -272,6 +272,7 @@ def test_depth_sweep_per_depth_and_the_trained_depth_equals_plain(tmp_path, caps
     (["--tasks", "piqa", "--kv-fill", "latest"], "--kv-fill applies to the loss"),
     (["--tasks", "piqa", "--quantized", "q.safetensors"], "--quantized applies to the loss"),
     (["--tasks", "piqa", "--seq-len", "32"], "--seq-len applies to the loss"),
+    (["--tasks", "piqa", "--windows", "4"], "--windows applies to the loss"),
     (["--tasks", "piqa", "--split", "all"], "--split applies to the loss"),
     (["--tasks", "piqa", "--samples", ""], "name a file to write"),
     (["--tasks", "piqa", "--samples", "/tmp"], "not a folder"),

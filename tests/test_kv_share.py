@@ -126,11 +126,21 @@ def test_truncate_forgets_positions_as_if_never_fed(preset, share):
         cache.truncate(10)
 
 
-def test_truncate_refuses_running_sums_by_name():
-    m = _model("hyperloop-tiny", hc_transition="pooled_mlp")
+def test_truncate_rolls_running_sums_back_and_refuses_other_state_by_name():
+    """The pooled transition's running sums (hyperconn.RunningSums) roll back with the cache:
+    tokens fed again after ``truncate(3)`` give the full forward's logits (float64); an
+    entry that can neither be cut nor rolled back is refused by its slot's name."""
+    m, idx = _model("hyperloop-tiny", hc_transition="pooled_mlp"), _idx()
     cache = KVCache()
-    m(_idx(), cache=cache)
-    with pytest.raises(ConfigError, match="'pool', 0.*cannot be rolled back"):
+    with torch.no_grad():
+        m(idx[:, :6], cache=cache)
+        cache.truncate(3)
+        again = m(idx[:, 3:], cache=cache).logits
+        full = m(idx).logits[:, 3:]
+    assert cache.pos == idx.shape[1] and cache.entries[("pool", 0)].count == idx.shape[1]
+    torch.testing.assert_close(again, full, atol=1e-10, rtol=0)
+    cache.entries["summary"] = ("not", "tensors")
+    with pytest.raises(ConfigError, match="'summary'.*cannot be rolled back"):
         cache.truncate(3)
 
 

@@ -172,6 +172,40 @@ class HyperConnection(DerivedBuffers, nn.Module):
         return kept_BTnD + post_BTn.unsqueeze(-1) * f_BTD.unsqueeze(-2)
 
 
+class RunningSums:
+    """``PooledMLPTransition``'s KV-cache entry: the running sum of the streams [B, P, n*D]
+    at each cached position start .. start + P - 1. Every position's sum is kept, not only
+    the last, so that the entry rolls back with the cache (``truncate``: speculative
+    decoding drops rejected drafts); a decode step appends its own chunk."""
+
+    def __init__(self, start: int, sums_BPm: torch.Tensor):
+        self.start, self.chunks = start, [sums_BPm]
+
+    @property
+    def count(self) -> int:
+        """Positions summed so far (the running mean's denominator before the next one)."""
+        return sum(c.shape[1] for c in self.chunks)
+
+    @property
+    def last_B1m(self) -> torch.Tensor:
+        return self.chunks[-1][:, -1:]
+
+    def append(self, sums_BTm: torch.Tensor) -> None:
+        self.chunks.append(sums_BTm)
+
+    def truncate(self, n: int) -> RunningSums | None:
+        """Only the positions < n (None: none left)."""
+        keep = n - self.start
+        return None if keep <= 0 else RunningSums(self.start, torch.cat(self.chunks, 1)[:, :keep])
+
+    def select_rows(self, idx_R: torch.Tensor) -> RunningSums:
+        return RunningSums(self.start, torch.cat(self.chunks, 1).index_select(0, idx_R))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+
 class PooledMLPTransition(nn.Module):
     """The review's description of Hyperloop (not the paper's method), kept as a variant:
 
@@ -179,8 +213,9 @@ class PooledMLPTransition(nn.Module):
 
     where pool is a *causal* running mean over positions <= t (a global average pool
     would let every token see the future). The review leaves open how F reads n streams;
-    we read their mean, as the hyperloop does at init. Under a KV cache the running sum
-    and count are kept in ``cache.entries[slot]``.
+    we read their mean, as the hyperloop does at init. Under a KV cache the running sums
+    are kept in ``cache.entries[slot]`` (``RunningSums``, one per cached position, so the
+    cache rolls back for speculative decoding).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -205,10 +240,12 @@ class PooledMLPTransition(nn.Module):
             raise ConfigError("hc_transition='pooled_mlp' keeps running sums per loop in its cache, which a "
                               "static cache (export) has no buffer for; export the paper's hc_transition='hc'")
         if cache is not None:
-            if slot in cache.entries:
-                prev_B1m, past = cache.entries[slot]
-                sum_BTm = sum_BTm + prev_B1m
-            cache.entries[slot] = (sum_BTm[:, -1:].detach(), past + T)
+            sums = cache.entries.get(slot)
+            if sums is None:
+                cache.entries[slot] = RunningSums(ctx.start_pos, sum_BTm.detach())
+            else:
+                sum_BTm, past = sum_BTm + sums.last_B1m, sums.count
+                sums.append(sum_BTm.detach())
         count_T1 = torch.arange(past + 1, past + T + 1, device=sum_BTm.device,
                                 dtype=sum_BTm.dtype)[:, None]
         pooled_BTm = (sum_BTm / count_T1).to(streams_BTnD.dtype)

@@ -40,10 +40,10 @@ def check_flags(args) -> None:
         return
     for flag, value in (("--exit", args.exit), ("--kv-fill", args.kv_fill != "recompute"),
                         ("--kv-share", args.kv_share), ("--quantized", getattr(args, "quantized", None)),
-                        ("--seq-len", args.seq_len), ("--split", args.split != "val"),
-                        ("--plot", args.plot), ("--data", args.data)):
+                        ("--seq-len", args.seq_len), ("--windows", args.windows is not None),
+                        ("--split", args.split != "val"), ("--plot", args.plot), ("--data", args.data)):
         if value:
-            why = {"--data": " (the tasks bring their own data)",
+            why = {"--data": " (the tasks bring their own data)", "--windows": " (--limit N scores N documents)",
                    "--seq-len": " (they score in the model's own window)"}.get(flag, "")
             raise PhaseloopError(f"{flag} applies to the loss, not to --tasks{why}; drop one of them")
     if args.samples is not None:  # checked before anything is scored

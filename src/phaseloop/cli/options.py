@@ -36,13 +36,20 @@ def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int 
     if data:
         p.add_argument("--data", help="data source (default: the run's own)")
     if windows is not None:
-        p.add_argument("--windows", type=argtypes.positive_int, default=windows, help="evaluation windows")
+        # None when not given, so that a command can refuse it where it does not apply (eval --tasks)
+        p.add_argument("--windows", type=argtypes.positive_int, help=f"evaluation windows (default {windows})")
+        p.set_defaults(default_windows=windows)
         if seq_len:
             p.add_argument("--seq-len", type=argtypes.seq_len_int, help="window length (default: the run's)")
     if device:
         p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.set_defaults(func=func)
     return p
+
+
+def windows_of(args) -> int:
+    """``--windows``, or the subcommand's default when it was not given (``on_a_run``)."""
+    return args.windows if args.windows is not None else args.default_windows
 
 
 def depth_options(p, sweep: bool = False) -> None:

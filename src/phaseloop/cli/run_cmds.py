@@ -10,7 +10,7 @@ import torch
 
 from phaseloop.analysis import plots
 from phaseloop.cli import argtypes, eval_tasks
-from phaseloop.cli.options import depth_options, exit_options, inference_options, on_a_run
+from phaseloop.cli.options import depth_options, exit_options, inference_options, on_a_run, windows_of
 from phaseloop.cli.sweeps import eval_depths, eval_exits, eval_kv_share
 from phaseloop.deploy.compiled import check as check_compiled
 from phaseloop.deploy.compiled import generate as generate_compiled
@@ -97,7 +97,7 @@ def cmd_eval(args) -> int:
         tokens = corpus.tokens
     else:
         _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
-    windows, docs = eval_set(corpus, tokens, seq_len, args.windows, run_cfg["train"])
+    windows, docs = eval_set(corpus, tokens, seq_len, windows_of(args), run_cfg["train"])
     if args.plot:  # refuse a plot without matplotlib before evaluating
         plots.pyplot()
     if args.kv_share is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from phaseloop import deploy
 from phaseloop.analysis.params import format_count
 from phaseloop.cli import argtypes
-from phaseloop.cli.options import depth_options, on_a_run
+from phaseloop.cli.options import depth_options, on_a_run, windows_of
 from phaseloop.config import ModelConfig
 from phaseloop.engine.checkpoint import read_run_config, run_folder
 from phaseloop.errors import ConfigError, PhaseloopError
@@ -73,7 +73,7 @@ def add_parsers(sub) -> None:
 def cmd_quantize(args) -> int:
     """Hyperloop §4: weight-only INT8/INT4 quantisation of a run (``quant.quantize_run``)."""
     r = quantize_run(args.run, args.bits, args.group_size, args.method, calib_batches=args.calib_batches,
-                     calib_batch_size=args.calib_batch_size, seed=args.seed, windows=args.windows,
+                     calib_batch_size=args.calib_batch_size, seed=args.seed, windows=windows_of(args),
                      data=args.data, out=args.out, device=args.device, head=args.head)
     b, a = r["before"], r["after"]
     print(f"{r['arch']} {r['stem']}: val loss {b['val_loss']:.4f} -> {a['val_loss']:.4f}, "

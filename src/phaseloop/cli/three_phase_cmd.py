@@ -13,7 +13,7 @@ from phaseloop.analysis import plots
 from phaseloop.analysis.probe import recording
 from phaseloop.archs.three_phase import angle_drift, zero_sum_diagnostic
 from phaseloop.cli.argtypes import positive_int
-from phaseloop.cli.options import on_a_run
+from phaseloop.cli.options import on_a_run, windows_of
 from phaseloop.data.corpus import eval_windows
 from phaseloop.engine.checkpoint import load_run, run_corpus
 from phaseloop.errors import PhaseloopError
@@ -81,7 +81,7 @@ def cmd_zero_sum(args) -> int:
     corpus = run_corpus(args.run, run_cfg, args.data)
     seq_len = args.seq_len or model.cfg.max_seq_len
     _, val = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
-    windows = eval_windows(val, seq_len, args.windows)[:, :-1]
+    windows = eval_windows(val, seq_len, windows_of(args))[:, :-1]
     N, T = model.cfg.n_phases, seq_len
     expect = N * sum(1 / k for k in range(1, T + 1)) / T
     print(f"zero-sum diagnostic, N={N}, T={T} (horn value N*H_T/T = {expect:.4f})")
