@@ -23,7 +23,7 @@ from pathlib import Path
 from phaseloop.data.tokenizer import ByteTokenizer, byte_level_tokenizer
 from phaseloop.deploy import pte, sidecars
 from phaseloop.deploy.program import metadata, prepare
-from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_folder, run_tokenizer
+from phaseloop.engine.checkpoint import checkpoint_weights, load_run, run_folder, run_tokenizer
 from phaseloop.errors import PhaseloopError
 from phaseloop.files import check_out_dir, dumps, publish_new, read_unchanged
 
@@ -58,9 +58,7 @@ def export_run(run: str | Path, out: str | Path, *, depth: int | None = None, ex
         raise PhaseloopError("--head quantises the output head with the other Linears: add --bits 8 or --bits 4")
     t0 = time.perf_counter()
     run_dir = run_folder(run)
-    ckpt = checkpoint_dir(run_dir) if run_dir == Path(run) else Path(run)
-    weights = None if ckpt is None else ckpt / "model.safetensors"
-    with read_unchanged(weights, run_dir) as digest:
+    with read_unchanged(checkpoint_weights(run), run_dir) as digest:
         model, run_cfg = load_run(run, "cpu")  # no checkpoint: refused here
     weights_sha256 = digest["sha256"]
     tok = run_tokenizer(run, run_cfg)

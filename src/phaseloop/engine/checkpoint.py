@@ -191,6 +191,15 @@ def checkpoint_dir(run_dir: Path) -> Path | None:
     return None
 
 
+def checkpoint_weights(run: str | Path) -> Path | None:
+    """model.safetensors of a run folder's checkpoint, or of a checkpoint folder given
+    itself; None when the run has no checkpoint (``load_run`` then refuses it)."""
+    run = Path(run)
+    run_dir = run_folder(run)
+    ckpt = checkpoint_dir(run_dir) if run_dir == run else run
+    return None if ckpt is None else ckpt / "model.safetensors"
+
+
 def verify_checkpoint(ckpt: Path, names=CKPT_FILES) -> None:
     """Refuse a checkpoint whose files ``names`` are missing or differ (size, sha256)
     from its manifest, naming the file. A checkpoint of a phaseloop without manifests

@@ -24,7 +24,7 @@ import torch
 
 from phaseloop import registry
 from phaseloop.depth import set_model_depth
-from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_folder, run_tokenizer
+from phaseloop.engine.checkpoint import checkpoint_weights, load_run, run_folder, run_tokenizer
 from phaseloop.errors import PhaseloopError
 from phaseloop.files import check_out_dir, dumps, pid_alive, read_json, read_unchanged, writing
 from phaseloop.files import sha256_file as file_sha256
@@ -183,9 +183,7 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
     """Write the run as a Hugging Face folder at ``out`` (absent or empty); returns it."""
     out = new_folder(out)
     run, run_dir = Path(run), run_folder(run)
-    ckpt = checkpoint_dir(run_dir) if run_dir == run else run
-    weights = None if ckpt is None else ckpt / "model.safetensors"
-    with read_unchanged(weights, run_dir) as digest:
+    with read_unchanged(checkpoint_weights(run), run_dir) as digest:
         hf, fast, run_cfg, _ = from_run(run, "cpu", dtype, quantized, depth, extend_loops, packed=False)  # or refused
     sha = digest["sha256"]
     summary = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
