@@ -1,8 +1,8 @@
 """``generate --compile`` (deploy/compiled.py): the one-token step compiled by inductor with
 frozen, prepacked weights decodes what eager decoding does — each step's logits within
 1e-4 of the largest (fp32 summation order only) on the same tokens, greedy tokens equal —
-for a stack (RoPE), UT + ACT, Hyperloop and packed int4 weights; what it cannot run is one
-line, exit 2."""
+for every built-in architecture (RoPE, 3PT, mHC, UT, UT + ACT, Looped, Hyperloop) and packed
+int4 weights; what it cannot run is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -42,9 +42,13 @@ def _packed_int4(model):
     return model
 
 
-CASES = {
+CASES = {  # every built-in trunk kind, and packed int4 weights
     "rope": lambda: _model("rope"),
+    "three_phase": lambda: _model("three_phase"),
+    "mhc": lambda: _model("mhc"),
+    "universal": lambda: _model("universal"),
     "universal+act": lambda: _model("universal", act=True, act_max_steps=3),
+    "looped": lambda: _model("looped"),
     "hyperloop": lambda: _model("hyperloop"),
     "rope-int4": lambda: _packed_int4(_model("rope", d_model=64)),
 }
@@ -136,6 +140,19 @@ def _decoder_runs(model):
         dec.step(torch.tensor([[1]]))
         assert dec.step(torch.tensor([[2]])).logits.shape == (1, 1, model.cfg.vocab_size)
     return weakref.ref(dec._graph)
+
+
+def test_a_failing_autotuned_compile_falls_back_to_one_without_templates(monkeypatch):
+    """When the autotuned compile fails (torch 2.13's CPU BMM template on mHC does), the step
+    compiles again with frozen weights and no templates, and still decodes what eager does."""
+    import phaseloop.deploy.compiled as compiled
+
+    monkeypatch.setattr(compiled, "COMPILE_OPTIONS", {"freezing": True, "not_an_inductor_option": True})
+    model, prompt = _model("rope", n_layers=1), torch.tensor([[3, 1, 4]])
+    dec = CompiledDecoder(model, 12)
+    assert dec.autotuned is False
+    eager = generate_eager(model, prompt, Options(max_new_tokens=6, temperature=0.0))
+    assert decode(dec.step, prompt, 6).tolist() == eager.ids.tolist()
 
 
 def test_no_new_tokens_compiles_nothing(monkeypatch):

@@ -40,6 +40,10 @@ from phaseloop.inference import Generation, Options
 # tried. Set through config.patch around the compiling call: torch.compile(options=...) does
 # not reach freezing (measured: the step then ran unfrozen, 38.6 against 56.2 tok/s at rope-123m)
 COMPILE_OPTIONS = {"freezing": True, "max_autotune": True}
+# when a template fails to generate (torch 2.13: the CPU BMM template's epilogue on mHC's
+# stream mixing, an AssertionError in ir.py), the step compiles again without autotuning:
+# frozen weights, ATen / oneDNN products (``CompiledDecoder.autotuned`` is then False)
+FALLBACK_OPTIONS = {"freezing": True}
 
 
 def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
@@ -86,15 +90,18 @@ class CompiledDecoder:
     The weights are frozen into the graph when it compiles: change the model, build another."""
 
     def __init__(self, model, max_len: int):
-        import torch._inductor.config as inductor_config  # here: importing inductor takes a while
-
         self.program = RunnerProgram(model.eval(), max_len).allocate()  # one-line refusal: no static cache
-        self._graph = torch.compile(_own_step(), fullgraph=True, dynamic=False)
         self.pos, self._guarded = 0, False
         t0 = time.perf_counter()
         try:
-            with torch.no_grad(), inductor_config.patch(COMPILE_OPTIONS):
-                self._compiled(torch.zeros(1, 1, dtype=torch.long))
+            try:
+                self._compile(COMPILE_OPTIONS)
+                self.autotuned = True
+            except ConfigError:
+                raise
+            except Exception:  # a GEMM template inductor fails to generate: compile without them
+                self._compile(FALLBACK_OPTIONS)
+                self.autotuned = False
         except ConfigError:
             raise
         except Exception as e:  # no C++ compiler, an op inductor cannot lower
@@ -103,6 +110,15 @@ class CompiledDecoder:
                               f"({type(e).__name__}: {first}); decode without --compile") from None
         self.compile_seconds = time.perf_counter() - t0
         self.reset()
+
+    def _compile(self, options: dict) -> None:
+        """Compile the step (a graph of its own: ``_own_step``) under inductor ``options``."""
+        import torch._inductor.config as inductor_config  # here: importing inductor takes a while
+
+        self._graph = torch.compile(_own_step(), fullgraph=True, dynamic=False)
+        self.pos = 0
+        with torch.no_grad(), inductor_config.patch(options):
+            self._compiled(torch.zeros(1, 1, dtype=torch.long))
 
     @property
     def cache(self):
