@@ -124,6 +124,16 @@ def test_nucleus_is_the_smallest_set_reaching_top_p():
     assert int((k > 0).sum(-1).max()) <= 3  # top-k first, then the nucleus within it
 
 
+def test_a_temperature_below_float_precision_takes_its_limit_row_by_row():
+    """logits / T overflows in row 0 only: row 0 is its argmax (the T -> 0 limit, ties
+    shared), row 1 is still softmax(logits / T), as it would be alone in its batch."""
+    logits = torch.tensor([[3e38, 1e38, 3e38], [1e-3, 2e-3, 0.0]])
+    p = sampling_probs(logits, 1e-3)
+    assert p[0].tolist() == [0.5, 0.0, 0.5]
+    torch.testing.assert_close(p[1], torch.tensor([1.0, 2.0, 0.0]).softmax(-1))
+    torch.testing.assert_close(p[1:], sampling_probs(logits[1:], 1e-3))
+
+
 def _loop(model, prompts, sampling, max_batch, settings=None, stagger=False, max_new=6):
     """Tokens the serve decode loop gives each prompt (``stagger``: submitted one by one)."""
     eng = Engine(model, max_batch=max_batch, max_queue=64).start()

@@ -26,12 +26,13 @@ def sampling_probs(logits_BV: torch.Tensor, temperature: float, top_k: int | Non
     probabilities, largest first, sum to ``top_p`` (the one that crosses it included),
     renormalised. ``top_p`` None or 1: no nucleus cut."""
     scaled_BV = logits_BV / temperature
-    broken = torch.isposinf(scaled_BV).any() | torch.isnan(scaled_BV).any() | ~torch.isfinite(scaled_BV).any(-1).all()
-    if bool(broken):  # T below float precision (logits / T overflowed, or T rounded to 0): the T -> 0
-        # limit of softmax(logits / T), the argmax (ties share it)
-        scaled_BV = torch.zeros_like(logits_BV).masked_fill(logits_BV < logits_BV.amax(-1, keepdim=True),
-                                                            float("-inf"))
-    logits_BV = scaled_BV
+    # a row where T is below float precision (logits / T overflowed, or T rounded to 0) takes
+    # the T -> 0 limit of softmax(logits / T), its argmax (ties share it); chosen per row on
+    # the device, without reading a flag back to the host at every token
+    broken_B1 = ((torch.isposinf(scaled_BV) | torch.isnan(scaled_BV)).any(-1, keepdim=True)
+                 | ~torch.isfinite(scaled_BV).any(-1, keepdim=True))
+    limit_BV = torch.zeros_like(logits_BV).masked_fill(logits_BV < logits_BV.amax(-1, keepdim=True), float("-inf"))
+    logits_BV = torch.where(broken_B1, limit_BV, scaled_BV)
     if top_k is not None and top_k < logits_BV.shape[-1]:
         kth = torch.topk(logits_BV, top_k).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
