@@ -149,10 +149,9 @@ def test_a_failing_autotuned_compile_falls_back_to_one_without_templates(monkeyp
 
     monkeypatch.setattr(compiled, "COMPILE_OPTIONS", {"freezing": True, "not_an_inductor_option": True})
     model, prompt = _model("rope", n_layers=1), torch.tensor([[3, 1, 4]])
-    dec = CompiledDecoder(model, 12)
-    assert dec.autotuned is False
-    eager = generate_eager(model, prompt, Options(max_new_tokens=6, temperature=0.0))
-    assert decode(dec.step, prompt, 6).tolist() == eager.ids.tolist()
+    opts = Options(max_new_tokens=6, temperature=0.0)
+    g = generate(model, prompt, opts)
+    assert g.compile_autotuned is False and g.ids.tolist() == generate_eager(model, prompt, opts).ids.tolist()
 
 
 def test_no_new_tokens_compiles_nothing(monkeypatch):
@@ -176,7 +175,7 @@ def test_what_the_compiled_step_cannot_run_is_refused():
         check(model, Options(max_new_tokens=40), prompt)
 
 
-def test_generate_compile_on_the_command_line(tmp_path, capsys):
+def test_generate_compile_on_the_command_line(tmp_path, capsys, monkeypatch):
     run = tiny_run(tmp_path, 2, 2)["run"]
     capsys.readouterr()  # train's own output
     base = ["generate", str(run), "--json", "--max-new-tokens", "6", "--temperature", "0", "--prompt", "the"]
@@ -185,7 +184,13 @@ def test_generate_compile_on_the_command_line(tmp_path, capsys):
     assert main([*base, "--compile"]) == 0
     comp = json.loads(capsys.readouterr().out)
     assert comp["tokens"] == plain["tokens"] and comp["compile_seconds"] > 0 and "compile_seconds" not in plain
+    assert isinstance(comp["compile_autotuned"], bool)
     for extra, word in ((["--speculative", "1"], "--speculative"), (["--max-new-tokens", "500"], "max_seq_len")):
         assert main([*base, "--compile", *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert word in err and len(err.splitlines()) == 1, err
+    import phaseloop.deploy.compiled as compiled  # the fallback compile is said in a note
+
+    monkeypatch.setattr(compiled, "COMPILE_OPTIONS", {"not_an_inductor_option": True})
+    assert main([a for a in base if a != "--json"] + ["--compile"]) == 0
+    assert "compiled without autotuning" in capsys.readouterr().err

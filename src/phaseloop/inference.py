@@ -68,6 +68,7 @@ class Generation:
     acceptance: float | None = None
     rounds: int | None = None
     compile_seconds: float | None = None  # a compiled step's compile (deploy/compiled.py), not in seconds
+    compile_autotuned: bool | None = None  # False: its GEMM templates failed, compiled without (compiled.py)
 
     @property
     def tokens_per_s(self) -> float:

@@ -164,9 +164,12 @@ def cmd_generate(args) -> int:
         if opts.speculative is not None:
             out.update(acceptance=g.acceptance, rounds=g.rounds, draft_passes=opts.speculative)
         if args.compile:
-            out["compile_seconds"] = g.compile_seconds
+            out["compile_seconds"], out["compile_autotuned"] = g.compile_seconds, g.compile_autotuned
         print(json.dumps(out, indent=2))
         return 0
+    if args.compile and g.compile_autotuned is False:
+        dist.say("note: --compile: inductor's GEMM templates failed on this model's step, so it compiled "
+                 "without autotuning (frozen weights, ATen products; docs/deploy.md)")
     if opts.exit is not None and g.mean_passes is not None:
         dist.say(f"note: --exit {opts.exit.label}: mean depth {g.mean_passes:.2f} of "
                  f"{model.trunk.passes} passes per generated token")

@@ -177,4 +177,4 @@ def generate(model, prompt_BT: torch.Tensor, options: Options, on_output=None) -
         model.train(was_training)
     n = ids.shape[1] - prompt_BT.shape[1]
     return Generation(ids, ids[:, prompt_BT.shape[1]:], seconds, [model.trunk.passes] * n, dec.kv_cache_bytes,
-                      compile_seconds=dec.compile_seconds)
+                      compile_seconds=dec.compile_seconds, compile_autotuned=dec.autotuned)
