@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import tiny_model_config, tiny_run
 
+import phaseloop.deploy.compiled as compiled
 from phaseloop.cli import main
 from phaseloop.decoding import decode
 from phaseloop.deploy.compiled import CompiledDecoder, check, generate
@@ -55,15 +56,20 @@ CASES = {  # every built-in trunk kind, and packed int4 weights
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_compiled_steps_equal_eager_steps(case):
+def test_compiled_steps_equal_eager_steps(case, monkeypatch):
     model = CASES[case]()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         prompt = torch.tensor([[3, 1, 4, 1, 5]])
         eager = generate_eager(model, prompt, Options(max_new_tokens=10, temperature=0.0))
-        dec = CompiledDecoder(model, 16)  # one compile per case: greedy, then teacher-forced
+        dec = CompiledDecoder(model, 16)  # one compile per case: generate, greedy, teacher-forced
         assert dec.compile_seconds > 0
+        monkeypatch.setattr(compiled, "CompiledDecoder", lambda m, n: dec)  # generate on this decoder
+        g = generate(model, prompt, Options(max_new_tokens=10, temperature=0.0))
+        assert g.tokens.tolist() == eager.tokens.tolist() and g.seconds > 0
+        assert g.passes == [model.trunk.passes] * 10  # a static cache runs every step (UT + ACT too)
+        dec.reset()
         assert decode(dec.step, prompt, 10).tolist() == eager.ids.tolist()
         # teacher-forced on eager's tokens: every step's logits, compiled vs eager
         dec.reset()
@@ -145,8 +151,6 @@ def _decoder_runs(model):
 def test_a_failing_autotuned_compile_falls_back_to_one_without_templates(monkeypatch):
     """When the autotuned compile fails (torch 2.13's CPU BMM template on mHC does), the step
     compiles again with frozen weights and no templates, and still decodes what eager does."""
-    import phaseloop.deploy.compiled as compiled
-
     monkeypatch.setattr(compiled, "COMPILE_OPTIONS", {"freezing": True, "not_an_inductor_option": True})
     model, prompt = _model("rope", n_layers=1), torch.tensor([[3, 1, 4]])
     opts = Options(max_new_tokens=6, temperature=0.0)
@@ -155,8 +159,6 @@ def test_a_failing_autotuned_compile_falls_back_to_one_without_templates(monkeyp
 
 
 def test_no_new_tokens_compiles_nothing(monkeypatch):
-    import phaseloop.deploy.compiled as compiled
-
     monkeypatch.setattr(compiled, "CompiledDecoder", None)  # would fail if called
     g = generate(_model("rope"), torch.tensor([[1, 2]]), Options(max_new_tokens=0))
     assert g.tokens.shape == (1, 0) and g.ids.tolist() == [[1, 2]] and g.compile_seconds == 0.0
@@ -189,8 +191,7 @@ def test_generate_compile_on_the_command_line(tmp_path, capsys, monkeypatch):
         assert main([*base, "--compile", *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert word in err and len(err.splitlines()) == 1, err
-    import phaseloop.deploy.compiled as compiled  # the fallback compile is said in a note
-
+    # the fallback compile is said in a note
     monkeypatch.setattr(compiled, "COMPILE_OPTIONS", {"not_an_inductor_option": True})
     assert main([a for a in base if a != "--json"] + ["--compile"]) == 0
     assert "compiled without autotuning" in capsys.readouterr().err
