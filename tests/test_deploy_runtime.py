@@ -31,10 +31,14 @@ if not os.environ.get("CI"):  # CI installs the deploy extra: a missing one fail
 from phaseloop import ConfigError, ModelConfig, PhaseloopError, build_model, registry
 from phaseloop.data.tokenizer import ByteTokenizer
 from phaseloop.deploy import pte
+from phaseloop.deploy.generate import Exported
+from phaseloop.deploy.generate import generate as pte_generate
 from phaseloop.deploy.program import metadata, prepare
 from phaseloop.deploy.run import sidecars
 from phaseloop.deploy.runtime import PteModel
 from phaseloop.engine.checkpoint import load_run
+from phaseloop.inference import Options
+from phaseloop.inference import generate as eager_generate
 from phaseloop.kvcache import KVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,6 +125,46 @@ def test_every_architecture_runs_in_executorch_equal_to_phaseloop(case, exported
             assert len(model(x).stats["exit_passes"].unique()) == 2
     if CASES[case][2]:
         assert model.trunk.passes == CASES[case][2]
+
+
+def test_act_program_runs_each_token_until_it_halts(exported):
+    """UT + ACT's step methods (program.py), run by the host (runtime._ActHost): each token
+    runs the steps it needs, the earlier positions caught up where a later one needs a step
+    they skipped; equal to the program's forward (every step) and to phaseloop, the steps
+    each token ran equal to phaseloop's; positions rewritten and a new sequence equal too."""
+    model, path = exported("universal+act")
+    x = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+    adaptive, full = PteModel(path), PteModel(path, adaptive=False)
+    assert adaptive.act is not None and full.act is None and full.last_passes is None
+    steps = []
+    got = [adaptive(x[:, :8], 0)]
+    steps += adaptive.last_passes
+    for t in range(8, 24):
+        got.append(adaptive(x[:, t:t + 1], t))
+        steps += adaptive.last_passes
+    got = torch.cat(got, 1)
+    torch.testing.assert_close(got, _runtime_logits(full, x), rtol=0, atol=TOL)
+    with torch.no_grad():
+        eager = model(x)
+    assert steps == eager.stats["exit_passes"][0].tolist()
+    assert set(steps) == {1.0, 2.0}  # some tokens stopped after one of the two steps
+    y = x.clone()
+    y[:, 12:] = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(adaptive(y[:, 12:20], 12), model(y[:, :20]).logits[:, 12:], rtol=0, atol=TOL)
+        torch.testing.assert_close(adaptive(y[:, :5], 0), model(y[:, :5]).logits, rtol=0, atol=TOL)
+    with pytest.raises(ConfigError, match="continues at 5"):
+        adaptive(x[:, 6:7], 6)  # a gap: positions 5 was never computed
+    # the cache's zeros travel twice in the file: forward's (every slot), each step's own slot
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    cache_bytes = sum(b.nbytes for b in prepare(_model("universal+act")).cache.buffers())
+    assert sum(len(b.storage) for b in deserialize_pte_binary(path.read_bytes()).mutable_data) == 2 * cache_bytes
+    # `generate FILE.pte`'s loop: the tokens and the steps behind each, as eager decoding's
+    record = {"passes": 2, "metadata": {"get_max_seq_len": 32, "get_vocab_size": 256}}
+    g = pte_generate(Exported(path, adaptive, None, record), x[:, :8], Options(max_new_tokens=12))
+    e = eager_generate(model, x[:, :8], Options(max_new_tokens=12))
+    assert g.tokens.tolist() == e.tokens.tolist() and g.passes == e.passes and len(set(g.passes)) == 2
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,9 @@ class Trunk(nn.Module):
       block, ``readout_blocks`` blocks, where the trunk has one; identity by default).
     * ``shares_kv``: the loop names its pass slots through ``kv_slot(i)``, so that
       ``early_exit.set_kv_share`` sets ``kv_share`` (pass i uses slot i mod K).
+    * ``program_steps``: > 0 where the trunk halts per position (ACT): an exported program
+      then has one method per step, ``program_step(t, ...)``, which the host runs until no
+      position runs (deploy/program.py); 0: the program's ``forward`` runs a fixed depth.
     """
 
     depth: int
@@ -65,6 +68,7 @@ class Trunk(nn.Module):
     readout_blocks = 0
     shares_kv = False
     kv_share: int | None = None
+    program_steps = 0
 
     def kv_slot(self, i: int) -> int:
         """The KV-cache slot index of pass ``i`` (i mod K with ``--kv-share K``, Huginn §6.2)."""

@@ -268,3 +268,18 @@ def ponder_cost(schedule_or_state: HaltingSchedule | ACTState) -> Tensor:
 def ponder_loss(schedule_or_state: HaltingSchedule | ACTState, weight: float = 0.01) -> Tensor:
     """``weight * mean(n_updates + remainders)``; gradient flows via the remainders only."""
     return weight * ponder_cost(schedule_or_state).mean()
+
+
+def ponder_diagnostics(model, stats: dict) -> dict[str, float]:
+    """ACT (UT §2.2): mean, standard deviation and maximum over the positions of the
+    ponder time N + R (``ponder_cost``) of the last training micro-batch (``stats``: each
+    process's tensors); a task run's encoder-decoder has an encoder_ and a decoder_ one."""
+    out = {}
+    for k, parts in stats.items():
+        if k.endswith("ponder_time"):
+            p, side = torch.cat([t.detach().double().flatten() for t in parts]), k[:-len("ponder_time")]
+            if p.numel():
+                out.update({f"act/{side}ponder_mean": p.mean().item(),
+                            f"act/{side}ponder_std": p.std(correction=0).item(),
+                            f"act/{side}ponder_max": p.max().item()})
+    return out

@@ -53,7 +53,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from phaseloop.archs.act import ACTState, PendingInputs, combine, ponder_cost, ponder_loss
+from phaseloop.archs.act import ACTState, PendingInputs, combine, ponder_cost, ponder_diagnostics, ponder_loss
 from phaseloop.archs.seq2seq import EncoderDecoder
 from phaseloop.config import ModelConfig, fail
 from phaseloop.data.tokenizer import PAD
@@ -262,13 +262,7 @@ class UniversalTrunk(Trunk):
                 y_BND, lo = torch.cat([pending.x, y_BND], 1), pending.start
                 ctx_t, pos_TD = self._widen(ctx, lo, end)
             new = slice(ctx.start_pos - lo, None)  # own tokens; [:, 0:] is a free alias
-            h_BND = self.signal(y_BND, pos_TD, t)
-            p_BT = self.halting(h_BND[:, new])
-            if state is None:
-                state = ACTState.like(p_BT)
-            w_BT = state.step(p_BT, threshold)  # the one implementation (act.py)
-            y_BND = self.block(h_BND, ctx_t, ("ut", self.kv_slot(t)))  # transformed = next step input
-            out_BTD = combine(out_BTD, y_BND[:, new], w_BT.to(x_BTD.dtype), cfg.act_type)
+            y_BND, out_BTD, state, p_BT = self.act_step(t, y_BND, ctx_t, pos_TD, state, out_BTD, threshold, new)
             probs.append(p_BT.detach())
             # the early exit reads a tensor on the host: compiled, every step runs (a halted
             # position's weights are 0 from then on, so the output is the same)
@@ -285,6 +279,32 @@ class UniversalTrunk(Trunk):
         ctx.stats["exit_passes"] = state.n_updates.detach()  # steps each position used
         ctx.stats["halting_probs"] = torch.stack(probs)
         return out_BTD
+
+    def act_step(self, t: int, y_BND, ctx: ForwardContext, pos_TD, state: ACTState | None, out_BTD,
+                 threshold: float, new: slice = slice(None)):
+        """ACT step ``t`` (UT §2.2) over step inputs ``y_BND`` of the positions ``ctx`` covers; rows
+        ``new`` halt, the others are caught up (no weight). -> (next inputs, output, state, p)."""
+        h_BND = self.signal(y_BND, pos_TD, t)
+        p_BT = self.halting(h_BND[:, new])
+        if state is None:
+            state = ACTState.like(p_BT)
+        w_BT = state.step(p_BT, threshold)  # the one implementation (act.py)
+        y_BND = self.block(h_BND, ctx, ("ut", self.kv_slot(t)))  # transformed = next step input
+        return y_BND, combine(out_BTD, y_BND[:, new], w_BT.to(out_BTD.dtype), self.cfg.act_type), state, p_BT
+
+    @property
+    def program_steps(self) -> int:
+        """ACT's loop bound: an exported program runs it one step method at a time (Trunk)."""
+        return self.steps if self.halting is not None else 0
+
+    def program_step(self, t: int, x_1ND, input_pos_N, hp_1N, rem_1N, n_1N, out_1ND, cache):
+        """ACT step ``t`` as an exported method (deploy/program.py ``StepMethod``: its contract)."""
+        ctx = ForwardContext.at(self.cfg, 0, x_1ND.shape[1], x_1ND.device, input_pos_N[None], cache=cache)
+        pos_TD = self.signal.position(0, x_1ND.shape[1], x_1ND.device, input_pos_N[None])
+        threshold = 1.0 - self.cfg.act_epsilon
+        y, out, state, _ = self.act_step(t, x_1ND, ctx, pos_TD, ACTState(hp_1N, rem_1N, n_1N), out_1ND, threshold)
+        return (y, state.halting_probability, state.remainders, state.n_updates, out,
+                state.running(threshold, self.steps).any().reshape(1))
 
     def _widen(self, ctx: ForwardContext, lo: int, end: int):
         """ForwardContext and position signal for positions [lo, end) (catch-up with a cache)."""
@@ -350,21 +370,6 @@ def _ut_paper(d: int, **kw) -> dict:
                tie_embeddings=True, **kw)
 
 
-def _diagnostics(model: nn.Module, stats: dict) -> dict[str, float]:
-    """ACT (UT §2.2): mean, standard deviation and maximum over the positions of the
-    ponder time N + R (``ponder_cost``) of the last training micro-batch (``stats``: each
-    process's tensors); a task run's encoder-decoder has an encoder_ and a decoder_ one."""
-    out = {}
-    for k, parts in stats.items():
-        if k.endswith("ponder_time"):
-            p, side = torch.cat([t.detach().double().flatten() for t in parts]), k[:-len("ponder_time")]
-            if p.numel():
-                out.update({f"act/{side}ponder_mean": p.mean().item(),
-                            f"act/{side}ponder_std": p.std(correction=0).item(),
-                            f"act/{side}ponder_max": p.max().item()})
-    return out
-
-
 SPEC = register_arch(ArchSpec(
     name="universal",
     trunk=UniversalTrunk,
@@ -379,7 +384,7 @@ SPEC = register_arch(ArchSpec(
     seq2seq=UniversalSeq2Seq,
     seq2seq_name="universal-seq2seq",
     task_offsets=True,  # --paper: random position offsets for length generalisation (UT §4)
-    diagnostics=_diagnostics,
+    diagnostics=ponder_diagnostics,
     presets={
         "universal-paper-tiny": _ut_paper(96, n_heads=6, n_steps=4, vocab_size=256, max_seq_len=64),
         "universal-paper-small": _ut_paper(192, n_heads=6, n_steps=6, vocab_size=256, max_seq_len=128),

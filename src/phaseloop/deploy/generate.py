@@ -6,8 +6,8 @@ ties), so the tokens are the run's own (tests/test_deploy_runtime.py).
 The file is checked against the record ``export`` wrote beside it (its sha256) before it
 loads, and read with the tokenizer beside it: a damaged, replaced or bare ``.pte`` is
 refused by name. The program fixes what eager decoding chooses per call: the depth (UT +
-ACT runs every step), the cache length, batch 1, no exit rule, shared cache or
-speculation (docs/deploy.md, ExecuTorch).
+ACT: the loop bound; its step methods stop where each token halts), the cache length,
+batch 1, no exit rule, shared cache or speculation (docs/deploy.md, ExecuTorch).
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def step_fn(model):
         nonlocal pos
         logits = model(x_BT, pos)
         pos += x_BT.shape[1]
-        return SimpleNamespace(logits=logits)
+        steps = getattr(model, "last_passes", None)  # ACT: the steps each new token ran
+        return SimpleNamespace(logits=logits, passes=None if steps is None else steps[-1])
     return step
 
 
@@ -132,10 +133,15 @@ def generate(exp: Exported, prompt_BT: torch.Tensor, options: Options, on_output
     """Decode ``prompt_BT`` [1, T] in the runtime from position 0 (a new sequence)."""
     check(exp, options, prompt_BT)
     gen = torch.Generator().manual_seed(options.seed)
+    passes = []
+
+    def seen(out):
+        passes.append(exp.record.get("passes") if out.passes is None else out.passes)
+        if on_output is not None:
+            on_output(out)
     t0 = time.perf_counter()
     ids = decode(step_fn(exp.model), prompt_BT.cpu(), options.max_new_tokens, temperature=options.temperature,
-                 top_k=options.top_k, generator=gen, eos_id=options.eos_id, on_output=on_output)
+                 top_k=options.top_k, generator=gen, eos_id=options.eos_id, on_output=seen)
     seconds = time.perf_counter() - t0
     n = ids.shape[1] - prompt_BT.shape[1]
-    return Generation(ids, ids[:, prompt_BT.shape[1]:], seconds, [exp.record.get("passes")] * n,
-                      exp.record.get("kv_cache_bytes") or 0)
+    return Generation(ids, ids[:, prompt_BT.shape[1]:], seconds, passes[:n], exp.record.get("kv_cache_bytes") or 0)

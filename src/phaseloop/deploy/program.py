@@ -11,9 +11,24 @@ extension/llm/runner, the contract of its llama export):
   ``use_sdpa_with_kv_cache``, ``enable_dynamic_shape`` (``metadata``).
 
 The depth is fixed when the program is made (``prepare``: ``depth.set_model_depth``);
-ACT runs every step with the halting arithmetic as tensor operations (the static cache
-turns off its host-side early exit: universal.py), so the program has no data-dependent
-branch. Nothing here imports executorch: ``pte.py`` lowers the program.
+in ``forward`` ACT runs every step with the halting arithmetic as tensor operations (the
+static cache turns off its host-side early exit: universal.py), so the method has no
+data-dependent branch. Nothing here imports executorch: ``pte.py`` lowers the program.
+
+A trunk that halts per position (``trunk.program_steps`` = S > 0: UT + ACT) also gets
+methods a host runs step by step, on the same cache buffers, so that a token stops
+computing once it halted (docs/deploy.md, "ACT in the runtime"; ``runtime.PteModel``):
+
+* ``act_begin(tokens [1, T], input_pos [T]) -> x [1, T, D]`` (the embedding);
+* ``act_step_<t>(x [1, n, D], input_pos [n], halting_prob [1, n], remainders [1, n],
+  n_updates [1, n], output [1, n, D]) -> (x', halting_prob', remainders', n_updates',
+  output', running [1])`` for t = 0 .. S - 1: step t over n contiguous positions, their
+  keys/values written at step t's slot. The new tokens' accumulators start at zeros; rows
+  in front of them are earlier positions that stopped before step t and are caught up
+  (halting probability 1: no weight), because later positions attend to every earlier one
+  at step t. The host stops after the step whose ``running`` is false, and keeps the x'
+  of the positions that stopped: their step-t+1 inputs, for a later token that needs it;
+* ``act_end(output [1, T, D]) -> logits [1, T, V]``; ``get_act_steps`` = S.
 """
 
 from __future__ import annotations
@@ -54,6 +69,49 @@ class RunnerProgram(nn.Module):
         return self
 
 
+class _Method(nn.Module):
+    """A method of the program besides ``forward``: the same model and cache (the same
+    buffer names, which the methods share in the ``.pte``)."""
+
+    def __init__(self, program: RunnerProgram):
+        super().__init__()
+        self.model, self.cache = program.model, program.cache
+
+
+class ActBegin(_Method):
+    def forward(self, tokens_1T: torch.Tensor, input_pos_T: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(tokens_1T, 0, positions_BT=input_pos_T[None])
+
+
+class ActStep(_Method):
+    def __init__(self, program: RunnerProgram, t: int):
+        super().__init__(program)
+        self.t = t
+
+    def forward(self, x_1ND, input_pos_N, hp_1N, rem_1N, n_1N, out_1ND):
+        return self.model.trunk.program_step(self.t, x_1ND, input_pos_N, hp_1N, rem_1N, n_1N, out_1ND, self.cache)
+
+
+class ActEnd(_Method):
+    def forward(self, out_1TD: torch.Tensor) -> torch.Tensor:
+        return self.model.head(self.model.norm(out_1TD))
+
+
+def step_methods(program: RunnerProgram) -> dict[str, tuple[nn.Module, tuple, tuple]]:
+    """name -> (module, example inputs, the dimension of each input that is the row count)
+    for the host-driven ACT methods (module docstring); none for other trunks."""
+    steps, D = program.model.trunk.program_steps, program.model.cfg.d_model
+    if not steps:
+        return {}
+    n, tokens = min(2, program.max_len), torch.zeros(1, min(2, program.max_len), dtype=torch.long)
+    rows = (torch.zeros(1, n, D), torch.arange(n), torch.zeros(1, n), torch.zeros(1, n), torch.zeros(1, n),
+            torch.zeros(1, n, D))
+    out = {"act_begin": (ActBegin(program), (tokens, torch.arange(n)), (1, 0))}
+    out.update({f"act_step_{t}": (ActStep(program, t), rows, (1, 0, 1, 1, 1, 1)) for t in range(steps)})
+    out["act_end"] = (ActEnd(program), (torch.zeros(1, n, D),), (1,))
+    return out
+
+
 def prepare(model: DecoderLM, depth: int | None = None, extend_loops: str | None = None,
             max_len: int | None = None) -> RunnerProgram:
     """``model`` (fp32, eval) at ``depth`` with every block application input-independent,
@@ -87,7 +145,10 @@ def metadata(program: RunnerProgram, tokenizer=None) -> dict:
     runner stops at its token budget or ``get_max_seq_len``."""
     tokenizer = tokenizer or ByteTokenizer()
     bos = _single_id(tokenizer, "\n")
-    return {"get_max_seq_len": program.max_len, "get_max_context_len": program.max_len,
+    meta = {"get_max_seq_len": program.max_len, "get_max_context_len": program.max_len,
             "get_vocab_size": program.model.cfg.vocab_size, "get_bos_id": 0 if bos is None else bos,
             "get_eos_ids": [], "use_kv_cache": True, "use_sdpa_with_kv_cache": False,
             "enable_dynamic_shape": True}
+    if program.model.trunk.program_steps:
+        meta["get_act_steps"] = program.model.trunk.program_steps
+    return meta

@@ -20,13 +20,15 @@ import warnings
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+from executorch.exir.passes import MemoryPlanningPass
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 from torch import nn
 from torch.export import Dim, export
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
 from torchao.quantization.granularity import PerAxis, PerGroup
 
-from phaseloop.deploy.program import RunnerProgram
+from phaseloop.deploy.program import RunnerProgram, step_methods
 from phaseloop.errors import ConfigError
 
 BITS = (8, 4)
@@ -54,20 +56,44 @@ def quantize_linears(program: RunnerProgram, bits: int, head: bool = False) -> l
 
 
 def lower(program: RunnerProgram, meta: dict, backend: str = "xnnpack") -> bytes:
-    """The ``.pte`` bytes of ``program`` (its cache empty; quantised already, or not)."""
+    """The ``.pte`` bytes of ``program`` (its cache empty; quantised already, or not): ``forward``
+    and, for a trunk that halts per position, the host-driven step methods (program.py) on
+    the same cache buffers (``share_mutable_buffers``)."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r}: choose {' or '.join(BACKENDS)}")
     program.cache.reset()
     T = Dim("T", min=1, max=program.max_len)
-    example = (torch.zeros(1, min(2, program.max_len), dtype=torch.long), torch.arange(min(2, program.max_len)))
+    n = min(2, program.max_len)
+    methods = {"forward": (program, (torch.zeros(1, n, dtype=torch.long), torch.arange(n)), (1, 0)),
+               **step_methods(program)}
     with torch.no_grad(), warnings.catch_warnings():  # no grad: the lowering refuses a mutated
         # buffer that requires it; torch.export's own pytree deprecation, raised inside it
         warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)", FutureWarning)
-        try:
-            exported = export(program, example, dynamic_shapes=({1: T}, {0: T}), strict=False)
-        except Exception as e:  # e.g. a plugin's data-dependent Python branch
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise ConfigError(f"torch.export cannot trace this {program.model.cfg.arch} model: {first}") from None
+        exported = {}
+        for name, (module, example, dims) in methods.items():
+            try:
+                exported[name] = export(module, example, dynamic_shapes=tuple({d: T} for d in dims), strict=False)
+            except Exception as e:  # e.g. a plugin's data-dependent Python branch
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                raise ConfigError(f"torch.export cannot trace this {program.model.cfg.arch} model: {first}") from None
         partitioner = [XnnpackPartitioner()] if backend == "xnnpack" else []
         edge = to_edge_transform_and_lower(exported, partitioner=partitioner, constant_methods=meta)
-        return edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(["cache"])])).buffer
+        config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(["cache"])])
+        if len(exported) > 1:  # the methods read and write one set of cache buffers
+            config = ExecutorchBackendConfig(passes=[_InitUsedCache()], emit_mutable_buffer_names=True,
+                                             memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True))
+        return edge.to_executorch(config).buffer
+
+
+class _InitUsedCache(PassBase):
+    """``InitializedMutableBufferPass(["cache"])`` for the cache buffers a method uses only:
+    each method carries the initial state (zeros) of the buffers it marks, and every method
+    lists every cache buffer. ``forward`` zeros them all when it loads; ``act_step_<t>`` its
+    own step's slot, which no method wrote before it loaded (21.1 MB of zeros against
+    2.4 MB at universal-act-small: docs/deploy.md)."""
+
+    def call(self, gm):
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and "cache" in node.name and node.users:
+                node.meta["et_init_buffer"] = True
+        return PassResult(gm, False)

@@ -45,11 +45,13 @@ class PteModel:
     returns the logits of T new tokens at positions start .. start + T - 1, the cache kept
     inside the loaded method between calls. ``threads``: XNNPACK's thread pool, set only
     before the first program of the process is loaded (resetting it later crashes the
-    process); a file the runtime cannot load is refused by name."""
+    process); a file the runtime cannot load is refused by name. A program with ACT step
+    methods (program.py) runs them, each token until it halts (``adaptive=False``: its
+    ``forward``, every step); ``last_passes``: the steps each new token of the last call ran."""
 
     _pool_set = False
 
-    def __init__(self, path, threads: int | None = None):
+    def __init__(self, path, threads: int | None = None, adaptive: bool = True):
         if threads is not None and not PteModel._pool_set:
             _unsafe_reset_threadpool(threads)
         PteModel._pool_set = True
@@ -61,11 +63,16 @@ class PteModel:
         except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path} is not an ExecuTorch program this runtime loads ({str(e)[:80]}); "
                                   "export it again (phaseloop export --format executorch)") from None
-        self.load_s = time.perf_counter() - t0
         try:
             self.max_len = self.constant("get_max_seq_len")[0]
         except RuntimeError:  # a program without the runner's metadata: not checked
             self.max_len = None
+        self.act = None
+        if adaptive and "get_act_steps" in self.program.method_names:
+            with _quiet_native_log():
+                self.act = _ActHost(self.program, self.constant("get_act_steps")[0])
+        self.load_s = time.perf_counter() - t0
+        self.last_passes: list[float] | None = None  # steps each new token ran (ACT), else None
 
     def __call__(self, tokens_1T: torch.Tensor, start: int) -> torch.Tensor:
         T = tokens_1T.shape[1]
@@ -73,6 +80,9 @@ class PteModel:
             raise ConfigError(f"positions {start} .. {start + T - 1} are outside the program's cache of "
                               f"{self.max_len} (get_max_seq_len); start a new sequence at 0")
         try:
+            if self.act is not None:
+                logits, self.last_passes = self.act(tokens_1T.long(), start)
+                return logits
             return self.method.execute([tokens_1T.long(), torch.arange(start, start + T)])[0]
         except RuntimeError as e:  # e.g. a token id past the embedding's rows
             raise CheckpointError(f"the program failed on tokens {start} .. {start + T - 1} ({first_line(e, 80)}); "
@@ -82,3 +92,49 @@ class PteModel:
         """A metadata method's value (``get_max_seq_len`` ...)."""
         out = self.program.load_method(name).execute([])
         return [v if not torch.is_tensor(v) else v.item() for v in out]
+
+
+class _ActHost:
+    """The host's side of the ACT step methods (program.py): run the steps a call's tokens
+    need, catching up the earlier positions that stopped before a step (their pending
+    step inputs, as ``UniversalTrunk``'s lazy step extension keeps them in eager decoding),
+    and stop after the step where no new token runs. Each (position, step) runs once."""
+
+    def __init__(self, program, steps: int):
+        self.steps = steps
+        self.begin, self.end = program.load_method("act_begin"), program.load_method("act_end")
+        self.step = [program.load_method(f"act_step_{t}") for t in range(steps)]
+        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # step t -> (first position, inputs [1, n, D])
+        self.pos = 0  # positions computed so far (at their first step at least)
+
+    def rollback(self, start: int) -> None:
+        """Forget positions >= start (a new sequence at 0, or a rewrite of later positions)."""
+        if start > self.pos:
+            raise ConfigError(f"position {start} follows {self.pos} positions computed: an ACT program "
+                              f"continues at {self.pos} or rewrites earlier positions (0 .. {self.pos})")
+        self.pending = {t: (lo, x[:, :start - lo]) for t, (lo, x) in self.pending.items() if lo < start}
+        self.pos = start
+
+    def __call__(self, tokens_1T: torch.Tensor, start: int):
+        self.rollback(start)
+        T = tokens_1T.shape[1]
+        end = start + T
+        y = self.begin.execute([tokens_1T, torch.arange(start, end)])[0]
+        z = torch.zeros(1, T)
+        hp, rem, n, out, lo = z, z, z, torch.zeros_like(y), start
+        for t in range(self.steps):
+            if t in self.pending:  # catch up: the rows in front of the new tokens
+                lo, x = self.pending.pop(t)
+                y = torch.cat([x, y], 1)
+            k = start - lo
+            y, hp, rem, n, out, running = self.step[t].execute([
+                y, torch.arange(lo, end), torch.cat([torch.ones(1, k), hp], 1), torch.cat([torch.zeros(1, k), rem], 1),
+                torch.cat([torch.zeros(1, k), n], 1), torch.cat([torch.zeros(1, k, y.shape[2]), out], 1)])
+            hp, rem, n, out = hp[:, k:], rem[:, k:], n[:, k:], out[:, k:]
+            if not bool(running[0]):
+                break
+        if t + 1 < self.steps:  # step t+1 inputs of positions lo .. end - 1 wait for a token that needs them
+            first, x = self.pending.get(t + 1, (lo, y[:, :0]))
+            self.pending[t + 1] = (first, torch.cat([x, y], 1))
+        self.pos = end
+        return self.end.execute([out])[0], n[0].tolist()
