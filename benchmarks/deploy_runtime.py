@@ -3,7 +3,9 @@ int8, int4) beside phaseloop eager fp32 on the same weights, measured where the 
 
 Per row (a preset at a shape) and engine (``eager``: phaseloop's DecoderLM with its KVCache,
 the path of ``phaseloop generate``; ``fp32`` / ``int8`` / ``int4``: the file, in
-ExecuTorch's Python runtime):
+ExecuTorch's Python runtime, UT + ACT through its step methods; ``fp32-forward``, asked for
+by name: the fp32 file through ``forward`` only, every ACT step, as ExecuTorch's C++ runner
+calls it):
 
 * the ``.pte`` bytes, and for int8 / int4 the bytes its quantised layers take in it over
   their fp32 bytes (the two files differ only there: ``fp32 size - q size`` is what
@@ -45,6 +47,14 @@ from deploy_engines import peak_rss, rss_now
 HERE = Path(__file__).resolve()
 ENGINES = ("eager", "fp32", "int8", "int4")
 BITS = {"fp32": None, "int8": 8, "int4": 4}
+# the fp32 file through its forward only, as ExecuTorch's C++ runner calls it (not a default engine:
+# it differs from fp32 only for UT + ACT, whose step methods PteModel runs otherwise)
+FORWARD = "fp32-forward"
+
+
+def _file(engine: str) -> str:
+    """The exported file an engine runs (fp32-forward: the fp32 one)."""
+    return "fp32" if engine == FORWARD else engine
 # the Hyperloop paper's family (d 128 presets; bench_hyperloop.py's d 512) and the others
 PAPER = ("transformer-small", "transformer-small-L4", "mhc-small", "looped-small", "hyperloop-small")
 OTHERS = ("rope-small", "3pt-small", "universal-small", "universal-act-small")
@@ -144,7 +154,7 @@ def child(spec: dict) -> dict:
         from phaseloop.deploy.runtime import PteModel
 
         base = rss_now()
-        m = PteModel(spec["path"], threads=spec["threads"])
+        m = PteModel(spec["path"], threads=spec["threads"], adaptive=spec["engine"] != FORWARD)
 
         def run(x, start, cache):
             return m(x, start)
@@ -185,7 +195,7 @@ def _rows(rows, shapes, engines, cache: Path, results: dict, backend: str = "xnn
             eager = results.get((row, shape, "eager"))
             fp32 = export(row, shape, "fp32", cache, backend=backend) if "fp32" in engines else None
             for engine in engines:
-                rec = export(row, shape, engine, cache, backend=backend) if engine != "eager" else None
+                rec = export(row, shape, _file(engine), cache, backend=backend) if engine != "eager" else None
                 m = results.get((row, shape, engine), {})
                 r = {"row": row, "shape": shape, "engine": engine, **m,
                      "params": (rec or fp32 or {}).get("params"), "pte_bytes": rec and rec["bytes"],
@@ -194,7 +204,7 @@ def _rows(rows, shapes, engines, cache: Path, results: dict, backend: str = "xnn
                     q = rec["quantized_fp32_bytes"] - (fp32["bytes"] - rec["bytes"])
                     r["quantized_vs_fp32"] = q / rec["quantized_fp32_bytes"]
                 if rec:
-                    r["check"] = (f"max|d| {rec['max_abs_vs_phaseloop']:.1e}" if engine == "fp32"
+                    r["check"] = (f"max|d| {rec['max_abs_vs_phaseloop']:.1e}" if _file(engine) == "fp32"
                                   else f"dloss/loss {rec['loss_rel_vs_reference']:.1e}")
                     r["export_s"] = rec["export_s"]
                 out.append(r)
@@ -244,7 +254,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench_deploy.py executorch", description=__doc__.splitlines()[0])
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--shapes", default="small,wide")
-    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"of {', '.join(ENGINES)}, {FORWARD}")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt", type=int, default=64, help="prefill tokens")
@@ -265,11 +275,11 @@ def main(argv=None) -> int:
         for shape in shapes:
             cfg = config(row, shape).to_dict()
             for engine in engines:
-                rec = export(row, shape, engine, cache, backend=a.backend) if engine != "eager" else None
+                rec = export(row, shape, _file(engine), cache, backend=a.backend) if engine != "eager" else None
                 print(f"exported {row} {shape} {engine}" + (f": {rec['bytes'] / 1e6:.2f} MB, {rec['export_s']} s"
                                                             if rec else ""), flush=True)
                 items.append({"row": row, "shape": shape, "engine": engine, "config": cfg, "seed": 0,
-                              "path": str(cache / f"{row}-{shape}-{engine}.pte")})
+                              "path": str(cache / f"{row}-{shape}-{_file(engine)}.pte")})
     if a.export_only:
         return 0
     results = measure(items, a.rounds, a.threads, a.prompt, a.new)

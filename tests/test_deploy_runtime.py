@@ -155,6 +155,10 @@ def test_act_program_runs_each_token_until_it_halts(exported):
         torch.testing.assert_close(adaptive(y[:, :5], 0), model(y[:, :5]).logits, rtol=0, atol=TOL)
     with pytest.raises(ConfigError, match="continues at 5"):
         adaptive(x[:, 6:7], 6)  # a gap: positions 5 was never computed
+    with pytest.raises(PhaseloopError, match="program failed on tokens 5 .. 5"):
+        adaptive(torch.tensor([[300]]), 5)  # past the vocabulary
+    with pytest.raises(ConfigError, match="continues at 0"):  # what the failed call left is forgotten
+        adaptive(x[:, 5:6], 5)
     # the cache's zeros travel twice in the file: forward's (every slot), each step's own slot
     from executorch.exir._serialize._program import deserialize_pte_binary
 

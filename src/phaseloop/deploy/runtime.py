@@ -117,6 +117,13 @@ class _ActHost:
 
     def __call__(self, tokens_1T: torch.Tensor, start: int):
         self.rollback(start)
+        try:
+            return self._run(tokens_1T, start)
+        except BaseException:  # a step failed midway: what the host kept is not the cache's
+            self.pending, self.pos = {}, 0  # any call but a new sequence is then refused
+            raise
+
+    def _run(self, tokens_1T: torch.Tensor, start: int):
         T = tokens_1T.shape[1]
         end = start + T
         y = self.begin.execute([tokens_1T, torch.arange(start, end)])[0]
