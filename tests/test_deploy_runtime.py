@@ -6,7 +6,8 @@ of a trained baseline run: fp32 equal to phaseloop to 1e-4, its metadata as the 
 ExecuTorch's C++ TextLLMRunner (reading the metadata and the tokenizer beside the file)
 generating phaseloop's greedy text, and the int4 file computing its dequantised reference
 within part 1's loss tolerance (1e-3 relative), its quantised layers in at most 0.2x their
-fp32 bytes, measured from the two files.
+fp32 bytes, measured from the two files. UT + ACT's step methods, run from the host, stop
+each token where it halts, equal to the program's forward and to phaseloop, steps included.
 
 Export is the slow part (seconds per node of the graph on a loaded 2-core machine), so the
 models are each architecture's smallest with what is new about it: one layer, two steps or
@@ -34,7 +35,7 @@ from phaseloop.deploy import pte
 from phaseloop.deploy.generate import Exported
 from phaseloop.deploy.generate import generate as pte_generate
 from phaseloop.deploy.program import metadata, prepare
-from phaseloop.deploy.run import sidecars
+from phaseloop.deploy.run import sidecars, tokenizer_json
 from phaseloop.deploy.runtime import PteModel
 from phaseloop.engine.checkpoint import load_run
 from phaseloop.inference import Options
@@ -79,6 +80,7 @@ def _model(case: str):
             p.add_(torch.randn_like(p) * 0.05)
         if getattr(model.trunk, "halting", None) is not None:  # positions halting at different steps
             model.trunk.halting.weight.normal_(0, 1.0)
+            model.head.weight[128:] = 0  # greedy text in ASCII: ExecuTorch's runner hands out str pieces
     return model
 
 
@@ -164,6 +166,14 @@ def test_act_program_runs_each_token_until_it_halts(exported):
 
     cache_bytes = sum(b.nbytes for b in prepare(_model("universal+act")).cache.buffers())
     assert sum(len(b.storage) for b in deserialize_pte_binary(path.read_bytes()).mutable_data) == 2 * cache_bytes
+    # ExecuTorch's C++ runner loads forward (every step) from the program of many methods
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    (tok := path.with_suffix(".tokenizer.json")).write_bytes(tokenizer_json(ByteTokenizer()))
+    pieces, prompt = [], torch.tensor([list(b"the quick")])
+    TextLLMRunner(str(path), str(tok)).generate("the quick", GenerationConfig(max_new_tokens=12, temperature=0.0, echo=False),
+                                                token_callback=pieces.append)
+    assert "".join(pieces) == ByteTokenizer().decode(model.generate(prompt, 12, temperature=0)[0, 9:].tolist())
     # `generate FILE.pte`'s loop: the tokens and the steps behind each, as eager decoding's
     record = {"passes": 2, "metadata": {"get_max_seq_len": 32, "get_vocab_size": 256}}
     g = pte_generate(Exported(path, adaptive, None, record), x[:, :8], Options(max_new_tokens=12))
