@@ -138,6 +138,7 @@ def test_act_program_runs_each_token_until_it_halts(exported):
     x = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
     adaptive, full = PteModel(path), PteModel(path, adaptive=False)
     assert adaptive.act is not None and full.act is None and full.last_passes is None
+    assert adaptive.method is None and full.method is not None  # forward: not loaded for the steps
     steps = []
     got = [adaptive(x[:, :8], 0)]
     steps += adaptive.last_passes

@@ -59,7 +59,11 @@ class PteModel:
         try:
             with _quiet_native_log():
                 self.program = Runtime.get().load_program(str(path))
-                self.method = self.program.load_method("forward")
+                # ACT: forward (every step unrolled, each packing the block's weights again in
+                # XNNPACK) is not loaded; the host loads a step's method when a token first needs it
+                adaptive = adaptive and "get_act_steps" in self.program.method_names
+                self.method = None if adaptive else self.program.load_method("forward")
+                self.act = _ActHost(self.program, self.constant("get_act_steps")[0]) if adaptive else None
         except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path} is not an ExecuTorch program this runtime loads ({str(e)[:80]}); "
                                   "export it again (phaseloop export --format executorch)") from None
@@ -67,10 +71,6 @@ class PteModel:
             self.max_len = self.constant("get_max_seq_len")[0]
         except RuntimeError:  # a program without the runner's metadata: not checked
             self.max_len = None
-        self.act = None
-        if adaptive and "get_act_steps" in self.program.method_names:
-            with _quiet_native_log():
-                self.act = _ActHost(self.program, self.constant("get_act_steps")[0])
         self.load_s = time.perf_counter() - t0
         self.last_passes: list[float] | None = None  # steps each new token ran (ACT), else None
 
@@ -101,11 +101,19 @@ class _ActHost:
     and stop after the step where no new token runs. Each (position, step) runs once."""
 
     def __init__(self, program, steps: int):
-        self.steps = steps
+        self.program, self.steps, self.loaded = program, steps, {}
         self.begin, self.end = program.load_method("act_begin"), program.load_method("act_end")
-        self.step = [program.load_method(f"act_step_{t}") for t in range(steps)]
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # step t -> (first position, inputs [1, n, D])
         self.pos = 0  # positions computed so far (at their first step at least)
+
+    def _step(self, t: int):
+        """Step t's method, loaded at first use: its load zeros step t's cache slot, which no
+        method wrote before (the XNNPACK delegates of each method pack their own copy of the
+        block's weights: loading only the steps tokens reach keeps that memory down)."""
+        if t not in self.loaded:
+            with _quiet_native_log():
+                self.loaded[t] = self.program.load_method(f"act_step_{t}")
+        return self.loaded[t]
 
     def rollback(self, start: int) -> None:
         """Forget positions >= start (a new sequence at 0, or a rewrite of later positions)."""
@@ -134,7 +142,7 @@ class _ActHost:
                 lo, x = self.pending.pop(t)
                 y = torch.cat([x, y], 1)
             k = start - lo
-            y, hp, rem, n, out, running = self.step[t].execute([
+            y, hp, rem, n, out, running = self._step(t).execute([
                 y, torch.arange(lo, end), torch.cat([torch.ones(1, k), hp], 1), torch.cat([torch.zeros(1, k), rem], 1),
                 torch.cat([torch.zeros(1, k), n], 1), torch.cat([torch.zeros(1, k, y.shape[2]), out], 1)])
             hp, rem, n, out = hp[:, k:], rem[:, k:], n[:, k:], out[:, k:]
