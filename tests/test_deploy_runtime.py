@@ -172,8 +172,8 @@ def test_act_program_runs_each_token_until_it_halts(exported):
 
     (tok := path.with_suffix(".tokenizer.json")).write_bytes(tokenizer_json(ByteTokenizer()))
     pieces, prompt = [], torch.tensor([list(b"the quick")])
-    TextLLMRunner(str(path), str(tok)).generate("the quick", GenerationConfig(max_new_tokens=12, temperature=0.0, echo=False),
-                                                token_callback=pieces.append)
+    config = GenerationConfig(max_new_tokens=12, temperature=0.0, echo=False)
+    TextLLMRunner(str(path), str(tok)).generate("the quick", config, token_callback=pieces.append)
     assert "".join(pieces) == ByteTokenizer().decode(model.generate(prompt, 12, temperature=0)[0, 9:].tolist())
     # `generate FILE.pte`'s loop: the tokens and the steps behind each, as eager decoding's
     record = {"passes": 2, "metadata": {"get_max_seq_len": 32, "get_vocab_size": 256}}
