@@ -70,6 +70,9 @@ SHAPES = {
     "hyperloop-small": dict(preset="hyperloop-small", sets={}, steps=1, loss=False,
                             engines=("phaseloop-fp32", "phaseloop-int4")),
     "rope-tiny": dict(preset="rope-tiny", sets={}, steps=20, loss=True, engines=None),
+    # UT + ACT: eager against --compile, whose graphs per step stop each token where it halts
+    "universal-act-small": dict(preset="universal-act-small", sets={}, steps=1, loss=False,
+                                engines=("phaseloop-fp32", "phaseloop-compiled-fp32")),
 }
 DEFAULT_SHAPES = ("rope-small", "rope-123m", "transformer-small", "hyperloop-small")
 

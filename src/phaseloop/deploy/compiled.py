@@ -19,7 +19,10 @@ The prompt's forward runs eagerly on the same cache and weights (a graph per pro
 length would prepack every weight again). The costs: the compile (``compile_seconds``,
 reported apart from tokens/s) and the prepacked copy of each Linear weight beside the
 eager one. A static graph runs a fixed depth: exits, ``--kv-share`` and speculation are
-refused, and UT + ACT runs every step (halted positions keep weight 0: the same output).
+refused. UT + ACT compiles one graph per step (program.py's ``act_step_<t>`` on one row)
+and one for the head, and decodes through ``program.ActHost``: each token runs the steps
+it needs, until it halts; the prompt and the rows of earlier positions caught up at a step
+run eagerly.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from types import SimpleNamespace
 import torch
 
 from phaseloop.decoding import decode
-from phaseloop.deploy.program import RunnerProgram
+from phaseloop.deploy.program import ActEnd, ActHost, ActStep, RunnerProgram
 from phaseloop.errors import ConfigError
 from phaseloop.inference import Generation, Options
 
@@ -70,15 +73,15 @@ def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
 _NEXT = itertools.count()
 
 
-def _run(program: RunnerProgram, tokens_11: torch.Tensor, input_pos_1: torch.Tensor) -> torch.Tensor:
-    return program(tokens_11, input_pos_1)
+def _run(module, *inputs):
+    return module(*inputs)
 
 
 def _own_step():
     """``_run`` with a code object of its own. Dynamo keeps compiled graphs per code object,
     at most ``recompile_limit`` (8) of them: compiling ``RunnerProgram.forward`` itself, the
     ninth decoder of a process failed, and every earlier one's frozen weights stayed alive.
-    Each decoder's graph now lives and dies with the decoder."""
+    Each graph now lives and dies with its decoder."""
     code = _run.__code__.replace(co_name=f"decode_step_{next(_NEXT)}")
     return types.FunctionType(code, _run.__globals__, code.co_name)
 
@@ -112,13 +115,35 @@ class CompiledDecoder:
         self.reset()
 
     def _compile(self, options: dict) -> None:
-        """Compile the step (a graph of its own: ``_own_step``) under inductor ``options``."""
+        """Compile the step (a graph of its own: ``_own_step``) under inductor ``options``; UT +
+        ACT: a graph per step and one for the head, and the host that runs them."""
         import torch._inductor.config as inductor_config  # here: importing inductor takes a while
 
-        self._graph = torch.compile(_own_step(), fullgraph=True, dynamic=False)
-        self.pos = 0
+        self.pos, self.act, steps = 0, None, self.program.model.trunk.program_steps
         with torch.no_grad(), inductor_config.patch(options):
-            self._compiled(torch.zeros(1, 1, dtype=torch.long))
+            if not steps:
+                self._graph = torch.compile(_own_step(), fullgraph=True, dynamic=False)
+                self._compiled(torch.zeros(1, 1, dtype=torch.long))
+                return
+            D = self.program.model.cfg.d_model
+            self._modules = [ActStep(self.program, t) for t in range(steps)] + [ActEnd(self.program)]
+            self._graphs = [torch.compile(_own_step(), fullgraph=True, dynamic=False) for _ in self._modules]
+            row = (torch.zeros(1, 1, D), torch.zeros(1, dtype=torch.long), *(torch.zeros(1, 1) for _ in range(3)),
+                   torch.zeros(1, 1, D))
+            for i, (graph, module) in enumerate(zip(self._graphs, self._modules)):  # compile each once
+                graph(module, *(row if i < steps else row[:1]))
+        embed = self.program.model.embed
+        self.act = ActHost(lambda tokens, pos: embed(tokens, 0, positions_BT=pos[None]), self._on_graph,
+                           lambda out: self._on_graph(-1, out), steps)
+
+    def _on_graph(self, i: int, *inputs):
+        """Module ``i`` (step i; -1: the head) on one row through its graph (fresh contiguous
+        inputs: the strides it was traced with), on more rows eagerly (a prompt, caught-up rows)."""
+        if inputs[0].shape[1] != 1:
+            return self._modules[i](*inputs)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return self._graphs[i](self._modules[i], *(a.clone(memory_format=torch.contiguous_format)
+                                                       for a in inputs))
 
     @property
     def cache(self):
@@ -131,6 +156,8 @@ class CompiledDecoder:
     def reset(self) -> None:
         self.cache.reset()
         self.pos, self._guarded = 0, False
+        if self.act is not None:
+            self.act.rollback(0)
 
     def _compiled(self, x_11: torch.Tensor) -> torch.Tensor:
         # the graph reads positions from input_pos only; cache.pos stays at the value it was
@@ -147,6 +174,10 @@ class CompiledDecoder:
         if self.pos + T > self.program.max_len:
             raise ConfigError(f"{self.pos + T} positions exceed the compiled step's cache of "
                               f"{self.program.max_len}; start a new sequence (reset)")
+        if self.act is not None:  # UT + ACT: the steps each token needs (ActHost)
+            logits, passes = self.act(x_BT, self.pos)
+            self.pos += T
+            return SimpleNamespace(logits=logits, stats={}, passes=passes[-1])
         if T == 1 and self.pos > 0:
             # guards once after eager code ran (module docstring); a failing one raises
             with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=self._guarded):
@@ -168,13 +199,18 @@ def generate(model, prompt_BT: torch.Tensor, options: Options, on_output=None) -
     was_training = model.training
     try:
         dec = CompiledDecoder(model, options.cache_positions(prompt_BT.shape[1]))
-        gen = torch.Generator().manual_seed(options.seed)
+        gen, passes = torch.Generator().manual_seed(options.seed), []
+
+        def seen(out):
+            passes.append(getattr(out, "passes", model.trunk.passes))  # UT + ACT: the steps it ran
+            if on_output is not None:
+                on_output(out)
         t0 = time.perf_counter()
         ids = decode(dec.step, prompt_BT, options.max_new_tokens, temperature=options.temperature,
-                     top_k=options.top_k, generator=gen, eos_id=options.eos_id, on_output=on_output)
+                     top_k=options.top_k, generator=gen, eos_id=options.eos_id, on_output=seen)
         seconds = time.perf_counter() - t0
     finally:
         model.train(was_training)
     n = ids.shape[1] - prompt_BT.shape[1]
-    return Generation(ids, ids[:, prompt_BT.shape[1]:], seconds, [model.trunk.passes] * n, dec.kv_cache_bytes,
+    return Generation(ids, ids[:, prompt_BT.shape[1]:], seconds, passes[:n], dec.kv_cache_bytes,
                       compile_seconds=dec.compile_seconds, compile_autotuned=dec.autotuned)

@@ -112,6 +112,61 @@ def step_methods(program: RunnerProgram) -> dict[str, tuple[nn.Module, tuple, tu
     return out
 
 
+class ActHost:
+    """The host's side of the ACT methods (module docstring), over callables ``begin(tokens,
+    input_pos) -> x``, ``step(t, x, input_pos, hp, rem, n, out) -> 6 outputs`` and ``end(out)
+    -> logits`` (a ``.pte``'s methods: runtime.PteModel; compiled graphs: compiled.py): run
+    the steps a call's tokens need, catching up the earlier positions that stopped before a
+    step (their pending step inputs, as ``UniversalTrunk``'s lazy step extension keeps them
+    in eager decoding), and stop after the step where no new token runs. Each (position,
+    step) runs once. ``host(tokens, start) -> (logits, steps each token ran)``."""
+
+    def __init__(self, begin, step, end, steps: int):
+        self.begin, self.step, self.end, self.steps = begin, step, end, steps
+        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # step t -> (first position, inputs [1, n, D])
+        self.pos = 0  # positions computed so far (at their first step at least)
+
+    def rollback(self, start: int) -> None:
+        """Forget positions >= start (a new sequence at 0, or a rewrite of later positions)."""
+        if start > self.pos:
+            raise ConfigError(f"position {start} follows {self.pos} positions computed: an ACT program "
+                              f"continues at {self.pos} or rewrites earlier positions (0 .. {self.pos})")
+        self.pending = {t: (lo, x[:, :start - lo]) for t, (lo, x) in self.pending.items() if lo < start}
+        self.pos = start
+
+    def __call__(self, tokens_1T: torch.Tensor, start: int):
+        self.rollback(start)
+        try:
+            return self._run(tokens_1T, start)
+        except BaseException:  # a step failed midway: what the host kept is not the cache's
+            self.pending, self.pos = {}, 0  # any call but a new sequence is then refused
+            raise
+
+    def _run(self, tokens_1T: torch.Tensor, start: int):
+        T = tokens_1T.shape[1]
+        end = start + T
+        y = self.begin(tokens_1T, torch.arange(start, end))
+        z = torch.zeros(1, T)
+        hp, rem, n, out, lo = z, z, z, torch.zeros_like(y), start
+        for t in range(self.steps):
+            if t in self.pending:  # catch up: the rows in front of the new tokens
+                lo, x = self.pending.pop(t)
+                y = torch.cat([x, y], 1)
+            k = start - lo
+            ones, zeros = torch.ones(1, k), torch.zeros(1, k)  # the caught-up rows: halted, no weight
+            y, hp, rem, n, out, running = self.step(
+                t, y, torch.arange(lo, end), torch.cat([ones, hp], 1), torch.cat([zeros, rem], 1),
+                torch.cat([zeros, n], 1), torch.cat([torch.zeros(1, k, y.shape[2]), out], 1))
+            hp, rem, n, out = hp[:, k:], rem[:, k:], n[:, k:], out[:, k:]
+            if not bool(running[0]):
+                break
+        if t + 1 < self.steps:  # step t+1 inputs of positions lo .. end - 1 wait for a token that needs them
+            first, x = self.pending.get(t + 1, (lo, y[:, :0]))
+            self.pending[t + 1] = (first, torch.cat([x, y], 1))
+        self.pos = end
+        return self.end(out), n[0].tolist()
+
+
 def prepare(model: DecoderLM, depth: int | None = None, extend_loops: str | None = None,
             max_len: int | None = None) -> RunnerProgram:
     """``model`` (fp32, eval) at ``depth`` with every block application input-independent,

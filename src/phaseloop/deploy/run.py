@@ -70,7 +70,7 @@ def export_run(run: str | Path, out: str | Path, *, depth: int | None = None, ex
     tok_json = tokenizer_json(tok)
     record = {"format": "executorch", "backend": backend, "arch": model.cfg.arch,
               "depth": depth, "extend_loops": extend_loops,  # None: the trained depth
-              "passes": program.model.trunk.passes,  # what every token runs (None: a stack)
+              "passes": program.model.trunk.passes,  # what every token runs (None: a stack; ACT: the bound)
               "kv_cache_bytes": sum(b.nbytes for b in program.cache.buffers()),
               "bits": bits, "head": head, "quantized_layers": quantized, "metadata": meta, "bytes": len(data),
               "pte_sha256": hashlib.sha256(data).hexdigest(),
