@@ -10,6 +10,7 @@ the cache), which a shared cache changes and a full pass does not see.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -129,6 +130,20 @@ def act_rows(model, x_BT: torch.Tensor | None) -> int:
     Under ``--kv-share`` they cannot share one: a row's later steps overwrite the shared
     slots only if some other row still runs, so each row is decoded on its own."""
     return 0 if x_BT is None or getattr(model.trunk, "halting", None) is None else x_BT.shape[0]
+
+
+def recording_passes(default, on_output=None) -> tuple[list, Callable]:
+    """(passes, an ``on_output`` for ``decoding.decode``) for a step whose outputs may carry
+    ``passes`` (the steps behind the next token: UT + ACT in a program): each output's, or
+    ``default`` (the fixed depth), then ``on_output``."""
+    passes = []
+
+    def seen(out):
+        steps = getattr(out, "passes", None)
+        passes.append(default if steps is None else steps)
+        if on_output is not None:
+            on_output(out)
+    return passes, seen
 
 
 def _passes(out, trunk) -> float | None:

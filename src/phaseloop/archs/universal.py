@@ -298,7 +298,7 @@ class UniversalTrunk(Trunk):
         return self.steps if self.halting is not None else 0
 
     def program_step(self, t: int, x_1ND, input_pos_N, hp_1N, rem_1N, n_1N, out_1ND, cache):
-        """ACT step ``t`` as an exported method (deploy/program.py ``StepMethod``: its contract)."""
+        """ACT step ``t`` as an exported method (deploy/program.py ``ActStep``: its contract)."""
         ctx = ForwardContext.at(self.cfg, 0, x_1ND.shape[1], x_1ND.device, input_pos_N[None], cache=cache)
         pos_TD = self.signal.position(0, x_1ND.shape[1], x_1ND.device, input_pos_N[None])
         threshold = 1.0 - self.cfg.act_epsilon

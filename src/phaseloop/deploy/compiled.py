@@ -35,9 +35,9 @@ from types import SimpleNamespace
 import torch
 
 from phaseloop.decoding import decode
-from phaseloop.deploy.program import ActEnd, ActHost, ActStep, RunnerProgram
+from phaseloop.deploy.program import ActBegin, ActEnd, ActHost, ActStep, RunnerProgram
 from phaseloop.errors import ConfigError
-from phaseloop.inference import Generation, Options
+from phaseloop.inference import Generation, Options, recording_passes
 
 # inductor's config while the step compiles: weights as constants (prepacked), GEMM templates
 # tried. Set through config.patch around the compiling call: torch.compile(options=...) does
@@ -132,9 +132,7 @@ class CompiledDecoder:
                    torch.zeros(1, 1, D))
             for i, (graph, module) in enumerate(zip(self._graphs, self._modules)):  # compile each once
                 graph(module, *(row if i < steps else row[:1]))
-        embed = self.program.model.embed
-        self.act = ActHost(lambda tokens, pos: embed(tokens, 0, positions_BT=pos[None]), self._on_graph,
-                           lambda out: self._on_graph(-1, out), steps)
+        self.act = ActHost(ActBegin(self.program), self._on_graph, lambda out: self._on_graph(-1, out), steps)
 
     def _on_graph(self, i: int, *inputs):
         """Module ``i`` (step i; -1: the head) on one row through its graph (fresh contiguous
@@ -199,12 +197,8 @@ def generate(model, prompt_BT: torch.Tensor, options: Options, on_output=None) -
     was_training = model.training
     try:
         dec = CompiledDecoder(model, options.cache_positions(prompt_BT.shape[1]))
-        gen, passes = torch.Generator().manual_seed(options.seed), []
-
-        def seen(out):
-            passes.append(getattr(out, "passes", model.trunk.passes))  # UT + ACT: the steps it ran
-            if on_output is not None:
-                on_output(out)
+        gen = torch.Generator().manual_seed(options.seed)
+        passes, seen = recording_passes(model.trunk.passes, on_output)  # UT + ACT: the steps each token ran
         t0 = time.perf_counter()
         ids = decode(dec.step, prompt_BT, options.max_new_tokens, temperature=options.temperature,
                      top_k=options.top_k, generator=gen, eos_id=options.eos_id, on_output=seen)

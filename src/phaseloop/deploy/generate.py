@@ -25,7 +25,7 @@ from phaseloop.decoding import decode
 from phaseloop.deploy import EXTRA, sidecars
 from phaseloop.errors import CheckpointError, ConfigError
 from phaseloop.files import read_json, sha256_file, why_missing
-from phaseloop.inference import Generation, Options
+from phaseloop.inference import Generation, Options, recording_passes
 
 
 @dataclass
@@ -133,12 +133,7 @@ def generate(exp: Exported, prompt_BT: torch.Tensor, options: Options, on_output
     """Decode ``prompt_BT`` [1, T] in the runtime from position 0 (a new sequence)."""
     check(exp, options, prompt_BT)
     gen = torch.Generator().manual_seed(options.seed)
-    passes = []
-
-    def seen(out):
-        passes.append(exp.record.get("passes") if out.passes is None else out.passes)
-        if on_output is not None:
-            on_output(out)
+    passes, seen = recording_passes(exp.record.get("passes"), on_output)
     t0 = time.perf_counter()
     ids = decode(step_fn(exp.model), prompt_BT.cpu(), options.max_new_tokens, temperature=options.temperature,
                  top_k=options.top_k, generator=gen, eos_id=options.eos_id, on_output=seen)

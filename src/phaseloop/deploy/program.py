@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from phaseloop.archs.act import PendingInputs
 from phaseloop.data.tokenizer import ByteTokenizer
 from phaseloop.depth import set_model_depth
 from phaseloop.errors import ConfigError
@@ -117,13 +118,13 @@ class ActHost:
     input_pos) -> x``, ``step(t, x, input_pos, hp, rem, n, out) -> 6 outputs`` and ``end(out)
     -> logits`` (a ``.pte``'s methods: runtime.PteModel; compiled graphs: compiled.py): run
     the steps a call's tokens need, catching up the earlier positions that stopped before a
-    step (their pending step inputs, as ``UniversalTrunk``'s lazy step extension keeps them
-    in eager decoding), and stop after the step where no new token runs. Each (position,
+    step (their pending step inputs, ``PendingInputs`` as ``UniversalTrunk``'s lazy step
+    extension keeps them in eager decoding), and stop after the step where no new token runs. Each (position,
     step) runs once. ``host(tokens, start) -> (logits, steps each token ran)``."""
 
     def __init__(self, begin, step, end, steps: int):
         self.begin, self.step, self.end, self.steps = begin, step, end, steps
-        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # step t -> (first position, inputs [1, n, D])
+        self.pending: dict[int, PendingInputs] = {}  # step t -> the step-t inputs of positions that stopped
         self.pos = 0  # positions computed so far (at their first step at least)
 
     def rollback(self, start: int) -> None:
@@ -131,7 +132,8 @@ class ActHost:
         if start > self.pos:
             raise ConfigError(f"position {start} follows {self.pos} positions computed: an ACT program "
                               f"continues at {self.pos} or rewrites earlier positions (0 .. {self.pos})")
-        self.pending = {t: (lo, x[:, :start - lo]) for t, (lo, x) in self.pending.items() if lo < start}
+        kept = {t: p.truncate(start) for t, p in self.pending.items()}
+        self.pending = {t: p for t, p in kept.items() if p is not None}
         self.pos = start
 
     def __call__(self, tokens_1T: torch.Tensor, start: int):
@@ -149,9 +151,9 @@ class ActHost:
         z = torch.zeros(1, T)
         hp, rem, n, out, lo = z, z, z, torch.zeros_like(y), start
         for t in range(self.steps):
-            if t in self.pending:  # catch up: the rows in front of the new tokens
-                lo, x = self.pending.pop(t)
-                y = torch.cat([x, y], 1)
+            caught = self.pending.pop(t, None)
+            if caught is not None:  # catch up: the rows in front of the new tokens
+                lo, y = caught.start, torch.cat([caught.x, y], 1)
             k = start - lo
             ones, zeros = torch.ones(1, k), torch.zeros(1, k)  # the caught-up rows: halted, no weight
             y, hp, rem, n, out, running = self.step(
@@ -161,8 +163,11 @@ class ActHost:
             if not bool(running[0]):
                 break
         if t + 1 < self.steps:  # step t+1 inputs of positions lo .. end - 1 wait for a token that needs them
-            first, x = self.pending.get(t + 1, (lo, y[:, :0]))
-            self.pending[t + 1] = (first, torch.cat([x, y], 1))
+            waiting = self.pending.get(t + 1)
+            if waiting is None:
+                self.pending[t + 1] = PendingInputs(lo, y)
+            else:
+                waiting.extend(lo, y)
         self.pos = end
         return self.end(out), n[0].tolist()
 

@@ -78,8 +78,9 @@ def lower(program: RunnerProgram, meta: dict, backend: str = "xnnpack") -> bytes
                 raise ConfigError(f"torch.export cannot trace this {program.model.cfg.arch} model: {first}") from None
         partitioner = [XnnpackPartitioner()] if backend == "xnnpack" else []
         edge = to_edge_transform_and_lower(exported, partitioner=partitioner, constant_methods=meta)
-        config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(["cache"])])
-        if len(exported) > 1:  # the methods read and write one set of cache buffers
+        if len(exported) == 1:
+            config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(["cache"])])
+        else:  # the methods read and write one set of cache buffers
             config = ExecutorchBackendConfig(passes=[_InitUsedCache()], emit_mutable_buffer_names=True,
                                              memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True))
         return edge.to_executorch(config).buffer
