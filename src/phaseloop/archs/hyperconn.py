@@ -179,12 +179,8 @@ class RunningSums:
     decoding drops rejected drafts); a decode step appends its own chunk."""
 
     def __init__(self, start: int, sums_BPm: torch.Tensor):
-        self.start, self.chunks = start, [sums_BPm]
-
-    @property
-    def count(self) -> int:
-        """Positions summed so far (the running mean's denominator before the next one)."""
-        return sum(c.shape[1] for c in self.chunks)
+        # count: positions summed so far (the running mean's denominator before the next one)
+        self.start, self.chunks, self.count = start, [sums_BPm], sums_BPm.shape[1]
 
     @property
     def last_B1m(self) -> torch.Tensor:
@@ -192,6 +188,7 @@ class RunningSums:
 
     def append(self, sums_BTm: torch.Tensor) -> None:
         self.chunks.append(sums_BTm)
+        self.count += sums_BTm.shape[1]
 
     def truncate(self, n: int) -> RunningSums | None:
         """Only the positions < n (None: none left)."""
