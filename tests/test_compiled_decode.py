@@ -8,6 +8,7 @@ what it cannot run is one line, exit 2."""
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -97,8 +98,30 @@ def test_compiled_steps_equal_eager_steps(case, monkeypatch):
             # compile does not reach the compiled step, while the eager forward sees it
             _weights_are_frozen(model, dec, prompt)
             _guards_run_once_per_prompt(dec, prompt)
+        if case == "universal+act":
+            _act_failure_starts_a_new_sequence(dec, prompt, eager.ids)
+            ref = weakref.ref(dec)
+            monkeypatch.undo()
+            del dec
+            assert ref() is None  # freed at once: its host holds no reference back (no cycle to collect)
     finally:
         torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def _act_failure_starts_a_new_sequence(dec, prompt, ids):
+    """A call the step cannot take is refused before anything runs; one that fails midway (a
+    token past the vocabulary) leaves decoder and host at a new sequence, which then decodes
+    as before."""
+    dec.reset()
+    dec.step(prompt)
+    with pytest.raises(ConfigError, match=r"shape \[1, T\]; got \(2, 1\)"):
+        dec.step(torch.tensor([[7], [7]]))
+    assert dec.pos == dec.act.pos == 5
+    with pytest.raises(IndexError):
+        dec.step(torch.tensor([[10 ** 6]]))
+    assert dec.pos == dec.act.pos == 0 and not dec.act.pending
+    assert decode(dec.step, prompt, 10).tolist() == ids.tolist()
 
 
 @torch.no_grad()
@@ -149,8 +172,6 @@ def test_a_process_compiles_more_decoders_than_dynamos_recompile_limit():
 
 def _decoder_runs(model):
     """A decoder's prompt and one compiled step; a weak reference to its compiled step."""
-    import weakref
-
     dec = CompiledDecoder(model, 4)
     with torch.no_grad():
         dec.step(torch.tensor([[1]]))

@@ -130,7 +130,7 @@ def test_every_architecture_runs_in_executorch_equal_to_phaseloop(case, exported
 
 
 def test_act_program_runs_each_token_until_it_halts(exported):
-    """UT + ACT's step methods (program.py), run by the host (runtime._ActHost): each token
+    """UT + ACT's step methods (program.py), run by the host (program.ActHost): each token
     runs the steps it needs, the earlier positions caught up where a later one needs a step
     they skipped; equal to the program's forward (every step) and to phaseloop, the steps
     each token ran equal to phaseloop's; positions rewritten and a new sequence equal too."""
@@ -156,6 +156,10 @@ def test_act_program_runs_each_token_until_it_halts(exported):
     with torch.no_grad():
         torch.testing.assert_close(adaptive(y[:, 12:20], 12), model(y[:, :20]).logits[:, 12:], rtol=0, atol=TOL)
         torch.testing.assert_close(adaptive(y[:, :5], 0), model(y[:, :5]).logits, rtol=0, atol=TOL)
+    with pytest.raises(ConfigError, match=r"shape \[1, T\]; got \(2, 1\)"):  # refused before the host runs:
+        adaptive(torch.cat([x[:, 5:6]] * 2), 5)  # the sequence is kept (the gap below is refused at 5)
+    with pytest.raises(ConfigError, match=r"got \(1, 0\)"):
+        adaptive(x[:, 5:5], 5)
     with pytest.raises(ConfigError, match="continues at 5"):
         adaptive(x[:, 6:7], 6)  # a gap: positions 5 was never computed
     with pytest.raises(PhaseloopError, match="program failed on tokens 5 .. 5"):
@@ -225,6 +229,8 @@ def test_the_cli_files_xnnpack_fp32_and_int4_and_executorchs_llm_runner(rope_run
         assert fp32.constant(name) == (value if isinstance(value, list) else [value]), name
     with pytest.raises(ConfigError, match="outside the program's cache of 32"):
         fp32(x[:, :2], 31)
+    with pytest.raises(ConfigError, match="position 26 follows 24 positions computed"):
+        fp32(x[:, :1], 26)  # a gap: the keys of 24 and 25 were never written
 
     # ExecuTorch's C++ TextLLMRunner on the file and the tokenizer beside it: it reads the
     # metadata (max_seq_len, BOS, EOS, use_kv_cache, enable_dynamic_shape), prefills the

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import time
 import types
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -132,7 +133,9 @@ class CompiledDecoder:
                    torch.zeros(1, 1, D))
             for i, (graph, module) in enumerate(zip(self._graphs, self._modules)):  # compile each once
                 graph(module, *(row if i < steps else row[:1]))
-        self.act = ActHost(ActBegin(self.program), self._on_graph, lambda out: self._on_graph(-1, out), steps)
+        me = weakref.ref(self)  # the host holds no reference back: the graphs die with their decoder (_own_step)
+        self.act = ActHost(ActBegin(self.program), lambda t, *a: me()._on_graph(t, *a),
+                           lambda out: me()._on_graph(-1, out), steps)
 
     def _on_graph(self, i: int, *inputs):
         """Module ``i`` (step i; -1: the head) on one row through its graph (fresh contiguous
@@ -169,11 +172,18 @@ class CompiledDecoder:
     @torch.no_grad()  # the graph was traced without autograd: a grad-mode guard never fails
     def step(self, x_BT: torch.Tensor, _cache=None) -> SimpleNamespace:
         T = x_BT.shape[1]
+        if x_BT.dim() != 2 or x_BT.shape[0] != 1 or T < 1:
+            raise ConfigError(f"the compiled step decodes one row of at least one token id, shape [1, T]; got "
+                              f"{tuple(x_BT.shape)}")
         if self.pos + T > self.program.max_len:
             raise ConfigError(f"{self.pos + T} positions exceed the compiled step's cache of "
                               f"{self.program.max_len}; start a new sequence (reset)")
         if self.act is not None:  # UT + ACT: the steps each token needs (ActHost)
-            logits, passes = self.act(x_BT, self.pos)
+            try:
+                logits, passes = self.act(x_BT, self.pos)
+            except BaseException:  # the host forgot its positions (ActHost): so does the decoder
+                self.reset()
+                raise
             self.pos += T
             return SimpleNamespace(logits=logits, stats={}, passes=passes[-1])
         if T == 1 and self.pos > 0:

@@ -74,17 +74,27 @@ class PteModel:
             self.max_len = None
         self.load_s = time.perf_counter() - t0
         self.last_passes: list[float] | None = None  # steps each new token ran (ACT), else None
+        self.pos = 0  # positions whose keys the cache holds (forward; the ACT host keeps its own)
 
     def __call__(self, tokens_1T: torch.Tensor, start: int) -> torch.Tensor:
+        if tokens_1T.dim() != 2 or tokens_1T.shape[0] != 1 or tokens_1T.shape[1] < 1:
+            raise ConfigError(f"a program decodes one row of at least one token id, shape [1, T]; got "
+                              f"{tuple(tokens_1T.shape)}")
         T = tokens_1T.shape[1]
         if self.max_len is not None and not 0 <= start <= start + T <= self.max_len:
             raise ConfigError(f"positions {start} .. {start + T - 1} are outside the program's cache of "
                               f"{self.max_len} (get_max_seq_len); start a new sequence at 0")
+        if self.act is None and start > self.pos:  # the keys in between were never written
+            raise ConfigError(f"position {start} follows {self.pos} positions computed: a program continues at "
+                              f"{self.pos} or rewrites earlier positions (0 .. {self.pos})")
         try:
             if self.act is not None:
                 logits, self.last_passes = self.act(tokens_1T.long(), start)
                 return logits
-            return self.method.execute([tokens_1T.long(), torch.arange(start, start + T)])[0]
+            self.pos = 0  # until the call succeeds: only a new sequence may follow a failure
+            logits = self.method.execute([tokens_1T.long(), torch.arange(start, start + T)])[0]
+            self.pos = start + T
+            return logits
         except RuntimeError as e:  # e.g. a token id past the embedding's rows
             raise CheckpointError(f"the program failed on tokens {start} .. {start + T - 1} ({first_line(e, 80)}); "
                                   "check that its tokenizer is the one exported with it") from None
