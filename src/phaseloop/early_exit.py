@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.linalg import vector_norm
 
 from phaseloop import registry
 from phaseloop.errors import ConfigError
@@ -182,7 +183,7 @@ class Monitor:
         self.done = torch.zeros(B, T, dtype=torch.bool, device=x0.device)
         self.passes = ctx.stats["exit_passes"] = torch.zeros(B, T, dtype=torch.long, device=x0.device)
         self.readouts = ctx.stats["exit_readouts"] = torch.zeros_like(self.passes)
-        self.t, self.base = 0, ctx
+        self.t, self.base, self.exited = 0, ctx, False  # exited: some position of ``done`` stopped
         self.latest, self.read_latest = {}, {}
         self._set_running()
         kind, dtype = self.rule.kind, compute_dtype(x0.dtype)
@@ -219,6 +220,8 @@ class Monitor:
 
     def hold(self, before, after):
         """``after`` with the exited positions' rows of ``before`` (their state frozen)."""
+        if not self.exited:  # nothing to freeze
+            return after
         return before if not self.run.any else torch.where(self._mask(after), before, after)
 
     def step(self, before, after):
@@ -235,10 +238,11 @@ class Monitor:
         if self.t < self.n:  # nothing to decide after the last pass
             rows = None if run.all else run.flat_N
             stop_N = self._stop(before, x, rows)
-            if rows is not None:
-                stop_N = torch.zeros_like(self.done).view(-1).index_copy(0, rows, stop_N)
-            self.done = self.done | stop_N.view_as(self.done)
-        self._set_running()
+            if bool(stop_N.any()):  # else the same positions run on (no new Running: one host read a pass)
+                if rows is not None:
+                    stop_N = torch.zeros_like(self.done).view(-1).index_copy(0, rows, stop_N)
+                self.done, self.exited = self.done | stop_N.view_as(self.done), True
+                self._set_running()
         return x
 
     @staticmethod
@@ -266,9 +270,9 @@ class Monitor:
         if kind in ("state", "accel"):
             delta = (self._rows(x, rows) - self._rows(before, rows)).flatten(1)
             if kind == "state":  # eps = 0: never
-                return delta.norm(dim=-1) < eps * self._rows(before, rows).flatten(1).norm(dim=-1)
+                return vector_norm(delta, dim=-1) < eps * vector_norm(self._rows(before, rows).flatten(1), dim=-1)
             prev = self._rows(self.delta, rows, flat=True)
-            hit = (delta - prev).norm(dim=-1) < eps
+            hit = vector_norm(delta - prev, dim=-1) < eps
             hits = torch.where(hit, self._rows(self.hits, rows, flat=True) + 1, 0) * (self.t >= 2)
             self._put("delta", rows, delta)
             self._put("hits", rows, hits)
