@@ -176,7 +176,9 @@ def prepare(model: DecoderLM, depth: int | None = None, extend_loops: str | None
             max_len: int | None = None) -> RunnerProgram:
     """``model`` (fp32, eval) at ``depth`` with every block application input-independent,
     wrapped with a static cache of ``max_len`` positions (default: its max_seq_len), its
-    buffers allocated. One-line ConfigError for what a program cannot hold."""
+    buffers allocated. One-line ConfigError for what a program cannot hold. ``model`` itself
+    is changed (export loads its own): fp32, eval, that depth, and UT + ACT runs every step
+    in eager decoding too (the same outputs; ``trunk.early_exit = True`` restores the stop)."""
     cfg = model.cfg
     if getattr(model.trunk, "exits", None) is not None:
         raise ConfigError(f"early exit per position ({model.trunk.exits.rule.label}) cannot be exported: "
