@@ -4,8 +4,9 @@ process with the rows interleaved round by round (medians).
 
 Per row: batch-1 prefill tokens/s (one forward over a prompt of --prefill tokens) and
 decode tokens/s (--decode new tokens, greedy, after an 8-token prompt), each against the
-full row (realised speedup) and, for exit rows, the counted one, 1 / (1 - FLOPs saved)
-(``analysis.exits.exit_flops`` of the same forwards); the bytes the KV cache holds; the
+full row (realised speedup: the median over rounds of the two times' ratio in a round) and,
+for exit rows, the counted one, 1 / (1 - FLOPs saved) (``analysis.exits.exit_flops`` of the
+same forwards); the bytes the KV cache holds; the
 loss change on --windows windows of --data (exit rows: the full pass with the rule;
 --kv-share rows: token by token, as decoding reads the shared cache); for --speculative,
 the acceptance rate and whether the greedy tokens are the full depth's.
@@ -130,6 +131,13 @@ def loss_of(model, w, opts) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
 
 
+def paired(full: list[float], row: list[float]) -> float:
+    """The realised speedup: the median over rounds of the full row's time over the row's in
+    the same round (timed a few seconds apart, so a drift of the machine between rounds
+    cancels; a ratio of the two medians moved by up to 25 % from run to run on a shared VM)."""
+    return statistics.median(f / r for f, r in zip(full, row, strict=True))
+
+
 def bench(name, args, runs) -> dict:
     model, kind = build(name, runs)
     D = model.trunk.passes
@@ -160,10 +168,11 @@ def bench(name, args, runs) -> dict:
                "mean_passes": g.mean_passes, "decode_tok_s": args.decode / statistics.median(dec[r["row"]]),
                "kv_cache_bytes": g.kv_cache_bytes,
                "kv_ratio": g.kv_cache_bytes / full["gen"].kv_cache_bytes if full["gen"].kv_cache_bytes else None}
-        row["decode_speedup"] = statistics.median(dec["full"]) / statistics.median(dec[r["row"]])
+        row["decode_speedup"] = paired(dec["full"], dec[r["row"]])
+        row["decode_round_s"], row["prefill_round_s"] = dec[r["row"]], pre[r["row"]]  # each round's time
         if pre[r["row"]]:
             row["prefill_tok_s"] = x.shape[1] / statistics.median(pre[r["row"]])
-            row["prefill_speedup"] = statistics.median(pre["full"]) / statistics.median(pre[r["row"]])
+            row["prefill_speedup"] = paired(pre["full"], pre[r["row"]])
             tp = r["tally_p"]
             row["prefill_depth"] = tp.mean("passes") if tp.positions else D
         if fp is not None:
