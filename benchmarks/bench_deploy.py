@@ -229,7 +229,7 @@ def report(results: dict, bw: list[dict], out_json: str | None) -> None:
         print("| engine | weight MB | RSS MB: running (peak) | decode tok/s | floor tok/s | of floor | step ms "
               "(matmuls) | prefill tok/s | loss | greedy = fp32 |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-        ref = engines.get("phaseloop-fp32", [{}])
+        ref = engines.get("phaseloop-fp32")  # None: not in this run, nothing to compare with
         rows = {}
         for engine, runs in engines.items():
             row = {k: _med(runs, k) for k in ("weight_bytes", "peak_rss", "rss_run", "decode_tok_s", "prefill_tok_s",
@@ -240,7 +240,8 @@ def report(results: dict, bw: list[dict], out_json: str | None) -> None:
             row["of_floor"] = statistics.median(
                 r["decode_tok_s"] * r["bytes_per_token"] / (max(b["copy_gb_s"], b["read_gb_s"]) * 1e9)
                 for r, b in zip(runs, bw))
-            row["same_tokens"] = all(a.get("tokens") == b.get("tokens") for a, b in zip(runs, ref))
+            row["same_tokens"] = None if ref is None else all(a.get("tokens") == b.get("tokens")
+                                                              for a, b in zip(runs, ref))
             rows[engine] = row
             step = f"{row['step_ms']:.2f} ({row['matmul_ms']:.2f})" if row["matmul_ms"] else ""
             loss = f"{row['loss']:.4f}" if row["loss"] is not None else ""
@@ -248,7 +249,7 @@ def report(results: dict, bw: list[dict], out_json: str | None) -> None:
                   f"({row['peak_rss'] / 2 ** 20:.0f}) | "
                   f"{row['decode_tok_s']:.1f} | {row['floor_tok_s']:.1f} | "
                   f"{row['of_floor']:.2f} | {step} | {row['prefill_tok_s']:.0f} | {loss} | "
-                  f"{'yes' if row['same_tokens'] else 'no'} |")
+                  f"{'-' if row['same_tokens'] is None else 'yes' if row['same_tokens'] else 'no'} |")
         fp32 = rows.get("phaseloop-fp32")
         if fp32:
             ratios = {f"{e} / phaseloop-fp32 decode": r["decode_tok_s"] / fp32["decode_tok_s"]
