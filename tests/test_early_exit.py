@@ -208,6 +208,22 @@ def test_stacks_refuse(preset):
     assert "\n" not in str(e.value) and "looped" in str(e.value)
 
 
+def test_an_encoder_decoder_and_a_static_cache_refuse():
+    """set_exit on a seq2seq model, and a rule meeting a static cache (whose slots hold a
+    fixed depth), are one-line ConfigErrors, not AttributeError / TypeError mid-decode."""
+    from phaseloop.archs.seq2seq import build_seq2seq
+    from phaseloop.kvcache import StaticKVCache
+
+    with pytest.raises(ConfigError, match="encoder-decoder") as e:
+        set_exit(build_seq2seq(ModelConfig.from_preset("universal-tiny")), _rule("state:0.5"))
+    assert "\n" not in str(e.value)
+    m = build_model(ModelConfig.from_preset("looped-tiny")).eval()
+    set_exit(m, _rule("state:10"))  # every position exits after the first pass
+    with torch.no_grad(), pytest.raises(ConfigError, match="static KV cache") as e:
+        m(torch.randint(0, 64, (1, 4)), cache=StaticKVCache(16))
+    assert "\n" not in str(e.value)
+
+
 def test_rule_and_act_mismatch_refused():
     ut_act = build_model(ModelConfig.from_preset("universal-act-tiny"))
     with pytest.raises(ConfigError, match="halts by ACT"):

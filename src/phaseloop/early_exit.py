@@ -31,7 +31,8 @@ others' keys/values at those passes are filled by ``Exits.fill``: ``recompute`` 
 from the frozen state: the result of running every pass with dense masks) or ``latest``
 (the deepest keys/values it computed; Huginn §6). Readouts through the end block read an
 exited position's keys/values from its last readout. Decisions depend on a position's own
-states only, so cached decoding equals the full pass under either fill.
+states (and, through an end-block readout, on the positions before it in its row) only, so
+cached decoding equals the full pass under either fill.
 
 ``set_kv_share(model, K)``: pass i reads and writes KV slot i mod K (Huginn §6.2), so the
 cache holds K slots per looped layer instead of one per pass. Decoded tokens then read each
@@ -123,7 +124,10 @@ def _tied(attr: str) -> str:
 
 def refuse_stack(model, what: str, flag: str, attr: str = "exit_rules") -> None:
     """One-line ConfigError where ``model``'s trunk has no passes for ``what``."""
-    trunk = model.trunk
+    trunk = getattr(model, "trunk", None)
+    if trunk is None:  # an encoder-decoder: its decoder cross-attends, which a pass over running rows does not
+        raise ConfigError(f"a {model.cfg.arch} model cannot {what}: it is an encoder-decoder ({flag} applies to "
+                          f"the decoder-only trunks: {_tied(attr)})")
     if getattr(trunk, attr, ()):
         return
     why = (f"its trunk declares no support (Trunk.{attr})" if trunk.dynamic_depth
@@ -166,6 +170,10 @@ def monitor(trunk, x0, ctx, n_passes: int, merge=None) -> Monitor | None:
     exits = trunk.exits
     if exits is None or exits.rule.kind not in PASS_RULES:
         return None
+    if ctx.cache is not None and ctx.cache.static:
+        raise ConfigError(f"early exit ({exits.rule.label}) on a static KV cache: which positions run a pass "
+                          "depends on the data, and a static cache holds a fixed depth; decode with a KVCache "
+                          "or without the exit rule")
     return Monitor(trunk, x0, ctx, n_passes, merge)
 
 
