@@ -158,6 +158,16 @@ def test_every_invalid_field_is_a_400_naming_it(server, body, param):
         param.split(".")[0]), err
 
 
+def test_null_is_the_default(server):
+    """OpenAI's client sends a parameter set to None as null: each optional field then takes
+    its default (temperature: null was a 500 from inside the decode loop)."""
+    nulls = {k: None for k in ("max_tokens", "temperature", "top_p", "top_k", "n", "logprobs", "stop", "echo")}
+    got = post(server, "/v1/completions", {"prompt": "the", "seed": 7, **nulls})
+    want = post(server, "/v1/completions", {"prompt": "the", "seed": 7, "max_tokens": 16, "temperature": 1.0, "n": 1})
+    assert got.status_code == want.status_code == 200, got.text
+    assert got.json()["choices"] == want.json()["choices"] and got.json()["usage"]["completion_tokens"] == 16
+
+
 def test_a_failing_first_token_is_a_500_and_the_server_goes_on(server, monkeypatch):
     """An exception while a sequence is admitted (prefill, first token) ends it with a 500
     at once (it was in no group and no queue: before, the client waited forever)."""
@@ -241,12 +251,15 @@ def test_curl_sse_framing(server):
 
 def test_metrics_are_prometheus_text(server, client):
     client.completions.create(model=server.server.served.name, prompt="the", max_tokens=3, temperature=0)
+    post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})  # no template: 400
     text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert {"phaseloop_requests", "phaseloop_prompt_tokens", "phaseloop_generation_tokens", "phaseloop_queue_length",
             "phaseloop_running_sequences", "phaseloop_request_latency_seconds", "phaseloop_batch_rows"} <= set(fams)
     ok = [s for s in fams["phaseloop_requests"].samples if s.labels == {"route": "completions", "status": "200"}]
     assert ok and ok[0].value >= 1
+    # each route its own label (a chat request was counted as "completions", its path's last part)
+    assert any(s.labels == {"route": "chat", "status": "400"} for s in fams["phaseloop_requests"].samples)
     assert any(s.name.endswith("_bucket") for s in fams["phaseloop_request_latency_seconds"].samples)
     assert [s.value for s in fams["phaseloop_generation_tokens"].samples if s.name.endswith("_total")][0] >= 3
 

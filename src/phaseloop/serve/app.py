@@ -225,8 +225,9 @@ class Server:
         return Response(text, media_type=ctype)
 
 
-def _route(server: Server, path: str, fn, methods: list[str], auth: bool = True) -> Route:
-    name = path.rstrip("/").rsplit("/", 1)[-1]
+def _route(server: Server, path: str, name: str, fn, methods: list[str], auth: bool = True) -> Route:
+    """``path`` served by ``fn``; ``name``: its label in the request metrics (a stream's is the
+    same: Server.stream records "completions" or "chat" at its end)."""
 
     async def endpoint(request: Request) -> Response:
         t0, status, response = time.monotonic(), 500, None
@@ -254,12 +255,12 @@ def _route(server: Server, path: str, fn, methods: list[str], auth: bool = True)
 
 
 def create_app(server: Server) -> Starlette:
-    routes = [_route(server, "/health", server.health, ["GET"], auth=False),
-              _route(server, "/metrics", server.prometheus, ["GET"]),
-              _route(server, "/v1/models", server.models, ["GET"]),
-              _route(server, "/v1/models/{model:path}", server.model, ["GET"]),
-              _route(server, "/v1/completions", server.completions, ["POST"]),
-              _route(server, "/v1/chat/completions", server.chat, ["POST"])]
+    routes = [_route(server, "/health", "health", server.health, ["GET"], auth=False),
+              _route(server, "/metrics", "metrics", server.prometheus, ["GET"]),
+              _route(server, "/v1/models", "models", server.models, ["GET"]),
+              _route(server, "/v1/models/{model:path}", "model", server.model, ["GET"]),
+              _route(server, "/v1/completions", "completions", server.completions, ["POST"]),
+              _route(server, "/v1/chat/completions", "chat", server.chat, ["POST"])]
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}; the routes are "

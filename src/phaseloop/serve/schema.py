@@ -65,7 +65,8 @@ class Request:
 
 # ------------------------------------------------------------------------------ field checks
 def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None, none_ok: bool = True):
-    v = body.get(key, default)
+    v = body.get(key)
+    v = default if v is None else v  # null is the default, as OpenAI reads it (its client sends None as null)
     if v is None and none_ok:
         return None
     if not isinstance(v, int) or isinstance(v, bool):
@@ -76,7 +77,8 @@ def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = 
 
 
 def _float(body: dict, key: str, default, lo: float, hi: float, lo_open: bool = False):
-    v = body.get(key, default)
+    v = body.get(key)
+    v = default if v is None else v  # null is the default (temperature: null samples at 1.0)
     if v is None:
         return None
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
