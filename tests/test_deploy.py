@@ -55,8 +55,8 @@ def stub_lowering(monkeypatch):
 
 @pytest.mark.parametrize("args, says", [
     (["--depth", "3"], "is a stack of distinct layers"),
-    (["--dtype", "bfloat16"], "--dtype applies to --format hf, not executorch"),
-    (["--quantized", "q.safetensors"], "--quantized applies to --format hf"),
+    (["--dtype", "bfloat16"], "--dtype applies to --format hf / llama, not executorch"),
+    (["--quantized", "q.safetensors"], "--quantized applies to --format hf / llama / gguf, not executorch"),
     (["--max-seq-len", "1000"], "--max-seq-len 1000: choose 2 .. 64"),
     (["--extend-loops", "last"], "--extend-loops applies with --depth"),
     (["--bits", "3"], "invalid choice: 3"),

@@ -123,7 +123,7 @@ def test_other_models_and_bad_combinations_are_refused(runs, tmp_path, capsys):
         (["export", runs["rope"], "--format", "llama", "--outtype", "f16", "--out", tmp_path / "a"],
          "--outtype applies to --format gguf, not llama"),
         (["export", runs["rope"], "--format", "gguf", "--dtype", "bfloat16", "--out", tmp_path / "a.gguf"],
-         "--dtype applies to --format hf, not gguf"),
+         "--dtype applies to --format hf / llama, not gguf"),
         (["export", runs["rope"], "--format", "gguf", "--depth", "2", "--out", tmp_path / "a.gguf"],
          "--format gguf takes a rope run, a stack of distinct layers"),
         (["export", runs["rope"], "--depth", "2", "--out", tmp_path / "a"], "has no depth to change"),

@@ -152,6 +152,33 @@ def test_eval_and_generate_take_quantized(world, capsys):
     assert gen["tokens_per_s"] > 0
 
 
+def test_a_state_dict_error_names_its_key():
+    """load_state_dict's first line names nothing ("Error(s) in loading state_dict for ..."):
+    a quant file that does not fit says which entry instead."""
+    from phaseloop.errors import state_dict_error
+
+    m = torch.nn.Linear(3, 4)
+    with pytest.raises(RuntimeError) as e:
+        m.load_state_dict({"weight": torch.zeros(2, 3), "bias": torch.zeros(4)})
+    assert state_dict_error(e.value).startswith("size mismatch for weight: copying a param with shape")
+    with pytest.raises(RuntimeError) as e:
+        m.load_state_dict({"weight": torch.zeros(4, 3)})
+    assert state_dict_error(e.value) == 'Missing key(s) in state_dict: "bias".'
+    assert state_dict_error(RuntimeError("one\ntwo")) == "one"
+
+
+def test_auto_device_with_quantized_is_the_cpu(world, capsys, monkeypatch):
+    """On a machine with a GPU, --device auto (the default) was cuda, which the packed CPU
+    kernels refuse: the docs' own `eval RUN --quantized FILE` exited 2 there."""
+    run, qfile = world["run"], world["run"] / "quant-w4-g32-rtn.safetensors"
+    want = json.loads(_out(capsys, ["eval", run, "--quantized", qfile, "--json", "--windows", "2"]))["val_loss"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    got = json.loads(_out(capsys, ["eval", run, "--quantized", qfile, "--json", "--windows", "2"]))["val_loss"]
+    assert got == want
+    code, err = run_cli(["eval", run, "--quantized", qfile, "--windows", "2", "--device", "cuda"], capsys)
+    assert_one_line(code, err, "use --device cpu")
+
+
 def test_quantize_head_packs_the_head_and_refuses_a_tied_one(world, capsys):
     """--head: the output head packed as well (the embedding stays fp32), in its own file; a
     head tied to the embedding is refused in one line and nothing is written."""
@@ -237,11 +264,28 @@ def test_edited_headers_and_damaged_values_are_refused(world, tmp_path, capsys):
         (_edited(qfile, tmp_path / "qmeta.safetensors",
                  tensors=lambda t: {**t, prefix + ".qmeta": torch.zeros(2, 3, dtype=torch.int64)}), "qmeta"),
     ]
+    norm = "norm.weight"  # a plain entry: a NaN there was taken as it was (the export wrote it)
+    cases.append((_edited(qfile, tmp_path / "nannorm.safetensors",
+                          tensors=lambda t: {**t, norm: t[norm].clone().fill_(float("nan"))}),
+                  "norm.weight is not finite"))
     for path, pattern in cases:
         for cmd in (["eval", run, "--windows", "2"], ["export", run, "--out", tmp_path / "x"]):
             code, err = run_cli([*cmd, "--quantized", path], capsys)
             assert_one_line(code, err, pattern)
             assert str(path) in err and not (tmp_path / "x").exists()
+    # run packed (eval), a plain entry in another dtype and a bias the layer does not have (nor the file
+    # a bias it has) were taken as they were: an fp16 embedding failed in the forward, the bias was added
+    linear = prefix[: -len(".weight")]  # a quantised Linear without a bias (bias=False, the default)
+    packed_cases = [
+        (_edited(qfile, tmp_path / "half.safetensors", tensors=lambda t: {**t, norm: t[norm].half()}),
+         "norm.weight is torch.float16, the model's is torch.float32"),
+        (_edited(qfile, tmp_path / "bias.safetensors",
+                 tensors=lambda t: {**t, linear + ".bias": torch.zeros(3)}),
+         f"holds a bias [3] for {linear}, whose bias is none"),
+    ]
+    for path, pattern in packed_cases:
+        code, err = run_cli(["eval", run, "--windows", "2", "--quantized", path], capsys)
+        assert_one_line(code, err, pattern)
 
 
 def test_a_file_of_this_run_before_it_trained_further_is_refused(world, tmp_path, capsys):
@@ -257,7 +301,7 @@ def test_a_file_of_this_run_before_it_trained_further_is_refused(world, tmp_path
     assert_one_line(code, err, "this run before it trained further")
 
 
-def test_the_hf_model_runs_packed(world):
+def test_the_hf_model_runs_packed(world, tmp_path):
     pytest.importorskip("transformers")
     from phaseloop.hf.export import from_run
 
@@ -272,3 +316,7 @@ def test_the_hf_model_runs_packed(world):
     assert torch.equal(hf.generate(ids, max_new_tokens=8, do_sample=False), packed.generate(ids, 8, temperature=0))
     with pytest.raises(PhaseloopError, match="drop --dtype"):
         from_run(run, dtype="bfloat16", quantized=qfile)
+    # saved, the codes would reload as random layers: refused, nothing written (export --quantized saves)
+    with pytest.raises(PhaseloopError, match="save_pretrained on packed --quantized weights .* export RUN --quantized"):
+        hf.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()

@@ -5,6 +5,7 @@ exported folder serves as its run does; `--quantized` on an export serves the de
 weights (on a run it serves them packed: tests/test_serve_adaptive.py); chat completions
 through a chat template (and a 400 without one)."""
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -101,6 +102,10 @@ def test_quantized_export_serves_the_dequantised_weights(runs, text_file, tmp_pa
                          (next(other.glob("quant-w8-*.safetensors")), "quantised from another model")):
         with pytest.raises(CheckpointError, match=pattern):  # a file of another model, or none
             load(tmp_path / "exported", quantized=str(bad))
+    record = tmp_path / "exported" / "phaseloop.json"  # an export of another checkpoint of this model
+    record.write_text(json.dumps({**json.loads(record.read_text()), "checkpoint_sha256": "0" * 64}))
+    with pytest.raises(CheckpointError, match="quantised from another checkpoint"):
+        load(tmp_path / "exported", quantized=str(qfile))
 
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -8,6 +8,14 @@ class PhaseloopError(Exception):
     """
 
 
+def state_dict_error(e: BaseException, limit: int = 120) -> str:
+    """What ``load_state_dict``'s RuntimeError says past its header line ("Error(s) in loading
+    state_dict for M:", which names nothing): its first key's line, cut as ``first_line``."""
+    lines = [line.strip() for line in str(e).strip().splitlines()]
+    detail = next((line for line in lines[1:] if line), None)
+    return first_line(detail if detail and lines[0].startswith("Error(s) in loading") else e, limit)
+
+
 def first_line(e: BaseException | str, limit: int | None = None) -> str:
     """The first line of an error's message (its type's name when it has none), cut at
     the last word boundary within ``limit`` characters with an ellipsis, never inside a

@@ -64,6 +64,11 @@ def quantized_option(p) -> None:
                    "its packed int8/int4 weights on torch's CPU kernels (docs/deploy.md)")
 
 
+def run_device(args) -> torch.device:
+    """``--device``, where ``auto`` is the CPU with ``--quantized`` (torch's low-bit kernels are CPU ones)."""
+    return resolve_device("cpu" if getattr(args, "quantized", None) and args.device == "auto" else args.device)
+
+
 def load_model(args, device):
     """The run's model, packed from ``--quantized FILE`` when given (``quant.load_packed``)."""
     if getattr(args, "quantized", None):
@@ -88,7 +93,7 @@ def cmd_eval(args) -> int:
         raise PhaseloopError("--kv-share and --exit sweep one at a time; give one of them")
     if args.kv_fill != "recompute" and not args.exit:
         raise PhaseloopError(f"--kv-fill {args.kv_fill} applies with --exit RULE:V")
-    device = resolve_device(args.device)
+    device = run_device(args)
     model, run_cfg = load_model(args, device)
     corpus = run_corpus(args.run, run_cfg, args.data)
     seq_len = args.seq_len or run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
@@ -143,7 +148,7 @@ def cmd_generate(args) -> int:
                              "(0 = greedy, 1 = the model's distribution)")
     if str(args.run).endswith(".pte"):
         return generate_pte(args)
-    device = resolve_device(args.device)
+    device = run_device(args)
     model, run_cfg = load_model(args, device)
     decode_layout(model)  # one-row products stream their weights faster (docs/deploy.md)
     opts = _options(args, model)

@@ -168,10 +168,10 @@ def cmd_export(args) -> int:
     """A run in the ``--format`` asked for; what a format cannot take is refused in one line
     naming the formats that take this run."""
     fmt = FORMATS[args.format]
-    for name, other in FORMATS.items():
-        for opt in other.options:
-            if name != args.format and getattr(args, opt) is not None and opt not in fmt.options:
-                raise PhaseloopError(f"--{opt.replace('_', '-')} applies to --format {name}, not {args.format}")
+    for opt in dict.fromkeys(o for f in FORMATS.values() for o in f.options):
+        if getattr(args, opt) is not None and opt not in fmt.options:
+            takes = " / ".join(n for n, f in FORMATS.items() if opt in f.options)
+            raise PhaseloopError(f"--{opt.replace('_', '-')} applies to --format {takes}, not {args.format}")
     if Path(args.run).exists():  # else loading the run says what is missing
         cfg = ModelConfig.from_dict(read_run_config(run_folder(args.run))["model"])
         why = fmt.refuses(cfg)

@@ -118,6 +118,16 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
             set_model_depth(self.model, self.config.phaseloop_depth,
                             getattr(self.config, "phaseloop_extend_loops", None))
 
+    def save_pretrained(self, *args, **kwargs):
+        """Refused on packed ``--quantized`` weights: their codes would be written under names no
+        loader maps back (the folder reloaded with random layers); ``push_to_hub`` calls this too."""
+        from phaseloop.quant.packed import PackedLinear
+
+        if any(isinstance(m, PackedLinear) for m in self.modules()):
+            _refuse("save_pretrained on packed --quantized weights", "their int8/int4 codes are not weights a "
+                    "loader reads back; `phaseloop export RUN --quantized FILE` writes the model they compute")
+        return super().save_pretrained(*args, **kwargs)
+
     @classmethod
     def from_decoder(cls, model: DecoderLM) -> PhaseloopForCausalLM:
         """Wrap an existing DecoderLM (its weights, no copy) in eval mode."""

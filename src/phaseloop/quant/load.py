@@ -27,7 +27,7 @@ from phaseloop.engine.checkpoint import (
     read_run_config,
     run_folder,
 )
-from phaseloop.errors import CheckpointError, PhaseloopError, first_line
+from phaseloop.errors import CheckpointError, PhaseloopError, state_dict_error
 from phaseloop.files import read_json, sha256_file, why_missing
 from phaseloop.model import build_model
 from phaseloop.quant.io import FORMAT, load_quantized_state_dict, split_quantized
@@ -72,10 +72,12 @@ def provenance(run: str | Path, run_cfg: dict) -> dict:
 PROVENANCE = ("model_config_sha256", "checkpoint_sha256")  # what ties a quantised file to its run
 
 
-def read_quantized(path: str | Path, run: str | Path | None, run_cfg: dict) -> tuple[dict, dict]:
+def read_quantized(path: str | Path, run: str | Path | None, run_cfg: dict,
+                   checkpoint: str | None = None) -> tuple[dict, dict]:
     """(tensors, metadata) of the quantised file ``path``, refused in one line naming it
     when it is missing, damaged, not a quantised file or not made from ``run`` (None: an
-    export of it, whose checkpoint is not at hand: the model config alone is compared)."""
+    export of it, whose checkpoint is not at hand: the model config is compared, and the
+    checkpoint's sha256 the export recorded, ``checkpoint``, where it has one)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -104,7 +106,12 @@ def read_quantized(path: str | Path, run: str | Path | None, run_cfg: dict) -> t
     if meta["model_config_sha256"] != want["model_config_sha256"]:
         raise CheckpointError(f"--quantized {path} was quantised from another model ({meta.get('arch')} run "
                               f"{meta.get('run')}), not {want['run']}; {QUANTIZE_AGAIN}")
-    if run is not None and meta["checkpoint_sha256"] != want["checkpoint_sha256"]:
+    bad = next((k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:  # a checkpoint is refused so too (engine.checkpoint); every reader of the file sees this
+        raise CheckpointError(f"--quantized {path}: {bad} is not finite (NaN or infinite values); {QUANTIZE_AGAIN}")
+    if run is None and checkpoint is not None:
+        want["checkpoint_sha256"] = checkpoint
+    if (run is not None or checkpoint is not None) and meta["checkpoint_sha256"] != want["checkpoint_sha256"]:
         raise CheckpointError(f"--quantized {path} was quantised from another checkpoint (run {meta.get('run')}, "
                               f"or this run before it trained further); {QUANTIZE_AGAIN}")
     return tensors, meta
@@ -117,7 +124,7 @@ def load_dequantized(model: nn.Module, path: str | Path, run: str | Path, run_cf
     try:
         load_quantized_state_dict(tensors, model)
     except RuntimeError as e:
-        raise CheckpointError(f"--quantized {path} does not fit this run's model ({first_line(e, 80)}); "
+        raise CheckpointError(f"--quantized {path} does not fit this run's model ({state_dict_error(e)}); "
                               f"{QUANTIZE_AGAIN}") from None
     except CheckpointError as e:  # a damaged quantised entry
         raise CheckpointError(f"--quantized {path}: {e}; {QUANTIZE_AGAIN}") from None
@@ -178,6 +185,11 @@ def load_packed(run: str | Path, path: str | Path, device: str | torch.device = 
             raise CheckpointError(f"--quantized {path} does not fit this run's model ({prefix} "
                                   f"{list(qw.shape)}); {QUANTIZE_AGAIN}")
         bias = plain.pop(f"{name}.bias", None)
+        want = None if mod.bias is None else tuple(mod.bias.shape)
+        if (bias is None) != (want is None) or (bias is not None and tuple(bias.shape) != want):
+            got = "no bias" if bias is None else f"a bias {list(bias.shape)}"
+            raise CheckpointError(f"--quantized {path} holds {got} for {name}, whose bias is "
+                                  f"{'none' if want is None else list(want)}; {QUANTIZE_AGAIN}")
         packed = PackedLinear(qw, bias)
         for other, m in modules.items():  # one module under several names: one packed module
             if m is mod:
@@ -185,10 +197,11 @@ def load_packed(run: str | Path, path: str | Path, device: str | torch.device = 
         kernels[name] = packed.kernel
     if cfg.tie_embeddings and "head.weight" not in plain and "embed.tok.weight" in plain:
         plain["head.weight"] = plain["embed.tok.weight"]
+    _check_plain(path, plain, model.state_dict())
     try:
         missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
     except RuntimeError as e:  # a shape that does not fit
-        raise CheckpointError(f"--quantized {path} does not fit this run's model ({first_line(e, 80)}); "
+        raise CheckpointError(f"--quantized {path} does not fit this run's model ({state_dict_error(e)}); "
                               f"{QUANTIZE_AGAIN}") from None
     missing = [k for k in missing if k.rpartition(".")[0] not in kernels]  # the packed modules' own
     if missing or unexpected:
@@ -205,6 +218,16 @@ def load_packed(run: str | Path, path: str | Path, device: str | torch.device = 
     if left:
         raise CheckpointError(f"--quantized {path} lacks {left[0]}; {QUANTIZE_AGAIN}")
     return model.eval(), run_cfg, {"metadata": meta, "kernels": kernels, "notes": _notes(model)}
+
+
+def _check_plain(path, plain: dict, want: dict) -> None:
+    """The file's unquantised tensors in the model's dtypes (``load_state_dict`` with
+    ``assign`` would take an fp16 norm as it is), each refused by name."""
+    for key, t in plain.items():
+        ref = want.get(key)
+        if ref is not None and t.dtype != ref.dtype:
+            raise CheckpointError(f"--quantized {path}: {key} is {t.dtype}, the model's is {ref.dtype}; "
+                                  f"{QUANTIZE_AGAIN}")
 
 
 def _notes(model: nn.Module) -> list[str]:

@@ -20,8 +20,8 @@ import torch
 
 from phaseloop.engine import resolve_device
 from phaseloop.engine.checkpoint import load_run, run_tokenizer
-from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError, first_line
-from phaseloop.files import sha256_file, why_missing
+from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError, state_dict_error
+from phaseloop.files import read_json, sha256_file, why_missing
 from phaseloop.inference import decode_layout
 from phaseloop.model import build_model
 from phaseloop.quant import load_packed, weight_bytes
@@ -66,14 +66,18 @@ def _packed(path: Path, quantized: str, device: str, dtype: str):
                             "kernels": kernels}
 
 
-def _quantized(model, path: Path) -> dict:
+def _quantized(model, path: Path, export: Path) -> dict:
     """The dequantised weights of a ``phaseloop quantize`` file, loaded into an exported
-    ``model`` (``quant.io.load_quantized_state_dict``: the function the quantised model computes)."""
-    tensors, _ = read_quantized(path, None, {"model": model.cfg.to_dict()})  # a quantised file of this model
+    ``model`` (``quant.io.load_quantized_state_dict``: the function the quantised model computes);
+    the file must be of this model and of the checkpoint the export records (phaseloop.json)."""
+    record = export / "phaseloop.json"
+    rec = read_json(record) if record.is_file() else {}
+    sha = rec.get("checkpoint_sha256") if isinstance(rec, dict) else None
+    tensors, _ = read_quantized(path, None, {"model": model.cfg.to_dict()}, sha if isinstance(sha, str) else None)
     try:
         load_quantized_state_dict(tensors, model)
     except (RuntimeError, CheckpointError) as e:
-        raise CheckpointError(f"--quantized {path} does not fit this model ({first_line(e, 80)}); "
+        raise CheckpointError(f"--quantized {path} does not fit this model ({state_dict_error(e)}); "
                               "pass the file quantised from it") from None
     return {"file": path.name, "sha256": sha256_file(path), "packed": False}
 
@@ -148,7 +152,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
         decode, eos_id, fast = tok.decode, None, None
         info["kind"] = "run"
     if quantized and "quantized" not in info:
-        info["quantized"] = _quantized(model, Path(quantized))
+        info["quantized"] = _quantized(model, Path(quantized), path)
     render = None
     if template is not None or (fast is not None and getattr(fast, "chat_template", None)):
         fast = fast or _hf_tokenizer(run_tok=tok)
