@@ -36,6 +36,7 @@ from phaseloop.errors import ConfigError
 from phaseloop.hf.configuration import PhaseloopConfig
 from phaseloop.layers import KVCache
 from phaseloop.model import DecoderLM
+from phaseloop.quant.packed import PackedLinear
 from phaseloop.trunk import DerivedBuffers
 
 
@@ -121,8 +122,6 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
     def save_pretrained(self, *args, **kwargs):
         """Refused on packed ``--quantized`` weights: their codes would be written under names no
         loader maps back (the folder reloaded with random layers); ``push_to_hub`` calls this too."""
-        from phaseloop.quant.packed import PackedLinear
-
         if any(isinstance(m, PackedLinear) for m in self.modules()):
             _refuse("save_pretrained on packed --quantized weights", "their int8/int4 codes are not weights a "
                     "loader reads back; `phaseloop export RUN --quantized FILE` writes the model they compute")
