@@ -113,6 +113,14 @@ def step_methods(program: RunnerProgram) -> dict[str, tuple[nn.Module, tuple, tu
     return out
 
 
+def refuse_gap(start: int, pos: int) -> None:
+    """A program's cache holds the keys of positions 0 .. pos - 1: a call may continue at
+    ``pos`` or rewrite from an earlier position, not start past it (keys never written)."""
+    if start > pos:
+        raise ConfigError(f"position {start} follows {pos} positions computed: a program continues at "
+                          f"{pos} or rewrites earlier positions (0 .. {pos})")
+
+
 class ActHost:
     """The host's side of the ACT methods (module docstring), over callables ``begin(tokens,
     input_pos) -> x``, ``step(t, x, input_pos, hp, rem, n, out) -> 6 outputs`` and ``end(out)
@@ -129,9 +137,7 @@ class ActHost:
 
     def rollback(self, start: int) -> None:
         """Forget positions >= start (a new sequence at 0, or a rewrite of later positions)."""
-        if start > self.pos:
-            raise ConfigError(f"position {start} follows {self.pos} positions computed: an ACT program "
-                              f"continues at {self.pos} or rewrites earlier positions (0 .. {self.pos})")
+        refuse_gap(start, self.pos)
         kept = {t: p.truncate(start) for t, p in self.pending.items()}
         self.pending = {t: p for t, p in kept.items() if p is not None}
         self.pos = start
