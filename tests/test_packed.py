@@ -17,6 +17,7 @@ from phaseloop.errors import PhaseloopError
 from phaseloop.lm.train import eval_set, evaluate
 from phaseloop.quant import PackedLinear, QuantizedWeight, load_dequantized, load_packed, quantize_rtn, weight_bytes
 from phaseloop.quant.core import dequantize
+from phaseloop.quant.io import DIGEST, tensors_digest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -230,13 +231,16 @@ def test_foreign_damaged_and_mismatched_files_are_refused_by_name(world, tmp_pat
 
 
 def _edited(src, dst, meta=lambda m: m, tensors=lambda t: t):
-    """``src`` rewritten at ``dst`` with its header and tensors edited."""
+    """``src`` rewritten at ``dst`` with its header and tensors edited, its tensors' digest
+    written again (an edit that keeps the file whole: the checks behind the digest see it)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     with safe_open(str(src), "pt") as f:
         m, t = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
-    save_file(tensors(t), str(dst), metadata=meta(m))
+    t = tensors(t)
+    m = meta({**m, DIGEST: tensors_digest(t)} if DIGEST in m else m)
+    save_file(t, str(dst), metadata=m)
     return dst
 
 
@@ -286,6 +290,34 @@ def test_edited_headers_and_damaged_values_are_refused(world, tmp_path, capsys):
     for path, pattern in packed_cases:
         code, err = run_cli(["eval", run, "--windows", "2", "--quantized", path], capsys)
         assert_one_line(code, err, pattern)
+
+
+def test_a_changed_byte_and_a_missing_digest_are_refused(world, tmp_path, capsys):
+    """One code byte changed in the file's data (any value is a valid code, so no other check
+    can see it; before the digest it ran as it was) and a file without the digest."""
+    from phaseloop.quant import load_quantized_state_dict
+
+    run, qfile = world["run"], world["run"] / "quant-w4-g32-rtn.safetensors"
+    raw = bytearray(qfile.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    key = next(k for k in header if k.endswith(".qdata"))
+    at = 8 + n + header[key]["data_offsets"][0]
+    raw[at] ^= 0x11
+    flipped = tmp_path / "flipped.safetensors"
+    flipped.write_bytes(bytes(raw))
+    nodigest = _edited(qfile, tmp_path / "nodigest.safetensors",
+                       meta=lambda m: {k: v for k, v in m.items() if k != DIGEST})
+    for path, pattern in ((flipped, "is damaged: its tensors differ from the tensors_sha256"),
+                          (nodigest, "holds no tensors_sha256")):
+        for cmd in (["eval", run, "--windows", "2"], ["generate", run, "--max-new-tokens", "2"],
+                    ["export", run, "--out", tmp_path / "x"]):
+            code, err = run_cli([*cmd, "--quantized", path], capsys)
+            assert_one_line(code, err, pattern)
+            assert str(path) in err and not (tmp_path / "x").exists()
+    with pytest.raises(PhaseloopError, match="is damaged: its tensors differ"):
+        load_quantized_state_dict(flipped)
+    assert set(load_quantized_state_dict(qfile)) == set(load_quantized_state_dict(nodigest))
 
 
 def test_a_file_of_this_run_before_it_trained_further_is_refused(world, tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 
@@ -13,6 +14,7 @@ from phaseloop.files import save_safetensors
 from phaseloop.quant.core import QUANT_ATTR, QuantizedWeight
 
 FORMAT = "phaseloop.quant.v1"  # the metadata's "format" of every quantised file
+DIGEST = "tensors_sha256"  # the metadata's digest of every tensor in the file (tensors_digest)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
@@ -59,13 +61,27 @@ def quantized_state_dict(model: nn.Module) -> dict:
     return out
 
 
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over a state dict's tensors in key order: each key, dtype, shape and bytes, so a
+    changed bit anywhere in a file's data (which safetensors itself does not check) shows."""
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key].detach().cpu().contiguous()
+        h.update(f"{key}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
 def save_quantized(model: nn.Module, path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
                    *, target: str | os.PathLike | None = None) -> None:
-    """Write :func:`quantized_state_dict` of ``model`` to a safetensors file (a write error,
-    a full disk, as an ``OSError`` naming ``target``, default ``path``)."""
+    """Write :func:`quantized_state_dict` of ``model`` to a safetensors file with its
+    :func:`tensors_digest` (a write error, a full disk, as an ``OSError`` naming ``target``,
+    default ``path``)."""
+    sd = quantized_state_dict(model)
     meta = {"format": FORMAT}
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
-    save_safetensors(quantized_state_dict(model), path, metadata=meta, target=target)
+    meta[DIGEST] = tensors_digest(sd)
+    save_safetensors(sd, path, metadata=meta, target=target)
 
 
 def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cpu", strict: bool = True) -> dict:
@@ -76,13 +92,18 @@ def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cp
     :class:`QuantizedWeight` to each quantised Linear.
     """
     if isinstance(src, (str, os.PathLike)):
-        from safetensors.torch import load_file
+        from safetensors import safe_open
+        fix = "run `phaseloop quantize` on the run again to rewrite it"
         try:
-            sd = load_file(os.fspath(src), device=str(device))
+            with safe_open(os.fspath(src), "pt", device="cpu") as f:
+                meta, sd = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
         except Exception as e:
-            why = first_line(e, 100)
             raise CheckpointError(f"quantised file {os.fspath(src)} is damaged or not a safetensors file "
-                                  f"({why}); run `phaseloop quantize` on the run again to rewrite it") from None
+                                  f"({first_line(e, 100)}); {fix}") from None
+        if DIGEST in meta and tensors_digest(sd) != meta[DIGEST]:
+            raise CheckpointError(f"quantised file {os.fspath(src)} is damaged: its tensors differ from the "
+                                  f"{DIGEST} recorded when it was written; {fix}")
+        sd = {k: v.to(device) for k, v in sd.items()}
     else:
         sd = dict(src)
     plain, qweights = split_quantized(sd)

@@ -5,7 +5,9 @@ either the packed model (``load_packed``: ``eval``, ``generate`` and the HF mode
 A quantised file records the run it came from (``quantize_run``): the digest of the
 run's model config and the sha256 of the checkpoint's model.safetensors. A file of
 another run, or of this run before it trained further, is refused by name; so is a
-damaged file, and a safetensors file that is not a quantised one (a checkpoint's).
+damaged file, and a safetensors file that is not a quantised one (a checkpoint's). The
+file also records the sha256 of its own tensors (``io.tensors_digest``), checked on every
+read, so a changed byte in a code, scale or weight is refused, not run.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from phaseloop.engine.checkpoint import (
 from phaseloop.errors import CheckpointError, PhaseloopError, state_dict_error
 from phaseloop.files import read_json, sha256_file, why_missing
 from phaseloop.model import build_model
-from phaseloop.quant.io import FORMAT, load_quantized_state_dict, split_quantized
+from phaseloop.quant.io import DIGEST, FORMAT, load_quantized_state_dict, split_quantized, tensors_digest
 from phaseloop.quant.packed import PackedLinear
 
 QUANTIZE_AGAIN = "run `phaseloop quantize` on this run and pass the file it writes"
@@ -101,6 +103,10 @@ def read_quantized(path: str | Path, run: str | Path | None, run_cfg: dict,
     if lacks:
         raise CheckpointError(f"--quantized {path} holds no {lacks[0]}: not written by `phaseloop quantize`, "
                               f"or its header was edited; {QUANTIZE_AGAIN}")
+    if DIGEST not in meta:
+        raise CheckpointError(f"--quantized {path} holds no {DIGEST} (the digest of its tensors; files "
+                              f"written before `quantize` recorded it have none), so damage cannot be told; "
+                              f"{QUANTIZE_AGAIN}")
     want = provenance(run, run_cfg) if run is not None else {"model_config_sha256": config_digest(run_cfg["model"]),
                                                              "run": "this export's run"}
     if meta["model_config_sha256"] != want["model_config_sha256"]:
@@ -114,6 +120,9 @@ def read_quantized(path: str | Path, run: str | Path | None, run_cfg: dict,
     if (run is not None or checkpoint is not None) and meta["checkpoint_sha256"] != want["checkpoint_sha256"]:
         raise CheckpointError(f"--quantized {path} was quantised from another checkpoint (run {meta.get('run')}, "
                               f"or this run before it trained further); {QUANTIZE_AGAIN}")
+    if tensors_digest(tensors) != meta[DIGEST]:  # last: the checks above name what they find
+        raise CheckpointError(f"--quantized {path} is damaged: its tensors differ from the {DIGEST} recorded "
+                              f"when it was written; {QUANTIZE_AGAIN}")
     return tensors, meta
 
 
