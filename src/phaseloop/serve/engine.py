@@ -10,7 +10,8 @@ One thread owns the model. Sequences wait in a bounded queue (``submit`` refuses
    at its own positions);
 3. runs one forward per group for the last token of each row and picks each row's next
    token by its own rule (greedy rows by one argmax; sampled rows with their own seeded
-   generator, as ``phaseloop generate``);
+   generator, as ``phaseloop generate``); a group whose forward fails ends its own rows
+   with an error, the other groups go on;
 4. retires the rows that finished (``decoding.keep_rows``).
 
 A row's computation never reads another row (attention is masked to its own columns), so
@@ -40,6 +41,10 @@ from phaseloop.layers import KVCache
 from phaseloop.serve.options import Settings, applied
 from phaseloop.serve.sequence import Event, Sequence
 from phaseloop.serve.speculative import Speculative
+
+# settings whose cache was found joinable or not, kept (a request's exit threshold is any
+# float, so the settings a server sees are unbounded; one found again is one prefill's check)
+JOINABLE_KEPT = 256
 
 
 class QueueFull(Exception):
@@ -166,8 +171,14 @@ class Engine:
                 for s in same:
                     if id(s) not in queued:
                         s.end("error")
-        for g in self.groups:
-            self._step(g)
+        for g in list(self.groups):
+            try:
+                self._step(g)
+            except Exception:  # this group's forward failed: its rows end, the other groups go on
+                traceback.print_exc(file=sys.stderr)
+                for s in g.rows:
+                    s.end("error")
+                self.groups.remove(g)
         self._retire()
 
     def _retire(self) -> None:
@@ -200,6 +211,8 @@ class Engine:
             out = self.model(torch.tensor([first.prompt], device=self.device), cache=cache)
         self.steps += 1
         if first.settings not in self.joinable:
+            if len(self.joinable) >= JOINABLE_KEPT:  # settings come from requests: the oldest goes
+                del self.joinable[next(iter(self.joinable))]
             self.joinable[first.settings] = not_joinable(cache) is None
         joinable = self.joinable[first.settings]
         if not joinable and len(seqs) > 1:

@@ -1,0 +1,63 @@
+"""The serve decode loop itself (serve/engine.py), without HTTP: a group whose forward fails
+ends its own rows with an error while the other groups decode on (before, one failing group
+ended every request in flight), and the joinable-settings record stays bounded however many
+distinct settings clients send."""
+
+import torch
+
+from phaseloop import ModelConfig, build_model
+from phaseloop.early_exit import ExitRule
+from phaseloop.serve import engine as engine_mod
+from phaseloop.serve.engine import Engine
+from phaseloop.serve.options import Settings
+from phaseloop.serve.sequence import Sampling, Sequence
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_model(ModelConfig.from_preset("universal-tiny", vocab_size=64)).eval()
+
+
+def _seq(settings, events, max_new=6):
+    return Sequence([1, 2, 3], max_new, Sampling(temperature=0), settings, lambda ids: "", events.append)
+
+
+def test_a_failing_group_ends_only_its_own_rows(monkeypatch):
+    eng = Engine(_model(), max_batch=8)
+    bad, good = Settings(depth=2), Settings(depth=3)
+    real = Engine._step
+
+    def step(self, g):
+        if g.settings == bad:
+            raise RuntimeError("a forward that fails")
+        return real(self, g)
+
+    monkeypatch.setattr(Engine, "_step", step)
+    events: list = []
+    failing, fine = [_seq(bad, events) for _ in range(2)], [_seq(good, events) for _ in range(2)]
+    eng.submit(failing + fine)
+    with torch.inference_mode():
+        while eng.waiting or eng.groups:
+            eng._turn()
+    assert [s.finish for s in failing] == ["error", "error"]
+    assert [s.finish for s in fine] == ["length", "length"] and all(len(s.tokens) == 6 for s in fine)
+    alone = Engine(_model(), max_batch=8)  # the fine rows' tokens are those they decode alone
+    again = [_seq(good, [])]
+    alone.submit(again)
+    with torch.inference_mode():
+        while alone.waiting or alone.groups:
+            alone._turn()
+    assert fine[0].tokens == again[0].tokens
+
+
+def test_the_joinable_record_is_bounded(monkeypatch):
+    monkeypatch.setattr(engine_mod, "JOINABLE_KEPT", 3)
+    eng = Engine(_model(), max_batch=1)
+    seqs = [_seq(Settings(exit=ExitRule("state", 0.1 + i / 100)), [], max_new=1) for i in range(5)]
+    with torch.inference_mode():
+        for s in seqs:
+            eng.submit([s])
+            while eng.waiting or eng.groups:
+                eng._turn()
+    assert all(s.finish == "length" for s in seqs)
+    assert list(eng.joinable) == [s.settings for s in seqs[-3:]]  # the oldest went first
