@@ -42,7 +42,7 @@ those of the same pass: the output depends on how the sequence is fed (``inferen
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import math
 from dataclasses import dataclass
 
@@ -193,7 +193,7 @@ class Monitor:
         self.readouts = ctx.stats["exit_readouts"] = torch.zeros_like(self.passes)
         self.t, self.base, self.exited = 0, ctx, False  # exited: some position of ``done`` stopped
         self.latest, self.read_latest = {}, {}
-        self._set_running()
+        self._set_running(Running.uniform(~self.done, exits.fill, self.latest, True))
         kind, dtype = self.rule.kind, compute_dtype(x0.dtype)
         if kind in LENS_READ:
             self.prev = self._read(x0, None)  # p_0 from the loop's input
@@ -207,9 +207,15 @@ class Monitor:
             self.delta = torch.zeros(B * T, x0[0, 0].numel(), dtype=x0.dtype, device=x0.device)
             self.hits = torch.zeros(B * T, dtype=torch.long, device=x0.device)
 
-    def _set_running(self):
-        self.run = Running(~self.done, self.exits.fill, self.latest)
-        self.ctx = dataclasses.replace(self.base, running=self.run)
+    def _set_running(self, run: Running | None = None):
+        self.run = Running(~self.done, self.exits.fill, self.latest) if run is None else run
+        self.ctx = self._with(self.run)
+
+    def _with(self, run: Running):
+        """The forward's context with ``run`` (dataclasses.replace without its __init__)."""
+        ctx = copy.copy(self.base)
+        ctx.running = run
+        return ctx
 
     @property
     def finished(self) -> bool:
@@ -219,9 +225,17 @@ class Monitor:
     @property
     def idle(self) -> bool:
         """No position runs and the cache takes the deepest keys/values (``fill=latest``):
-        the pass only copies them into its slots, its layers' input is not read (a trunk
-        may skip what it computes before them: the UT's signal, a hyper-connection)."""
+        the pass only copies them into its slots (``idle_pass``), its layers are not run."""
         return not self.run.any and self.run.fill == "latest"
+
+    def idle_pass(self, x, layers) -> torch.Tensor:
+        """A pass while ``idle``: each ``(layer, slot)``'s attention writes every position's
+        deepest keys/values (``Running.latest``) into ``slot``, what the layer would do with
+        no position running, without calling it; then the pass's ``step``."""
+        for layer, slot in layers:
+            k_BTKE, v_BTKE = self.run.latest[id(layer.attn)]
+            self.base.cache.update(slot, k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2))
+        return self.step(x, x)
 
     def _mask(self, x):
         return self.done.view(*self.done.shape, *[1] * (x.dim() - 2))
@@ -246,11 +260,14 @@ class Monitor:
         if self.t < self.n:  # nothing to decide after the last pass
             rows = None if run.all else run.flat_N
             stop_N = self._stop(before, x, rows)
-            if bool(stop_N.any()):  # else the same positions run on (no new Running: one host read a pass)
+            stopped = int(stop_N.sum())  # the one host read of a pass; none: the same positions run on
+            if stopped:
                 if rows is not None:
                     stop_N = torch.zeros_like(self.done).view(-1).index_copy(0, rows, stop_N)
                 self.done, self.exited = self.done | stop_N.view_as(self.done), True
-                self._set_running()
+                none_left = stopped == run.n  # every running position stopped: no new reduction
+                self._set_running(Running.uniform(~self.done, self.exits.fill, self.latest, False) if none_left
+                                  else None)
         return x
 
     @staticmethod
@@ -270,7 +287,7 @@ class Monitor:
     def _end_readout(self, x):
         """The state after this pass through the trunk's end block, over the running
         positions; the others' keys/values there are those of their last readout."""
-        ctx = dataclasses.replace(self.base, running=self.run.with_fill("latest", self.read_latest))
+        ctx = self._with(self.run.with_fill("latest", self.read_latest))
         return self.trunk.exit_readout(x if self.merge is None else self.merge(x), ctx, self.t - 1)
 
     def _stop(self, before, x, rows):

@@ -48,6 +48,16 @@ class Running:
             self.flat_N = rows_BQ[self.qvalid_BQ]  # running positions of B*T, row-major
             self.qflat_N = self.qvalid_BQ.flatten().nonzero().squeeze(1)  # their slots in B*Tq
 
+    @classmethod
+    def uniform(cls, mask: torch.Tensor, fill: str, latest: dict, running: bool) -> Running:
+        """Every position of ``mask`` running (``running``) or none, as the caller knows:
+        no reduction and no host read."""
+        out = object.__new__(cls)
+        B, T = mask.shape
+        out.mask, out.fill, out.latest, out.n = mask, fill, latest, B * T if running else 0
+        out.any, out.all = out.n > 0, out.n == B * T
+        return out
+
     def with_fill(self, fill: str, latest: dict) -> Running:
         """The same positions under another fill (readouts keep their own latest keys)."""
         other = object.__new__(Running)

@@ -182,9 +182,16 @@ class Looped(Trunk):
         for loop in range(self.loops):
             if mon is not None and mon.finished:
                 break
+            if mon is not None and mon.idle:  # the pass only fills its keys/values
+                x_BTD = mon.idle_pass(x_BTD, self.middle_slots(loop))
+                continue
             y_BTD = self.run(self.middle, x_BTD, ctx if mon is None else mon.ctx, "middle", self.kv_slot(loop), mon)
             x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
         return self.run(self.end, x_BTD, ctx, "end")
+
+    def middle_slots(self, loop: int) -> list:
+        """(layer, KV slot) of each middle layer at pass ``loop``."""
+        return [(layer, ("middle", i, self.kv_slot(loop))) for i, layer in enumerate(self.middle)]
 
 
 class Hyperloop(Looped):
@@ -249,8 +256,9 @@ class Hyperloop(Looped):
             before = streams_BTnD
             if mon is not None and mon.idle and not self.pooled:  # the layers only copy keys/values
                 # (the pooled variant's running sums still take the frozen streams)
-                self.run(self.middle, before[:, :, 0], c, "middle", s, mon)
-            elif self.per_layer:  # an exited position's streams stay frozen through the pass
+                streams_BTnD = mon.idle_pass(before, self.middle_slots(loop))
+                continue
+            if self.per_layer:  # an exited position's streams stay frozen through the pass
                 for i, layer in enumerate(self.middle):
                     streams_BTnD = self.hc[p * m + i](
                         streams_BTnD, lambda h, layer=layer, i=i, s=s, c=c: layer(h, c, slot=("middle", i, s)))

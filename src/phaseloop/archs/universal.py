@@ -1,47 +1,44 @@
 """Universal Transformer (Dehghani et al. 2019, arXiv 1807.03819): what is new about it.
 
-One ``layers.Block`` (self-attention + transition) with one set of weights is applied
-T times in depth ("parameters are tied across positions and time steps", §2.1). Before
-every step the coordinate signal P^t(i) = position signal(i) + step signal(t) is added.
-With ``act=True`` each position decides how many steps it takes (ACT, §2.2), through
-the one implementation of the halting arithmetic in ``phaseloop.archs.act``.
+One ``layers.Block`` (self-attention + transition) with one set of weights is applied T
+times in depth ("parameters are tied across positions and time steps", §2.1). Before every
+step the coordinate signal P^t(i) = position signal(i) + step signal(t) is added. With
+``act=True`` each position decides how many steps it takes (ACT, §2.2), through the one
+implementation of the halting arithmetic in ``phaseloop.archs.act``.
 
 Conventions (tensor2tensor ``universal_transformer_util``):
 
-* Sinusoids are ``get_timing_signal_1d``: the sin half and the cos half *concatenated*
-  (not interleaved as the paper writes them), timescales 1 .. 1e4. Positions are
-  absolute token positions (0-based), steps are 0-based step indices t-1.
+* Sinusoids are ``get_timing_signal_1d``: the sin half and the cos half *concatenated* (not
+  interleaved as the paper writes them), timescales 1 .. 1e4; 0-based token positions and steps.
 * ``step_signal="learned"``: one vector per trained step (``n_steps``, or the ACT max
   steps). Past the trained steps (depth extrapolation) the **last learned vector is
   reused** (clamped), so a model trained with T steps runs any number of steps.
 * Depth at inference: ``trunk.set_steps(n)`` (or ``forward(..., steps=n)``) changes the
   number of applications (the ACT loop bound under ACT) without touching the weights.
 * The block is the shared ``layers.Block``: by default Llama-style (RMSNorm, SwiGLU, no
-  biases) *and RoPE in every attention*, on top of the coordinate signal. The published
-  model is ``ffn="relu", norm="layer", bias=True, use_rope=False`` (ReLU transition with
-  biases, LayerNorm with gain and bias, attention biases, the coordinate sinusoid as the
-  only position signal): the ``universal-paper-*`` presets.
+  biases) *and RoPE in every attention*, on top of the coordinate signal. The published model
+  is ``ffn="relu", norm="layer", bias=True, use_rope=False`` (ReLU transition with biases,
+  LayerNorm with gain and bias, attention biases, the coordinate sinusoid the only position
+  signal): the ``universal-paper-*`` presets.
 
-ACT semantics (t2t "basic" / Graves "accumulated" / t2t's line as written,
-"t2t_literal": ``act.combine``): the halting unit reads the step
-input (state + coordinate signal); every position's state keeps being transformed at
-every loop iteration, also after it halted — a halted position only gets update weight
-0 in the output, and it stays visible to attention at later steps. Position j's output
-therefore depends only on positions <= j (those at steps <= its own n_updates), never
-on how long other positions run. The forward stops the loop once no (new) position
-runs (``act_early_exit``, as tensor2tensor), also with a KV cache.
+ACT semantics (t2t "basic" / Graves "accumulated" / t2t's line as written, "t2t_literal":
+``act.combine``): the halting unit reads the step input (state + coordinate signal); every
+position's state keeps being transformed at every loop iteration, also after it halted — a
+halted position only gets update weight 0 in the output, and it stays visible to attention
+at later steps. Position j's output therefore depends only on positions <= j (those at
+steps <= its own n_updates), never on how long other positions run. The forward stops the
+loop once no (new) position runs (``act_early_exit``, as tensor2tensor), also with a cache.
 
-KV cache under ACT (lazy step extension): slot ``("ut", t)`` holds the keys/values of
-the positions computed at step t, a prefix [0, c_t) of the sequence with c_0 >= c_1 >=
-...; entry ``("ut_in", t)`` (``PendingInputs``) holds the step-t inputs (transformed
-states of step t-1) of the positions [c_t, c_{t-1}) that stopped before step t. A call
-runs only the steps its new tokens need (early exit); when step t runs, the earlier
-positions that stopped before it are first caught up (their pending step-t inputs are
-prepended to the new tokens), so every attention at step t sees all earlier positions
-at step t, exactly as in the full pass. Each (position, step) is computed once, and
-never past the last step any later token needed. Outputs equal the full forward pass
-(a caught-up step gets weight 0 and changes nothing a position attends to), which the
-tests check in float64.
+KV cache under ACT (lazy step extension): slot ``("ut", t)`` holds the keys/values of the
+positions computed at step t, a prefix [0, c_t) of the sequence with c_0 >= c_1 >= ...;
+entry ``("ut_in", t)`` (``PendingInputs``) holds the step-t inputs (transformed states of
+step t-1) of the positions [c_t, c_{t-1}) that stopped before step t. A call runs only the
+steps its new tokens need (early exit); when step t runs, the earlier positions that
+stopped before it are first caught up (their pending step-t inputs are prepended to the
+new tokens), so every attention at step t sees all earlier positions at step t, exactly
+as in the full pass. Each (position, step) is computed once, and never past the last step
+any later token needed. Outputs equal the full forward pass (a caught-up step gets weight
+0 and changes nothing a position attends to), which the tests check in float64.
 """
 
 from __future__ import annotations
@@ -236,9 +233,12 @@ class UniversalTrunk(Trunk):
             for t in range(steps):
                 if mon is not None and mon.finished:
                     break
-                x_in = x_BTD if mon is not None and mon.idle else self.signal(x_BTD, pos_TD, t)
-                y_BTD = self.block(x_in, ctx if mon is None else mon.ctx, ("ut", self.kv_slot(t)))
-                x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
+                slot = ("ut", self.kv_slot(t))
+                if mon is not None and mon.idle:  # the pass only fills its keys/values
+                    x_BTD = mon.idle_pass(x_BTD, [(self.block, slot)])
+                else:
+                    y_BTD = self.block(self.signal(x_BTD, pos_TD, t), ctx if mon is None else mon.ctx, slot)
+                    x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
             return x_BTD
         return self._act(x_BTD, ctx, steps, pos_TD)
 
