@@ -51,7 +51,11 @@ class Trunk(nn.Module):
       ``pass_blocks``: the blocks one pass applies (FLOPs of an exited position);
       ``passes``: the passes a forward runs now (set_depth's n); ``exit_readout(h, ctx, t)``:
       the state h after pass t as the ``kl`` / ``entropy`` rules read it (through the end
-      block, ``readout_blocks`` blocks, where the trunk has one; identity by default).
+      block, ``readout_blocks`` blocks, where the trunk has one; identity by default). A
+      pass where no position runs under ``--kv-fill latest`` (``Monitor.idle``) calls
+      ``Monitor.idle_pass(x, [(block, slot), ...])``: each ``layers.Block``'s attention
+      writes its deepest keys/values into the slot, the blocks are not called (their hooks
+      do not fire); a block that caches more than its attention's keys must run instead.
     * ``shares_kv``: the loop names its pass slots through ``kv_slot(i)``, so that
       ``early_exit.set_kv_share`` sets ``kv_share`` (pass i uses slot i mod K).
     * ``program_steps``: > 0 where the trunk halts per position (ACT): an exported program

@@ -88,7 +88,9 @@ def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cp
     """Read a quantised state dict (a safetensors path or the dict itself) back.
 
     Returns an ordinary state dict whose quantised weights are dequantised (to their
-    original dtype).  If ``model`` is given, loads it (``strict``) and re-attaches the packed
+    original dtype). A file's ``tensors_sha256`` is checked where it has one (a file of
+    yours written before the digest loads; ``load.read_quantized``, what every command
+    reads with, requires it).  If ``model`` is given, loads it (``strict``) and re-attaches the packed
     :class:`QuantizedWeight` to each quantised Linear.
     """
     if isinstance(src, (str, os.PathLike)):

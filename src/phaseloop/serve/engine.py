@@ -178,7 +178,7 @@ class Engine:
                 traceback.print_exc(file=sys.stderr)
                 for s in g.rows:
                     s.end("error")
-                self.groups.remove(g)
+                self.groups = [x for x in self.groups if x is not g]  # by identity (Group compares by value)
         self._retire()
 
     def _retire(self) -> None:
