@@ -218,8 +218,14 @@ def test_ctrl_c_while_the_console_script_starts(tmp_path):
     assert code == 130 and err == "phaseloop: interrupted while starting; nothing was done\n", err
 
 
-def test_importing_phaseloop_as_a_library_leaves_ctrl_c_alone():
-    r = subprocess.run([sys.executable, "-c", "import signal, phaseloop; "
-                        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"],
-                       capture_output=True, text=True)
-    assert r.stdout.strip() == "True", r.stderr
+@pytest.mark.parametrize("ignored", [False, True])
+def test_importing_phaseloop_as_a_library_leaves_ctrl_c_alone(ignored):
+    """As it was before the import: Python's handler, or SIG_IGN where the program was
+    started with SIGINT ignored (a background job of a script; CI run so once failed here)."""
+    pre = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else (
+        lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    r = subprocess.run([sys.executable, "-c", "import signal; before = signal.getsignal(signal.SIGINT); "
+                        "import phaseloop; print(before == signal.SIG_IGN, before is signal.default_int_handler, "
+                        "signal.getsignal(signal.SIGINT) == before)"],
+                       capture_output=True, text=True, preexec_fn=pre)
+    assert r.stdout.split() == [str(ignored), str(not ignored), "True"], r.stderr
