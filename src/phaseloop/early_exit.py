@@ -230,11 +230,10 @@ class Monitor:
 
     def idle_pass(self, x, layers) -> torch.Tensor:
         """A pass while ``idle``: each ``(layer, slot)``'s attention writes every position's
-        deepest keys/values (``Running.latest``) into ``slot``, what the layer would do with
-        no position running, without calling it; then the pass's ``step``."""
+        deepest keys/values into ``slot`` (its ``forward_running`` with no position running),
+        the rest of the layer is not called; then the pass's ``step``."""
         for layer, slot in layers:
-            k_BTKE, v_BTKE = self.run.latest[id(layer.attn)]
-            self.base.cache.update(slot, k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2))
+            layer.attn.forward_running(None, None, self.ctx, slot, self.run, x.shape[1])
         return self.step(x, x)
 
     def _mask(self, x):
