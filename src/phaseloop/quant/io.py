@@ -72,6 +72,13 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def check_digest(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], name: str, fix: str) -> None:
+    """Refuse ``tensors`` (of the file ``name``) unless they have the digest ``meta`` records."""
+    if tensors_digest(tensors) != meta[DIGEST]:
+        raise CheckpointError(f"{name} is damaged: its tensors differ from the {DIGEST} recorded when it was "
+                              f"written; {fix}")
+
+
 def save_quantized(model: nn.Module, path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
                    *, target: str | os.PathLike | None = None) -> None:
     """Write :func:`quantized_state_dict` of ``model`` to a safetensors file with its
@@ -102,9 +109,8 @@ def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cp
         except Exception as e:
             raise CheckpointError(f"quantised file {os.fspath(src)} is damaged or not a safetensors file "
                                   f"({first_line(e, 100)}); {fix}") from None
-        if DIGEST in meta and tensors_digest(sd) != meta[DIGEST]:
-            raise CheckpointError(f"quantised file {os.fspath(src)} is damaged: its tensors differ from the "
-                                  f"{DIGEST} recorded when it was written; {fix}")
+        if DIGEST in meta:
+            check_digest(sd, meta, f"quantised file {os.fspath(src)}", fix)
         sd = {k: v.to(device) for k, v in sd.items()}
     else:
         sd = dict(src)

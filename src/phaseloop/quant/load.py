@@ -32,7 +32,7 @@ from phaseloop.engine.checkpoint import (
 from phaseloop.errors import CheckpointError, PhaseloopError, state_dict_error
 from phaseloop.files import read_json, sha256_file, why_missing
 from phaseloop.model import build_model
-from phaseloop.quant.io import DIGEST, FORMAT, load_quantized_state_dict, split_quantized, tensors_digest
+from phaseloop.quant.io import DIGEST, FORMAT, check_digest, load_quantized_state_dict, split_quantized
 from phaseloop.quant.packed import PackedLinear
 
 QUANTIZE_AGAIN = "run `phaseloop quantize` on this run and pass the file it writes"
@@ -120,9 +120,7 @@ def read_quantized(path: str | Path, run: str | Path | None, run_cfg: dict,
     if (run is not None or checkpoint is not None) and meta["checkpoint_sha256"] != want["checkpoint_sha256"]:
         raise CheckpointError(f"--quantized {path} was quantised from another checkpoint (run {meta.get('run')}, "
                               f"or this run before it trained further); {QUANTIZE_AGAIN}")
-    if tensors_digest(tensors) != meta[DIGEST]:  # last: the checks above name what they find
-        raise CheckpointError(f"--quantized {path} is damaged: its tensors differ from the {DIGEST} recorded "
-                              f"when it was written; {QUANTIZE_AGAIN}")
+    check_digest(tensors, meta, f"--quantized {path}", QUANTIZE_AGAIN)  # last: the checks above name what they find
     return tensors, meta
 
 
