@@ -55,6 +55,9 @@ class KVCache:
     # (whoever moves pos back, truncate or decoding.keep_rows, clears it)
     written: dict = field(default_factory=dict)
     static = False  # (class attribute) keys of the tokens so far only, no mask needed
+    # position tables (RoPE's cos/sin, UT's timing signal) over positions 0 .. n - 1, made
+    # once per decode and sliced by each forward (``position_table``)
+    tables: dict = field(default_factory=dict)
 
     def update(self, slot, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor):
         """Write the new rows of ``slot`` (appended, or replacing its last rows when the
@@ -143,6 +146,25 @@ class KVCache:
                 total += sum(t.nbytes for t in (entry if isinstance(entry, (tuple, list)) else [entry])
                              if isinstance(t, torch.Tensor))
         return total
+
+
+def position_table(cache, key, start: int, T: int, device, make):
+    """``make(positions)`` of positions start .. start + T - 1. With a ``KVCache``, sliced from
+    ``make`` of 0 .. n - 1 kept in ``cache.tables[key, device]`` (n: the cache's capacity,
+    doubled when outgrown): a decoded token's tables cost a slice instead of a dozen small
+    ops. ``make`` must be elementwise in the positions (row i depends on position i alone),
+    so a slice equals the tables made anew; without a cache, with a static one and while
+    compiling they are made anew."""
+    if cache is None or cache.static or torch.compiler.is_compiling():
+        return make(torch.arange(start, start + T, device=device))
+    have = cache.tables.get((key, device))
+    n = 0 if have is None else have[0].shape[0]
+    if start + T > n:
+        n = max(cache.capacity or 0, 2 * n, start + T)
+        made = make(torch.arange(n, device=device))
+        have = cache.tables[key, device] = made if isinstance(made, tuple) else (made,)
+    out = tuple(t[start:start + T] for t in have)
+    return out if len(out) > 1 else out[0]
 
 
 class StaticKVCache(nn.Module):

@@ -23,7 +23,7 @@ from torch import nn
 
 from phaseloop import docattn, registry
 from phaseloop.config import ModelConfig
-from phaseloop.kvcache import KVCache, StaticKVCache  # the caches callers import from here
+from phaseloop.kvcache import KVCache, StaticKVCache, position_table  # the caches callers import from here
 from phaseloop.passes import Running, merged_kv, rope_rows
 
 
@@ -171,8 +171,8 @@ class ForwardContext:
         """ForwardContext for the T new tokens at absolute positions start .. start + T - 1, or at
         ``positions`` [B, T] (per row: documents restarting at 0)."""
         if positions is None:
-            cos, sin = rope_tables(torch.arange(start, start + T, device=device), cfg.head_dim,
-                                   cfg.rope_base)
+            cos, sin = position_table(kw.get("cache"), ("rope", cfg.head_dim, cfg.rope_base), start, T, device,
+                                      lambda p: rope_tables(p, cfg.head_dim, cfg.rope_base))
         else:  # [B, 1, T, E]: broadcast over heads
             cos, sin = (t.unsqueeze(1) for t in rope_tables(positions, cfg.head_dim, cfg.rope_base))
         return cls(cos=cos, sin=sin, start_pos=start, positions=positions, **kw)

@@ -56,7 +56,7 @@ from phaseloop.config import ModelConfig, fail
 from phaseloop.data.tokenizer import PAD
 from phaseloop.early_exit import PASS_RULES, monitor
 from phaseloop.errors import ConfigError
-from phaseloop.layers import Block, ForwardContext, compute_dtype, timing_signal
+from phaseloop.layers import Block, ForwardContext, compute_dtype, position_table, timing_signal
 from phaseloop.registry import ArchSpec, register_arch
 from phaseloop.trunk import DerivedBuffers, Trunk
 from phaseloop.validation import check_ints
@@ -128,11 +128,11 @@ class CoordinateSignal(DerivedBuffers, nn.Module):
         if self.step_table is None:
             self.step_sinusoid.copy_(timing_signal(torch.arange(len(self.step_sinusoid)), self.d_model))
 
-    def position(self, start: int, T: int, device, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, D] at positions start .. start + T - 1, or [B, T, D] at ``positions_BT``."""
+    def position(self, start: int, T: int, device, positions_BT: torch.Tensor | None = None, cache=None):
+        """[T, D] at positions start .. start + T - 1 (``position_table``), or [B, T, D] at ``positions_BT``."""
         if positions_BT is not None:
             return timing_signal(positions_BT.flatten(), self.d_model).view(*positions_BT.shape, -1)
-        return timing_signal(torch.arange(start, start + T, device=device), self.d_model)
+        return position_table(cache, ("ut", self.d_model), start, T, device, lambda p: timing_signal(p, self.d_model))
 
     def step(self, t: int, device) -> torch.Tensor:
         """[D] signal of 0-based step t; a learned table is clamped to its last row."""
@@ -227,7 +227,7 @@ class UniversalTrunk(Trunk):
 
     def forward(self, x_BTD: torch.Tensor, ctx: ForwardContext, steps: int | None = None) -> torch.Tensor:
         steps = self.steps if steps is None else steps
-        pos_TD = self.signal.position(ctx.start_pos, x_BTD.shape[1], x_BTD.device, ctx.positions)
+        pos_TD = self.signal.position(ctx.start_pos, x_BTD.shape[1], x_BTD.device, ctx.positions, ctx.cache)
         if self.halting is None:
             mon = monitor(self, x_BTD, ctx, steps)  # early exit per position (early_exit.py)
             for t in range(steps):
