@@ -52,7 +52,7 @@ from torch.linalg import vector_norm
 
 from phaseloop import registry
 from phaseloop.errors import ConfigError
-from phaseloop.layers import compute_dtype
+from phaseloop.layers import apply_rope, compute_dtype
 from phaseloop.passes import FILLS, Running
 
 PASS_RULES = ("kl", "kl-lens", "entropy", "argmax", "state", "accel")  # any weight-tied trunk without ACT
@@ -240,6 +240,33 @@ class Monitor:
                 kv[id(layer.attn)] = tuple(t.transpose(1, 2) for t in self.run.latest[id(layer.attn)])
             cache.update(slot, *kv[id(layer.attn)])
         return self.step(x, x)
+
+    @property
+    def at_rest(self) -> bool:
+        """No position runs (in this pass or any later one) and the cache takes each pass's keys/values."""
+        return not self.run.any and self.base.cache is not None
+
+    def rest(self, x, block, slots: dict, pass_input) -> torch.Tensor:
+        """The passes left while ``at_rest``, for a trunk of one block (UT): pass s writes the
+        block's keys/values into ``slots[s]`` and runs nothing else, then its ``step``. Under
+        ``latest`` the deepest ones (``idle_pass``); under ``recompute`` those projected from
+        ``pass_input(x, s)`` (the block's input at pass s, of the frozen state), every pass's
+        in one batch: one norm, projection and rotation for them all instead of one a pass."""
+        if self.run.fill == "latest":
+            for slot in slots.values():
+                x = self.idle_pass(x, [(block, slot)])
+            return x
+        h_RBTD = torch.stack([pass_input(x, s) for s in slots])
+        R, B = h_RBTD.shape[:2]
+        attn = block.attn
+        k_NKTE, v_NKTE = attn.project_kv(block.attn_norm(h_RBTD.flatten(0, 1)))
+        if attn.use_rope:  # tables [T, E], or per row [B, 1, T, E]
+            cos, sin = (t if t.dim() == 2 else t.repeat(R, 1, 1, 1) for t in (self.base.cos, self.base.sin))
+            k_NKTE = apply_rope(k_NKTE, cos, sin)
+        for i, slot in enumerate(slots.values()):
+            self.base.cache.update(slot, k_NKTE[i * B:(i + 1) * B], v_NKTE[i * B:(i + 1) * B])
+            x = self.step(x, x)
+        return x
 
     def _mask(self, x):
         return self.done.view(*self.done.shape, *[1] * (x.dim() - 2))

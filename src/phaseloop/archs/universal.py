@@ -233,12 +233,11 @@ class UniversalTrunk(Trunk):
             for t in range(steps):
                 if mon is not None and mon.finished:
                     break
-                slot = ("ut", self.kv_slot(t))
-                if mon is not None and mon.idle:  # the pass only fills its keys/values
-                    x_BTD = mon.idle_pass(x_BTD, [(self.block, slot)])
-                else:
-                    y_BTD = self.block(self.signal(x_BTD, pos_TD, t), ctx if mon is None else mon.ctx, slot)
-                    x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
+                if mon is not None and mon.at_rest:  # no position runs again: the passes left fill keys/values
+                    return mon.rest(x_BTD, self.block, {s: ("ut", self.kv_slot(s)) for s in range(t, steps)},
+                                    lambda x, s: self.signal(x, pos_TD, s))
+                y_BTD = self.block(self.signal(x_BTD, pos_TD, t), mon.ctx if mon else ctx, ("ut", self.kv_slot(t)))
+                x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
             return x_BTD
         return self._act(x_BTD, ctx, steps, pos_TD)
 
