@@ -4,7 +4,8 @@ process with the rows interleaved round by round (medians).
 
 Per row: batch-1 prefill tokens/s (one forward over a prompt of --prefill tokens) and
 decode tokens/s (--decode new tokens, greedy, after an 8-token prompt), each against the
-full row (realised speedup: the median over rounds of the two times' ratio in a round) and,
+full row (realised speedup: the median over rounds of the ratio of the row's time to a
+full-row time taken back to back with it, ``paired``) and,
 for exit rows, the counted one, 1 / (1 - FLOPs saved) (``analysis.exits.exit_flops`` of the
 same forwards); the bytes the KV cache holds; the
 loss change on --windows windows of --data (exit rows: the full pass with the rule;
@@ -132,9 +133,10 @@ def loss_of(model, w, opts) -> float:
 
 
 def paired(full: list[float], row: list[float]) -> float:
-    """The realised speedup: the median over rounds of the full row's time over the row's in
-    the same round (timed a few seconds apart, so a drift of the machine between rounds
-    cancels; a ratio of the two medians moved by up to 25 % from run to run on a shared VM)."""
+    """The realised speedup: the median over rounds of the full row's time over the row's,
+    the two timed back to back in each round (the full row first in odd rounds, second in
+    even ones), so that a drift of the machine cancels: a shared VM's speed moves within
+    seconds (a ratio of the two medians moved by up to 25 % from run to run)."""
     return statistics.median(f / r for f, r in zip(full, row, strict=True))
 
 
@@ -146,14 +148,20 @@ def bench(name, args, runs) -> dict:
     rows = rows_of(model, x, args)
     pre = {r["row"]: [] for r in rows}
     dec = {r["row"]: [] for r in rows}
+    pair_p = {r["row"]: [] for r in rows}  # the full row's times, each taken beside one of this row's
+    pair_d = {r["row"]: [] for r in rows}
     for i in range(args.warmup + args.rounds):  # interleaved: each round times every row once
-        for r in rows:
-            if r["opts"].speculative is None:
-                secs, r["tally_p"] = time_prefill(model, x, r["opts"])
-                pre[r["row"]] += [secs] if i >= args.warmup else []
-            g, r["tally_d"] = time_decode(model, prompt, args, r["opts"])
-            dec[r["row"]] += [g.seconds] if i >= args.warmup else []
-            r["gen"] = g
+        for r in rows[1:]:  # ... beside a timing of the full row, in turn before and after it
+            for q in ((rows[0], r) if i % 2 else (r, rows[0])):
+                times_p, times_d = (pre, dec) if q is r else (pair_p, pair_d)
+                if r["opts"].speculative is None:
+                    secs, q["tally_p"] = time_prefill(model, x, q["opts"])
+                    times_p[r["row"]] += [secs] if i >= args.warmup else []
+                g, q["tally_d"] = time_decode(model, prompt, args, q["opts"])
+                times_d[r["row"]] += [g.seconds] if i >= args.warmup else []
+                q["gen"] = g
+    pre["full"] = [t for r in rows[1:] for t in pair_p[r["row"]]]
+    dec["full"] = [t for r in rows[1:] for t in pair_d[r["row"]]]
     w = windows(args.data, args.windows, args.seq)
     full = rows[0]
     base_loss = loss_of(model, w, full["opts"])
@@ -168,11 +176,12 @@ def bench(name, args, runs) -> dict:
                "mean_passes": g.mean_passes, "decode_tok_s": args.decode / statistics.median(dec[r["row"]]),
                "kv_cache_bytes": g.kv_cache_bytes,
                "kv_ratio": g.kv_cache_bytes / full["gen"].kv_cache_bytes if full["gen"].kv_cache_bytes else None}
-        row["decode_speedup"] = paired(dec["full"], dec[r["row"]])
+        full_p, full_d = (pair_p[r["row"]], pair_d[r["row"]]) if r is not full else (pre["full"], dec["full"])
+        row["decode_speedup"] = paired(full_d, dec[r["row"]])
         row["decode_round_s"], row["prefill_round_s"] = dec[r["row"]], pre[r["row"]]  # each round's time
         if pre[r["row"]]:
             row["prefill_tok_s"] = x.shape[1] / statistics.median(pre[r["row"]])
-            row["prefill_speedup"] = paired(pre["full"], pre[r["row"]])
+            row["prefill_speedup"] = paired(full_p, pre[r["row"]])
             tp = r["tally_p"]
             row["prefill_depth"] = tp.mean("passes") if tp.positions else D
         if fp is not None:
