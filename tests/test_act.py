@@ -264,3 +264,34 @@ def test_listing_line_by_line_on_the_explainer_examples():
     lit = listing(p[:, :1], mode="t2t_literal")  # previous - w on every channel
     w = lit["schedule"].update_weights[:, 0]
     close(lit["state_weights"][:, 0], w - w.sum())
+
+
+def test_pending_inputs_join_their_parts_once_when_read():
+    from phaseloop.archs.act import PendingInputs
+    parts = [torch.randn(2, n, 4) for n in (3, 1, 1, 2)]
+    p = PendingInputs(5, parts[0])
+    for i, x in enumerate(parts[1:]):
+        p.extend(5 + sum(q.shape[1] for q in parts[:i + 1]), x)
+    assert len(p.parts) == 4 and p.n == 7  # appended, not copied a token at a time
+    assert p.nbytes == sum(q.nbytes for q in parts)
+    joined = p.x
+    assert torch.equal(joined, torch.cat(parts, 1)) and len(p.parts) == 1 and p.x is joined
+    assert torch.equal(p.truncate(9).x, joined[:, :4]) and p.truncate(5) is None
+    assert torch.equal(p.select_rows(torch.tensor([1])).x, joined[1:])
+    with pytest.raises(ValueError, match="do not follow those up to 12"):
+        p.extend(13, parts[1])
+
+
+def test_a_decode_appends_pending_step_inputs_without_joining_them():
+    from phaseloop import ModelConfig, build_model
+    from phaseloop.layers import KVCache
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_preset("universal-act-tiny", act_halting_bias_init=6.0)  # p > 0.99: all halt at step 1
+    model = build_model(cfg).eval()
+    cache = KVCache()
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 4)), cache=cache)
+        for _ in range(5):
+            model(torch.randint(0, 256, (1, 1)), cache=cache)
+    pending = cache.entries[("ut_in", 1)]
+    assert (pending.start, pending.n, len(pending.parts)) == (0, 9, 6)

@@ -110,13 +110,22 @@ class PendingInputs:
     before step t; rolls back with the cache (``truncate``)."""
 
     def __init__(self, start: int, x_BND: torch.Tensor):
-        self.start, self.x = start, x_BND
+        self.start, self.parts, self.n = start, [x_BND], x_BND.shape[1]
+
+    @property
+    def x(self) -> torch.Tensor:
+        """[B, n, D], the parts ``extend`` appended joined once, when read (a decode that
+        appends a token at a time and reads them later copies each once, not once a token)."""
+        if len(self.parts) > 1:
+            self.parts = [torch.cat(self.parts, 1)]
+        return self.parts[0]
 
     def extend(self, start: int, x_BND: torch.Tensor) -> None:
-        if start != self.start + self.x.shape[1]:
+        if start != self.start + self.n:
             raise ValueError(f"pending step inputs from position {start} do not follow those up to "
-                             f"{self.start + self.x.shape[1]}")
-        self.x = torch.cat([self.x, x_BND], 1)
+                             f"{self.start + self.n}")
+        self.parts.append(x_BND)
+        self.n += x_BND.shape[1]
 
     def truncate(self, n: int) -> PendingInputs | None:
         """Only the positions < n (None: none left)."""
@@ -128,7 +137,7 @@ class PendingInputs:
 
     @property
     def nbytes(self) -> int:
-        return self.x.nbytes
+        return sum(p.nbytes for p in self.parts)
 
 
 def combine(previous_state: Tensor, transformed: Tensor, update_weights: Tensor,
