@@ -4,8 +4,8 @@ process with the rows interleaved round by round (medians).
 
 Per row: batch-1 prefill tokens/s (one forward over a prompt of --prefill tokens) and
 decode tokens/s (--decode new tokens, greedy, after an 8-token prompt), each against the
-full row (realised speedup: the median over rounds of the ratio of the row's time to a
-full-row time taken back to back with it, ``paired``) and,
+full row (realised speedup: the median over rounds of a full-row time over the row's time
+taken back to back with it, ``paired``) and,
 for exit rows, the counted one, 1 / (1 - FLOPs saved) (``analysis.exits.exit_flops`` of the
 same forwards); the bytes the KV cache holds; the
 loss change on --windows windows of --data (exit rows: the full pass with the rule;
@@ -19,7 +19,9 @@ Usage: python benchmarks/bench_adaptive.py [--models universal-small,looped-512,
        [--run looped-512=runs/looped-512 ...] [--rounds 3] [--decode 24] [--prefill 96]
        [--json out.json]
 Models: the *-small presets, NAME-512 and NAME-1024 (d_model 512 / 1024, where matrix products
-dominate); the default, all nine, takes about 6 minutes on 2 cores (the d 1024 ones 4 of them).
+dominate); the default, all nine, takes about 11 minutes on 2 cores (the d 1024 ones 7 of them).
+JSON: per row its rounds' times (``prefill_round_s``, ``decode_round_s``); the full row's are
+all its timings, (rows - 1) x rounds, in the order of the rows they were paired with.
 """
 
 from __future__ import annotations
@@ -134,9 +136,10 @@ def loss_of(model, w, opts) -> float:
 
 def paired(full: list[float], row: list[float]) -> float:
     """The realised speedup: the median over rounds of the full row's time over the row's,
-    the two timed back to back in each round (the full row first in odd rounds, second in
-    even ones), so that a drift of the machine cancels: a shared VM's speed moves within
-    seconds (a ratio of the two medians moved by up to 25 % from run to run)."""
+    the two timed back to back in each round (the row first in the first timed round, the
+    full row first in the next, and so on), so that a drift of the machine cancels: a
+    shared VM's speed moves within seconds (a ratio of the two medians moved by up to 25 %
+    from run to run)."""
     return statistics.median(f / r for f, r in zip(full, row, strict=True))
 
 
@@ -150,15 +153,17 @@ def bench(name, args, runs) -> dict:
     dec = {r["row"]: [] for r in rows}
     pair_p = {r["row"]: [] for r in rows}  # the full row's times, each taken beside one of this row's
     pair_d = {r["row"]: [] for r in rows}
-    for i in range(args.warmup + args.rounds):  # interleaved: each round times every row once
-        for r in rows[1:]:  # ... beside a timing of the full row, in turn before and after it
-            for q in ((rows[0], r) if i % 2 else (r, rows[0])):
-                times_p, times_d = (pre, dec) if q is r else (pair_p, pair_d)
-                if r["opts"].speculative is None:
+    for i in range(args.warmup + args.rounds):  # interleaved: each round times every other row once,
+        order = (lambda r: (rows[0], r)) if (i - args.warmup) % 2 else (lambda r: (r, rows[0]))
+        for r in rows[1:]:  # each timing beside one of the full row (before it, then after it)
+            kept = i >= args.warmup
+            if r["opts"].speculative is None:
+                for q in order(r):
                     secs, q["tally_p"] = time_prefill(model, x, q["opts"])
-                    times_p[r["row"]] += [secs] if i >= args.warmup else []
+                    (pre if q is r else pair_p)[r["row"]] += [secs] if kept else []
+            for q in order(r):
                 g, q["tally_d"] = time_decode(model, prompt, args, q["opts"])
-                times_d[r["row"]] += [g.seconds] if i >= args.warmup else []
+                (dec if q is r else pair_d)[r["row"]] += [g.seconds] if kept else []
                 q["gen"] = g
     pre["full"] = [t for r in rows[1:] for t in pair_p[r["row"]]]
     dec["full"] = [t for r in rows[1:] for t in pair_d[r["row"]]]
@@ -178,7 +183,7 @@ def bench(name, args, runs) -> dict:
                "kv_ratio": g.kv_cache_bytes / full["gen"].kv_cache_bytes if full["gen"].kv_cache_bytes else None}
         full_p, full_d = (pair_p[r["row"]], pair_d[r["row"]]) if r is not full else (pre["full"], dec["full"])
         row["decode_speedup"] = paired(full_d, dec[r["row"]])
-        row["decode_round_s"], row["prefill_round_s"] = dec[r["row"]], pre[r["row"]]  # each round's time
+        row["decode_round_s"], row["prefill_round_s"] = dec[r["row"]], pre[r["row"]]  # each timing (docstring)
         if pre[r["row"]]:
             row["prefill_tok_s"] = x.shape[1] / statistics.median(pre[r["row"]])
             row["prefill_speedup"] = paired(full_p, pre[r["row"]])

@@ -11,7 +11,7 @@ import torch
 
 from phaseloop import PRESETS, ModelConfig, build_model, registry
 from phaseloop.decoding import join_rows, keep_rows, not_joinable, padded_rows, sampling_probs
-from phaseloop.early_exit import parse_exit, set_exit
+from phaseloop.early_exit import parse_exit, set_exit, set_kv_share
 from phaseloop.layers import KVCache
 from phaseloop.serve.engine import Engine
 from phaseloop.serve.options import Settings, applied
@@ -189,3 +189,32 @@ def test_loop_groups_requests_by_settings():
             want = model.generate(torch.tensor([s.prompt]), 6, temperature=0)[0, len(s.prompt):].tolist()
         assert s.tokens == want, s.settings
     assert model.trunk.passes == passes and model.trunk.exits is None  # the loop leaves the model as it was
+
+
+@pytest.mark.parametrize("share,rest_batch", [(None, None), (2, None), (None, 1)])
+def test_rows_that_all_exit_fill_each_rows_own_keys(share, rest_batch, monkeypatch):
+    """Left-padded rows (per-row RoPE tables) that all exit after pass 1 under recompute: the
+    passes left are projected in one batch (``Monitor.rest``; ``rest_batch`` 1: one pass a
+    batch), and every row's keys/values at every pass (with --kv-share 2: the later pass of
+    each shared slot) equal those it writes alone."""
+    model = _model("universal-tiny", {"exit": "state:1e9"})
+    set_kv_share(model, share)
+    alone, caches = [], []
+    with torch.no_grad():
+        for p in PROMPTS:
+            caches.append(KVCache(capacity=len(p) + 1))
+            model(torch.tensor([p]), cache=caches[-1])
+            single = KVCache(capacity=len(p) + 1)
+            model(torch.tensor([p]), cache=single)
+            model(torch.tensor([[11 + len(p)]]), cache=single)
+            alone.append(single)
+        batch = join_rows(caches, capacity=16)
+        if rest_batch:
+            monkeypatch.setattr("phaseloop.early_exit.REST_BATCH", rest_batch)
+        model(torch.tensor([[11 + len(p)] for p in PROMPTS]), cache=batch)
+    slots = sorted({("ut", model.trunk.kv_slot(s)) for s in range(model.trunk.steps)})
+    assert all(s in batch.entries for s in slots)
+    for b, p in enumerate(PROMPTS):
+        for s in slots:
+            for got, want in zip(batch.entries[s], alone[b].entries[s], strict=True):
+                assert (got[b:b + 1, :, -(len(p) + 1):] - want).abs().max() < 1e-10, (b, s)

@@ -63,6 +63,7 @@ RULES = {"kl": "EPS >= 0", "kl-lens": "EPS >= 0", "entropy": "EPS >= 0", "argmax
 _SYNTAX = ("write RULE:V[,V...] with RULE kl:EPS, kl-lens:EPS, entropy:EPS, argmax:K, state:EPS, "
            "accel:EPS or act:THRESHOLD, e.g. kl:5e-4")
 HUGINN_H0 = 100.0  # Huginn's initial entropy (nats)
+REST_BATCH = 1 << 21  # input elements of the passes ``Monitor.rest`` projects together (8 MB in fp32)
 
 
 @dataclass(frozen=True)
@@ -250,22 +251,26 @@ class Monitor:
         """The passes left while ``at_rest``, for a trunk of one block (UT): pass s writes the
         block's keys/values into ``slots[s]`` and runs nothing else, then its ``step``. Under
         ``latest`` the deepest ones (``idle_pass``); under ``recompute`` those projected from
-        ``pass_input(x, s)`` (the block's input at pass s, of the frozen state), every pass's
-        in one batch: one norm, projection and rotation for them all instead of one a pass."""
+        ``pass_input(x, s)`` (the block's input at pass s, of the frozen state), the passes'
+        in batches: one norm, projection and rotation for a batch instead of one a pass, a
+        batch holding at most ``REST_BATCH`` input elements (one pass a batch for a long
+        prefill, all of them at decode)."""
         if self.run.fill == "latest":
             for slot in slots.values():
                 x = self.idle_pass(x, [(block, slot)])
             return x
-        h_RBTD = torch.stack([pass_input(x, s) for s in slots])
-        R, B = h_RBTD.shape[:2]
-        attn = block.attn
-        k_NKTE, v_NKTE = attn.project_kv(block.attn_norm(h_RBTD.flatten(0, 1)))
-        if attn.use_rope:  # tables [T, E], or per row [B, 1, T, E]
-            cos, sin = (t if t.dim() == 2 else t.repeat(R, 1, 1, 1) for t in (self.base.cos, self.base.sin))
-            k_NKTE = apply_rope(k_NKTE, cos, sin)
-        for i, slot in enumerate(slots.values()):
-            self.base.cache.update(slot, k_NKTE[i * B:(i + 1) * B], v_NKTE[i * B:(i + 1) * B])
-            x = self.step(x, x)
+        left, attn = list(slots.items()), block.attn
+        group = max(1, REST_BATCH // x.numel())
+        for chunk in (left[i:i + group] for i in range(0, len(left), group)):
+            h_RBTD = torch.stack([pass_input(x, s) for s, _ in chunk])
+            R, B = h_RBTD.shape[:2]
+            k_NKTE, v_NKTE = attn.project_kv(block.attn_norm(h_RBTD.flatten(0, 1)))
+            if attn.use_rope:  # tables [T, E], or per row [B, 1, T, E] (row r * B + b: row b's)
+                cos, sin = (t if t.dim() == 2 else t.repeat(R, 1, 1, 1) for t in (self.base.cos, self.base.sin))
+                k_NKTE = apply_rope(k_NKTE, cos, sin)
+            for i, (_, slot) in enumerate(chunk):
+                self.base.cache.update(slot, k_NKTE[i * B:(i + 1) * B], v_NKTE[i * B:(i + 1) * B])
+                x = self.step(x, x)
         return x
 
     def _mask(self, x):

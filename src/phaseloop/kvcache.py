@@ -10,8 +10,9 @@ Contracts the trunks rely on:
 * ``truncate(n)`` drops every position >= n (speculative decoding rolls back rejected
   drafts); an entry that is not a (keys, values) pair rolls back through its own
   ``truncate(n)`` or is refused by name.
-* ``nbytes``: the bytes of the tensors the cache holds (preallocated buffers counted
-  whole), what ``generate --json`` reports as ``kv_cache_bytes``.
+* ``nbytes``: the bytes of the keys/values and other entries the cache holds (preallocated
+  buffers counted whole), what ``generate --json`` reports as ``kv_cache_bytes``; its
+  position tables (``position_table``, derived from positions alone) are not counted.
 
 Shapes: B batch, K kv heads, T new positions, E head dim.
 
@@ -135,7 +136,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor held: a slot's whole buffer where preallocated."""
+        """Bytes of every entry's tensors: a slot's whole buffer where preallocated (the
+        position ``tables`` not counted)."""
         total = sum(t.nbytes for buf in self.buffers.values() for t in buf)
         for slot, entry in self.entries.items():
             if slot in self.buffers:
