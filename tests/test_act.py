@@ -273,6 +273,7 @@ def test_pending_inputs_join_their_parts_once_when_read():
     for i, x in enumerate(parts[1:]):
         p.extend(5 + sum(q.shape[1] for q in parts[:i + 1]), x)
     assert len(p.parts) == 4 and p.n == 7  # appended, not copied a token at a time
+    assert p.truncate(12) is p and p.truncate(20) is p and len(p.parts) == 4  # nothing to cut: not joined
     assert p.nbytes == sum(q.nbytes for q in parts)
     joined = p.x
     assert torch.equal(joined, torch.cat(parts, 1)) and len(p.parts) == 1 and p.x is joined

@@ -128,8 +128,10 @@ class PendingInputs:
         self.n += x_BND.shape[1]
 
     def truncate(self, n: int) -> PendingInputs | None:
-        """Only the positions < n (None: none left)."""
+        """Only the positions < n (None: none left; itself, parts unjoined, when it holds none >= n)."""
         keep = n - self.start
+        if keep >= self.n:
+            return self
         return None if keep <= 0 else PendingInputs(self.start, self.x[:, :keep])
 
     def select_rows(self, idx_R: torch.Tensor) -> PendingInputs:
