@@ -66,3 +66,14 @@ def test_cached_decoding_with_the_tables_equals_the_full_pass(preset):
         steps += [model(idx[:, i:i + 1], cache=cache).logits for i in range(5, 13)]
     assert len(cache.tables) == (2 if preset.startswith("universal") else 1)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
+
+
+def test_compiled_code_makes_the_tables_anew():
+    cache = KVCache(capacity=8)
+
+    @torch.compile(backend="eager")
+    def shifted(x):
+        return x + position_table(cache, ("ut", 16), 3, 2, "cpu", lambda p: timing_signal(p, 16))
+
+    assert torch.equal(shifted(torch.zeros(2, 16)), timing_signal(torch.arange(3, 5), 16))
+    assert not cache.tables  # nothing kept from inside a graph
