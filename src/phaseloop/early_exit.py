@@ -288,7 +288,8 @@ class Monitor:
         self.t += 1
         self.base.stats["exit_loop"] = self.t  # passes run (the keys filled); an int: no tensor a pass
         if not run.any:  # every position exited: the state is ``before``, nothing to decide
-            if self.t < self.n and self.rule.kind in END_READ and self.base.cache is not None:
+            if self.t < self.n and self.rule.kind in END_READ and self.base.cache is not None and \
+                    self.trunk.readout_blocks:
                 self._end_readout(before)  # the readout's cache slot still gets every position's keys
             return before
         x = self.hold(before, after)

@@ -51,7 +51,8 @@ class Trunk(nn.Module):
       ``pass_blocks``: the blocks one pass applies (FLOPs of an exited position);
       ``passes``: the passes a forward runs now (set_depth's n); ``exit_readout(h, ctx, t)``:
       the state h after pass t as the ``kl`` / ``entropy`` rules read it (through the end
-      block, ``readout_blocks`` blocks, where the trunk has one; identity by default). A
+      block, ``readout_blocks`` blocks, where the trunk has one; identity by default; a pass
+      nobody runs calls it only where ``readout_blocks`` > 0, for its cache slots). A
       pass where no position runs under ``--kv-fill latest`` (``Monitor.idle``) calls
       ``Monitor.idle_pass(x, [(block, slot), ...])``: each ``layers.Block``'s attention
       writes its deepest keys/values into the slot, the blocks are not called (their hooks
