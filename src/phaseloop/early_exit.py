@@ -193,7 +193,7 @@ class Monitor:
         self.passes = ctx.stats["exit_passes"] = torch.zeros(B, T, dtype=torch.long, device=x0.device)
         self.readouts = ctx.stats["exit_readouts"] = torch.zeros_like(self.passes)
         self.t, self.base, self.exited = 0, ctx, False  # exited: some position of ``done`` stopped
-        self.latest, self.read_latest, self.idle_kv = {}, {}, {}
+        self.latest, self.read_latest = {}, {}
         self._set_running(Running.uniform(~self.done, exits.fill, self.latest, True))
         kind, dtype = self.rule.kind, compute_dtype(x0.dtype)
         if kind in LENS_READ:
@@ -230,16 +230,11 @@ class Monitor:
         return not self.run.any and self.run.fill == "latest"
 
     def idle_pass(self, x, layers) -> torch.Tensor:
-        """A pass while ``idle``: each ``(layer, slot)``'s attention's deepest keys/values
-        (``Running.latest``, every position's) are written into ``slot``, nothing else of
-        the layer runs; then the pass's ``step``. (As the attention's ``forward_running``
-        with no position running would, without its per-call work: at batch-1 decode every
-        pass after the exit is one of these.)"""
-        cache, kv = self.base.cache, self.idle_kv  # no position runs again in this forward: kept as [B, K, T, E]
+        """A pass while ``idle``: each ``(layer, slot)``'s attention writes every position's
+        deepest keys/values into ``slot`` (its ``forward_running`` with no position running),
+        the rest of the layer is not called; then the pass's ``step``."""
         for layer, slot in layers:
-            if id(layer.attn) not in kv:
-                kv[id(layer.attn)] = tuple(t.transpose(1, 2) for t in self.run.latest[id(layer.attn)])
-            cache.update(slot, *kv[id(layer.attn)])
+            layer.attn.forward_running(None, None, self.ctx, slot, self.run, x.shape[1])
         return self.step(x, x)
 
     @property
