@@ -154,9 +154,9 @@ def bench(name, args, runs) -> dict:
     pair_p = {r["row"]: [] for r in rows}  # the full row's times, each taken beside one of this row's
     pair_d = {r["row"]: [] for r in rows}
     for i in range(args.warmup + args.rounds):  # interleaved: each round times every other row once,
+        kept = i >= args.warmup  # each timing beside one of the full row (the row first, then the full row)
         order = (lambda r: (rows[0], r)) if (i - args.warmup) % 2 else (lambda r: (r, rows[0]))
-        for r in rows[1:]:  # each timing beside one of the full row (before it, then after it)
-            kept = i >= args.warmup
+        for r in rows[1:]:
             if r["opts"].speculative is None:
                 for q in order(r):
                     secs, q["tally_p"] = time_prefill(model, x, q["opts"])
