@@ -41,7 +41,7 @@ from phaseloop import ModelConfig, build_model
 from phaseloop.analysis.exits import exit_flops, tally
 from phaseloop.early_exit import parse_exit, set_exit
 from phaseloop.engine.checkpoint import load_run
-from phaseloop.inference import Options, TokenByToken, configured, generate
+from phaseloop.inference import Options, TokenByToken, configured, decode_layout, generate
 from phaseloop.layers import KVCache
 
 WIDE = dict(d_model=512, n_heads=8, n_kv_heads=8, d_ff=1408)
@@ -61,12 +61,15 @@ DEFAULT = ("universal-small,looped-small,hyperloop-small,universal-512,looped-51
 
 
 def build(name: str, runs: dict):
+    """The model of ``name`` laid out as `phaseloop generate` lays it out, and its weights' origin."""
     if name in runs:
-        model, _ = load_run(runs[name], "cpu")
-        return model.eval(), "trained"
-    preset, over = SHAPES.get(name, (name, {}))
-    torch.manual_seed(0)
-    return build_model(ModelConfig.from_preset(preset, **over)).eval(), "init"
+        model, origin = load_run(runs[name], "cpu")[0], "trained"
+    else:
+        preset, over = SHAPES.get(name, (name, {}))
+        torch.manual_seed(0)
+        model, origin = build_model(ModelConfig.from_preset(preset, **over)), "init"
+    decode_layout(model.eval())
+    return model, origin
 
 
 def windows(path: str | None, n: int, T: int) -> torch.Tensor:

@@ -96,7 +96,7 @@ def _load_phaseloop(job: dict, quantized: str | None):
     """The run's model (packed from ``job["quant"][quantized]``), laid out as `phaseloop
     generate` lays it out; its weight bytes and the bytes one decode step reads but the KV cache."""
     from phaseloop.engine.checkpoint import load_run
-    from phaseloop.inference import decode_layout
+    from phaseloop.inference import decode_layout, prepacked_bytes
     from phaseloop.quant import load_packed, weight_bytes
 
     if quantized is None:
@@ -106,7 +106,8 @@ def _load_phaseloop(job: dict, quantized: str | None):
     decode_layout(model)  # as `phaseloop generate` and `serve` lay it out
     now, _ = weight_bytes(model)
     emb = model.embed.tok.weight
-    per_token = now - emb.numel() * emb.element_size() + model.cfg.d_model * emb.element_size()
+    # a step reads each Linear's oneDNN copy instead of its dense weight: counted once
+    per_token = now - prepacked_bytes(model) - emb.numel() * emb.element_size() + model.cfg.d_model * emb.element_size()
     if model.cfg.tie_embeddings:
         per_token += emb.numel() * emb.element_size()  # the head reads the whole table
     return model, now, per_token

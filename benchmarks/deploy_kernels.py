@@ -1,5 +1,6 @@
-"""Why phaseloop runs its own packed Linear on torch's ATen kernels with bf16 activations
-(docs/deploy.md): one matrix product ``x [M, K] @ W^T`` per kernel and activation dtype,
+"""Why phaseloop runs its own packed Linear on torch's ATen kernels with bf16 activations, and
+its fp32 Linears on oneDNN with prepacked weights (``inference.decode_layout``;
+docs/deploy.md): one matrix product ``x [M, K] @ W^T`` per kernel and activation dtype,
 interleaved, medians of microseconds. Weights are cycled through distinct copies (more
 bytes than the last-level cache) so each product reads its weight from memory, as a
 decode step does."""
@@ -12,11 +13,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from phaseloop.inference import PrepackedLinear, onednn_linear
 from phaseloop.quant import PackedLinear, QuantizedWeight, quantize_rtn
 
 
 def _variants(W: torch.Tensor) -> dict:
-    """name -> (weight state, fn(x, state)) of one weight."""
+    """name -> fn(x) of one weight, each kernel holding its own copy or packing."""
     q8, s8, z8 = quantize_rtn(W, 8, None, sym=True)
     int8 = PackedLinear(QuantizedWeight.from_codes(q8, s8, z8, 8, sym=True))
     q4, s4, z4 = quantize_rtn(W, 4, 32)
@@ -29,12 +31,16 @@ def _variants(W: torch.Tensor) -> dict:
 
     Wb, Wc = W.bfloat16(), W.t().contiguous().t()
     out = {"fp32 F.linear": lambda x: F.linear(x, W),
-           "fp32 F.linear, column-major weight": lambda x: F.linear(x, Wc),  # inference.decode_layout
+           "fp32 F.linear, column-major weight": lambda x: F.linear(x, Wc),  # decode_layout without oneDNN
            "bf16 F.linear": lambda x: F.linear(x.bfloat16(), Wb),
            "int8 kernel, fp32 act": int8mm(torch.float32, int8.scale[0].float()),
            "int8 kernel, bf16 act": int8mm(torch.bfloat16, int8.scale[0]),
            "int4 g32 kernel, fp32 act": int4mm(torch.float32, int4.scale_zero.float()),
            "int4 g32 kernel, bf16 act": int4mm(torch.bfloat16, int4.scale_zero)}
+    if onednn_linear():  # inference.decode_layout's PrepackedLinear
+        pre = PrepackedLinear(W.shape[1], W.shape[0], bias=False)
+        pre.weight.data = W
+        out["fp32 oneDNN, prepacked weight"] = pre
     out.update(_torchao(W))
     return out
 
@@ -99,9 +105,10 @@ def print_kernels(rows) -> None:
 
 
 def layout_table(preset: str = "rope-123m", batches=(1, 2, 4, 8), steps: int = 8, reps: int = 3) -> list:
-    """One decode step of ``preset`` (random weights) with ``batches`` rows, its Linears
-    row-major as built and laid out by ``inference.decode_layout``, interleaved: rows
-    (batch, row-major ms, column-major ms, speed)."""
+    """One decode step of ``preset`` (random weights) with ``batches`` rows, its Linears as
+    built (row-major), laid out column-major (``decode_layout(prepack=False)``, torch
+    without oneDNN) and prepacked (``decode_layout``), interleaved: rows (batch, ms of each,
+    row-major / prepacked, column-major / prepacked)."""
     import copy
 
     from phaseloop import ModelConfig, build_model
@@ -111,29 +118,32 @@ def layout_table(preset: str = "rope-123m", batches=(1, 2, 4, 8), steps: int = 8
     cfg = ModelConfig.from_preset(preset)
     torch.manual_seed(0)
     row = build_model(cfg).eval()
-    col = copy.deepcopy(row)
-    decode_layout(col)
+    col, pre = copy.deepcopy(row), copy.deepcopy(row)
+    decode_layout(col, prepack=False)
+    decode_layout(pre)
     out = []
     with torch.no_grad():
         for B in batches:
             prompt = torch.randint(0, cfg.vocab_size, (B, 16))
             x = torch.randint(0, cfg.vocab_size, (B, 1))
-            times: dict = {"row": [], "col": []}
+            times: dict = {"row": [], "col": [], "pre": []}
             for _ in range(reps):
-                for name, m in (("row", row), ("col", col)):
+                for name, m in (("row", row), ("col", col), ("pre", pre)):
                     cache = KVCache(capacity=16 + steps)
                     m(prompt, cache=cache)
                     t0 = time.perf_counter()
                     for _ in range(steps):
                         m(x, cache=cache)
                     times[name].append((time.perf_counter() - t0) / steps)
-            r, c = statistics.median(times["row"]), statistics.median(times["col"])
-            out.append((B, 1e3 * r, 1e3 * c, r / c))
+            r, c, p = (statistics.median(times[k]) for k in ("row", "col", "pre"))
+            out.append((B, 1e3 * r, 1e3 * c, 1e3 * p, r / p, c / p))
     return out
 
 
 def print_layout(rows, preset: str) -> None:
-    print(f"\n{preset}, one decode step, Linears as built (row-major) and laid out by decode_layout:\n")
-    print("| batch | row-major ms | decode_layout ms | speed |\n|---|---|---|---|")
-    for B, r, c, s in rows:
-        print(f"| {B} | {r:.2f} | {c:.2f} | {s:.2f}x |")
+    print(f"\n{preset}, one decode step, Linears as built (row-major), column-major and prepacked "
+          "(decode_layout):\n")
+    print("| batch | row-major ms | column-major ms | prepacked ms | prepacked vs row-major | vs column-major |\n"
+          "|---|---|---|---|---|---|")
+    for B, r, c, p, sr, sc in rows:
+        print(f"| {B} | {r:.2f} | {c:.2f} | {p:.2f} | {sr:.2f}x | {sc:.2f}x |")

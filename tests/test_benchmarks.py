@@ -170,7 +170,7 @@ def test_bench_deploy_smoke_runs(capsys, tmp_path, one_thread):
     assert bench_deploy.main(["--smoke", "--work", str(tmp_path / "w"), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "| engine | weight MB | RSS MB: running (peak) | decode tok/s | floor tok/s |" in out
-    assert "| batch | row-major ms | decode_layout ms | speed |" in out and "\n| 4 | " in out
+    assert "| batch | row-major ms | column-major ms | prepacked ms |" in out and "\n| 4 | " in out
     rows = json.loads(out_json.read_text())["shapes"]["rope-tiny"]
     assert {"phaseloop-fp32", "phaseloop-int8", "phaseloop-int4", "transformers"} <= set(rows)
     assert rows["transformers"]["same_tokens"] and rows["phaseloop-int4"]["weight_bytes"] < \

@@ -9,12 +9,14 @@ the cache), which a shared cache changes and a full pass does not see.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from phaseloop.decoding import decode, speculative_decode
@@ -223,31 +225,101 @@ class TokenByToken(nn.Module):
 
 
 
-@torch.no_grad()
-def decode_layout(model: nn.Module) -> int:
-    """Lay out each fp32 ``nn.Linear`` weight of a CPU model for one-row products (a
-    decode step); returns how many weights are column-major afterwards.
+class PrepackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose fp32 CPU products outside autograd and compilation run on
+    oneDNN's inner product with the weight prepacked in its blocked layout
+    (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's frozen CPU graphs call),
+    and anything else on ``F.linear``. The parameters stay as they are (``state_dict``,
+    ties, training); the packed copy is held beside them, remade once the weight changes
+    (its version or storage), and neither copied nor pickled with the module."""
 
-    ``F.linear(x, W)`` hands BLAS ``x @ W.t()``. With ``W`` [N, K] row-major that is N dot
-    products of K-long rows; with ``W`` a view of a contiguous [K, N] tensor (column-major)
-    it is K sweeps over N-long rows, which torch's CPU product streams faster when the
-    output is at least as wide as the input (N >= K: attention in-projections, the FFN's
-    up-projection, the head) and slower when it is narrower (the FFN's down-projection),
-    which stays row-major: at rope-123m's shapes 20-25 against 12-14 GB/s, 15 against 17
-    (``benchmarks/deploy_kernels.py``). Many rows (prefill) run at the same speed either
-    way. The values are the same; products differ in fp32 summation order only. Shapes,
-    names and ties stay (a tied embedding then gathers strided rows), so ``state_dict``
-    reads them, but ``safetensors`` refuses to save a non-contiguous tensor: a model laid
-    out here is for inference."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (torch.compiler.is_compiling() or x.dtype != torch.float32 or w.dtype != torch.float32
+                or x.device.type != "cpu" or w.device.type != "cpu"
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+            return F.linear(x, w, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed(), self.bias, "none", [None], "")
+
+    def packed(self) -> torch.Tensor:
+        """The weight in oneDNN's layout, packed anew if the weight changed since."""
+        w, have = self.weight, self.__dict__.get("_onednn")
+        key = (w._version, w.data_ptr())
+        if have is None or have[0] != key:
+            with torch.no_grad():
+                have = self.__dict__["_onednn"] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+        return have[1]
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed copy (0 before the first pack)."""
+        have = self.__dict__.get("_onednn")
+        return 0 if have is None else have[1].numel() * have[1].element_size()
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_onednn", None)  # an opaque oneDNN tensor: packed again at the next product
+        return state
+
+
+def prepacked_bytes(model: nn.Module) -> int:
+    """Bytes of the oneDNN copies ``decode_layout`` packed beside ``model``'s weights."""
+    return sum(m.packed_nbytes for m in model.modules() if isinstance(m, PrepackedLinear))
+
+
+@functools.cache
+def onednn_linear() -> bool:
+    """Whether this torch runs ``PrepackedLinear``'s products (oneDNN built in and working)."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    try:
+        w, x = torch.randn(8, 4), torch.randn(3, 4)
+        y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, None), None,
+                                               "none", [None], "")
+        return bool(torch.allclose(y, F.linear(x, w), atol=1e-5))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+@torch.no_grad()
+def decode_layout(model: nn.Module, prepack: bool | None = None) -> int:
+    """Lay out each fp32 ``nn.Linear`` weight of a CPU model for inference; returns how many
+    weights are laid out afterwards.
+
+    With ``prepack`` (None: where torch has oneDNN, ``onednn_linear``), each plain
+    ``nn.Linear`` becomes a ``PrepackedLinear`` (and one stays so): its products run on
+    oneDNN with the weight prepacked once, which this machine's measurements put 1.4-6x
+    faster than ``F.linear`` (torch's MKL ``sgemm``) from 2 rows up and 1-4x at one row
+    but for small weights (about even) and a DRAM-resident head (0.9x against column-major);
+    the cost is a copy of each weight beside it (``quant.weight_bytes`` counts it;
+    ``benchmarks/deploy_kernels.py``, docs/deploy.md).
+
+    Otherwise (and for another subclass of ``nn.Linear``) a weight at least as wide out as
+    in is stored column-major: ``F.linear(x, W)`` hands BLAS ``x @ W.t()``, N dot products of
+    K-long rows with ``W`` [N, K] row-major, K sweeps over N-long rows with ``W`` a view of
+    a contiguous [K, N] tensor, which one-row products stream faster when N >= K (20-25
+    against 12-14 GB/s at rope-123m's shapes) and slower when narrower.
+
+    Either way the values are the same and the products differ in fp32 summation order
+    only; shapes, names and ties stay (a tied embedding gathers the dense weight), so
+    ``state_dict`` reads them, but ``safetensors`` refuses a column-major tensor: a model
+    laid out here is for inference."""
     done, seen = 0, set()
+    prepack = onednn_linear() if prepack is None else prepack and onednn_linear()
     for m in model.modules():
         if not isinstance(m, nn.Linear):
             continue
         w = m.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or id(w) in seen or w.shape[0] < w.shape[1]:
+        if w.device.type != "cpu" or w.dtype != torch.float32 or (id(m), id(w)) in seen:
             continue
-        seen.add(id(w))
-        if not w.t().is_contiguous():
-            w.data = w.data.t().contiguous().t()
-        done += 1
+        seen.add((id(m), id(w)))
+        if isinstance(m, PrepackedLinear) or (prepack and type(m) is nn.Linear):
+            m.__class__ = PrepackedLinear
+            m.packed()
+            done += 1
+        elif w.shape[0] >= w.shape[1] and id(w) not in seen:
+            seen.add(id(w))
+            if not w.t().is_contiguous():
+                w.data = w.data.t().contiguous().t()
+            done += 1
     return done

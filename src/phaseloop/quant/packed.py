@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from phaseloop.inference import prepacked_bytes
 from phaseloop.quant.core import QuantizedWeight
 
 ACT_DTYPE = torch.bfloat16  # the kernels' fast path on AVX2 CPUs (module docstring)
@@ -149,7 +150,8 @@ def _storage_key(t: torch.Tensor):
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes the model's weights occupy as it runs, bytes of the same model in fp32):
     every parameter once (a tied head is the embedding) plus the packed codes and scales
-    of each :class:`PackedLinear`, against 4 bytes per weight of all of them."""
+    of each :class:`PackedLinear` and the oneDNN copies ``inference.decode_layout`` packed
+    beside fp32 weights, against 4 bytes per weight of all of them."""
     seen: set = set()
     now = fp32 = 0
     for p in model.parameters():
@@ -163,4 +165,4 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
             seen.add(id(m))
             now += sum(t.untyped_storage().nbytes() for t in m.weight_tensors())
             fp32 += 4 * m.in_features * m.out_features
-    return now, fp32
+    return now + prepacked_bytes(model), fp32
