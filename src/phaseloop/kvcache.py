@@ -88,9 +88,9 @@ class KVCache:
             if n:
                 new[0][:, :, :n], new[1][:, :, :n] = self.entries[slot]
             buf = self.buffers[slot] = new
-        buf[0][:, :, start:start + T] = k_BKTE
-        buf[1][:, :, start:start + T] = v_BKTE
-        self.entries[slot] = (buf[0][:, :, :end], buf[1][:, :, :end])
+        buf[0].narrow(2, start, T).copy_(k_BKTE)  # narrow: one op where [:, :, a:b] is three
+        buf[1].narrow(2, start, T).copy_(v_BKTE)
+        self.entries[slot] = (buf[0].narrow(2, 0, end), buf[1].narrow(2, 0, end))
         return self.entries[slot]
 
     @property
