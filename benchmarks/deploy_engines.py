@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-MATMUL_OPS = {"mm", "addmm", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "linear"}
+MATMUL_OPS = {"mm", "addmm", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "linear",
+              "_linear_pointwise"}  # the last: oneDNN, decode_layout's PrepackedLinear
 
 
 def kv_bytes(cfg: dict, tokens: float, width: int = 4) -> float:

@@ -48,12 +48,11 @@ def test_the_function_is_unchanged(name, layout):
     wide = {id(m.weight) for m in linears if m.out_features >= m.in_features}
     if layout == "prepacked":
         assert laid == len(linears) > 0 and all(type(m) is PrepackedLinear for m in linears)
-        assert all(p.is_contiguous() for p in model.parameters())
     else:
-        assert laid == len(wide) > 0
-        for m in linears:  # wide: a view of a contiguous [K, N] tensor; narrower outputs stay row-major
-            assert m.weight.t().is_contiguous() and not m.weight.is_contiguous() if id(m.weight) in wide \
-                else m.weight.is_contiguous()
+        assert laid == len(wide) > 0 and not any(isinstance(m, PrepackedLinear) for m in linears)
+    for m in linears:  # wide: a view of a contiguous [K, N] tensor; narrower outputs stay row-major
+        assert m.weight.t().is_contiguous() and not m.weight.is_contiguous() if id(m.weight) in wide \
+            else m.weight.is_contiguous()
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     with torch.no_grad():
@@ -71,8 +70,8 @@ def test_a_tied_head_stays_tied(layout):
         ref = model(x).logits
         decode_layout(model)
         got = model(x).logits
-    assert model.head.weight is model.embed.tok.weight
-    assert isinstance(model.head, PrepackedLinear) if layout == "prepacked" else model.head.weight.t().is_contiguous()
+    assert model.head.weight is model.embed.tok.weight and model.head.weight.t().is_contiguous()
+    assert isinstance(model.head, PrepackedLinear) == (layout == "prepacked")
     assert torch.allclose(got, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
 
 
@@ -100,11 +99,8 @@ def test_what_it_leaves_alone(layout):
         assert torch.allclose(holder[:3](x), ref_fp32, rtol=0, atol=1e-5)
     assert type(sub) is Scaled and sub.weight.t().is_contiguous()
     assert type(packed) is PackedLinear and packed.codes.is_contiguous() and torch.equal(packed.codes, codes)
-    if layout == "prepacked":
-        assert type(lin) is PrepackedLinear and type(narrow) is PrepackedLinear
-        assert lin.weight.is_contiguous() and narrow.weight.is_contiguous()
-    else:
-        assert lin.weight.t().is_contiguous() and narrow.weight.is_contiguous()
+    assert lin.weight.t().is_contiguous() and narrow.weight.is_contiguous()
+    assert (type(lin), type(narrow)) == ((PrepackedLinear,) * 2 if layout == "prepacked" else (nn.Linear,) * 2)
 
 
 @needs_onednn
@@ -127,6 +123,27 @@ def test_a_changed_weight_is_packed_again():
     opt.step()
     with torch.no_grad():
         assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)
+
+
+@needs_onednn
+def test_one_row_on_one_thread_runs_on_mkl(monkeypatch):
+    """Where MKL's column-major product measured faster (docs/deploy.md); any other call on oneDNN."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 24)
+    decode_layout(lin)
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                for x in (torch.randn(1, 16), torch.randn(1, 1, 16), torch.randn(3, 16), torch.randn(2, 1, 16)):
+                    assert torch.allclose(lin(x), real(x, lin.weight, lin.bias), atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [(1, 16), (1, 1, 16)]  # the one-row calls on one thread, nothing else
 
 
 @needs_onednn

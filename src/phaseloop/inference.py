@@ -229,7 +229,8 @@ class PrepackedLinear(nn.Linear):
     """An ``nn.Linear`` whose fp32 CPU products outside autograd and compilation run on
     oneDNN's inner product with the weight prepacked in its blocked layout
     (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's frozen CPU graphs call),
-    and anything else on ``F.linear``. The parameters stay as they are (``state_dict``,
+    but for one row on one thread, and anything else on ``F.linear`` (there MKL streams a
+    column-major weight faster: ``decode_layout``). The parameters stay as they are (``state_dict``,
     ties, training); the packed copy is held beside them, remade once the weight changes
     (its version or storage), and neither copied nor pickled with the module."""
 
@@ -237,7 +238,8 @@ class PrepackedLinear(nn.Linear):
         w = self.weight
         if (torch.compiler.is_compiling() or x.dtype != torch.float32 or w.dtype != torch.float32
                 or x.device.type != "cpu" or w.device.type != "cpu"
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+                or (x.numel() == x.shape[-1] and torch.get_num_threads() == 1)):  # one row, one thread
             return F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed(), self.bias, "none", [None], "")
 
@@ -247,7 +249,8 @@ class PrepackedLinear(nn.Linear):
         key = (w._version, w.data_ptr())
         if have is None or have[0] != key:
             with torch.no_grad():
-                have = self.__dict__["_onednn"] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+                have = self.__dict__["_onednn"] = (key, packed)
         return have[1]
 
     @property
@@ -283,22 +286,23 @@ def onednn_linear() -> bool:
 
 @torch.no_grad()
 def decode_layout(model: nn.Module, prepack: bool | None = None) -> int:
-    """Lay out each fp32 ``nn.Linear`` weight of a CPU model for inference; returns how many
-    weights are laid out afterwards.
+    """Lay out each fp32 ``nn.Linear`` of a CPU model for inference; returns how many are
+    laid out afterwards (prepacked, or column-major only).
 
-    With ``prepack`` (None: where torch has oneDNN, ``onednn_linear``), each plain
-    ``nn.Linear`` becomes a ``PrepackedLinear`` (and one stays so): its products run on
-    oneDNN with the weight prepacked once, which this machine's measurements put 1.4-6x
-    faster than ``F.linear`` (torch's MKL ``sgemm``) from 2 rows up and 1-4x at one row
-    but for small weights (about even) and a DRAM-resident head (0.9x against column-major);
-    the cost is a copy of each weight beside it (``quant.weight_bytes`` counts it;
-    ``benchmarks/deploy_kernels.py``, docs/deploy.md).
+    A weight at least as wide out as in is stored column-major: ``F.linear(x, W)`` hands
+    BLAS ``x @ W.t()``, N dot products of K-long rows with ``W`` [N, K] row-major, K sweeps
+    over N-long rows with ``W`` a view of a contiguous [K, N] tensor, which one-row
+    products stream faster when N >= K (20-25 against 12-14 GB/s at rope-123m's shapes)
+    and slower when narrower.
 
-    Otherwise (and for another subclass of ``nn.Linear``) a weight at least as wide out as
-    in is stored column-major: ``F.linear(x, W)`` hands BLAS ``x @ W.t()``, N dot products of
-    K-long rows with ``W`` [N, K] row-major, K sweeps over N-long rows with ``W`` a view of
-    a contiguous [K, N] tensor, which one-row products stream faster when N >= K (20-25
-    against 12-14 GB/s at rope-123m's shapes) and slower when narrower.
+    With ``prepack`` (None: where torch has oneDNN, ``onednn_linear``) each plain
+    ``nn.Linear`` also becomes a ``PrepackedLinear`` (and one stays so): its products run
+    on oneDNN with the weight prepacked once, at the cost of a copy of each weight beside
+    it (``quant.weight_bytes`` counts it). Measured here (docs/deploy.md,
+    ``benchmarks/deploy_kernels.py``): torch's MKL ``sgemm`` behind ``F.linear`` is 1.4-6x
+    slower from 2 rows up, and about even at one row on two threads; one row on one
+    thread, MKL's column-major product is faster (a rope-123m decode step 0.76x on oneDNN),
+    so that case stays on it.
 
     Either way the values are the same and the products differ in fp32 summation order
     only; shapes, names and ties stay (a tied embedding gathers the dense weight), so
@@ -307,19 +311,15 @@ def decode_layout(model: nn.Module, prepack: bool | None = None) -> int:
     done, seen = 0, set()
     prepack = onednn_linear() if prepack is None else prepack and onednn_linear()
     for m in model.modules():
-        if not isinstance(m, nn.Linear):
+        w = getattr(m, "weight", None)
+        if not isinstance(m, nn.Linear) or w.device.type != "cpu" or w.dtype != torch.float32 or id(m) in seen:
             continue
-        w = m.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or (id(m), id(w)) in seen:
-            continue
-        seen.add((id(m), id(w)))
+        seen.add(id(m))
+        wide = w.shape[0] >= w.shape[1]
+        if wide and not w.t().is_contiguous():  # a weight shared by two modules: moved once
+            w.data = w.data.t().contiguous().t()
         if isinstance(m, PrepackedLinear) or (prepack and type(m) is nn.Linear):
             m.__class__ = PrepackedLinear
             m.packed()
-            done += 1
-        elif w.shape[0] >= w.shape[1] and id(w) not in seen:
-            seen.add(id(w))
-            if not w.t().is_contiguous():
-                w.data = w.data.t().contiguous().t()
-            done += 1
+        done += wide or isinstance(m, PrepackedLinear)
     return done
