@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from phaseloop.inference import PrepackedLinear, onednn_linear
+from phaseloop.inference import onednn_linear
 from phaseloop.quant import PackedLinear, QuantizedWeight, quantize_rtn
 
 
@@ -37,10 +37,10 @@ def _variants(W: torch.Tensor) -> dict:
            "int8 kernel, bf16 act": int8mm(torch.bfloat16, int8.scale[0]),
            "int4 g32 kernel, fp32 act": int4mm(torch.float32, int4.scale_zero.float()),
            "int4 g32 kernel, bf16 act": int4mm(torch.bfloat16, int4.scale_zero)}
-    if onednn_linear():  # inference.decode_layout's PrepackedLinear
-        pre = PrepackedLinear(W.shape[1], W.shape[0], bias=False)
-        pre.weight.data = W
-        out["fp32 oneDNN, prepacked weight"] = pre
+    if onednn_linear():  # PrepackedLinear's product (inference.decode_layout), called whatever the rows
+        pre = torch.ops.mkldnn._reorder_linear_weight(W, None)
+        out["fp32 oneDNN, prepacked weight"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, pre, None, "none",
+                                                                                            [None], "")
     out.update(_torchao(W))
     return out
 

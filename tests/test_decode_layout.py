@@ -5,6 +5,7 @@ largest, greedy tokens equal), ties, names and parameters stay, a changed weight
 again, autograd and copies see plain Linears, and what it must not touch is left alone."""
 
 import copy
+import json
 import pickle
 
 import pytest
@@ -191,14 +192,23 @@ def test_generate_and_serve_lay_out_what_they_load(tmp_path, monkeypatch, capsys
     weights = sorted(run.rglob("model.safetensors"))
     before = [w.read_bytes() for w in weights]
     served = load(run)
-    assert isinstance(served.model.head, PrepackedLinear) if onednn_linear() \
-        else served.model.head.weight.t().is_contiguous()
+    assert served.model.head.weight.t().is_contiguous()
+    assert isinstance(served.model.head, PrepackedLinear) == onednn_linear()
+    lean = load(run, prepack=False)  # `serve --no-prepack`
+    assert lean.model.head.weight.t().is_contiguous() and not isinstance(lean.model.head, PrepackedLinear)
+    assert lean.info["weight_bytes"] < served.info["weight_bytes"] or not onednn_linear()
     seen = []
     real = run_cmds.decode_layout
-    monkeypatch.setattr(run_cmds, "decode_layout", lambda m: seen.append(real(m)) or seen[-1])
-    assert main(["generate", str(run), "--max-new-tokens", "3", "--temperature", "0", "--device", "cpu"]) == 0
-    assert seen and seen[0] > 0
-    capsys.readouterr()
+    monkeypatch.setattr(run_cmds, "decode_layout", lambda m, **kw: seen.append(real(m, **kw)) or seen[-1])
+    base = ["generate", str(run), "--max-new-tokens", "3", "--temperature", "0", "--device", "cpu", "--json"]
+    capsys.readouterr()  # the run's training
+    assert main(base) == 0
+    packed = json.loads(capsys.readouterr().out)
+    assert main([*base, "--no-prepack"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert seen[0] > seen[1] > 0 if onednn_linear() else seen[0] == seen[1] > 0
+    assert plain["weight_bytes"] == plain["weight_bytes_fp32"] and plain["tokens"] == packed["tokens"]
+    assert packed["weight_bytes"] > plain["weight_bytes"] or not onednn_linear()
     assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert weights and [w.read_bytes() for w in weights] == before

@@ -53,6 +53,9 @@ def add_parsers(sub) -> None:
     gen.add_argument("--compile", action="store_true", help="compile the one-token decode step (inductor, "
                      "frozen prepacked weights; CPU, batch 1, a fixed depth): faster decoding after a compile "
                      "of seconds to a minute (docs/deploy.md)")
+    gen.add_argument("--no-prepack", action="store_true", help="run fp32 CPU Linears on F.linear without "
+                     "oneDNN's prepacked copy of each weight: less memory, slower products of 2 rows and more "
+                     "(docs/deploy.md)")
     quantized_option(gen)
     depth_options(gen)
     exit_options(gen)
@@ -150,7 +153,7 @@ def cmd_generate(args) -> int:
         return generate_pte(args)
     device = run_device(args)
     model, run_cfg = load_model(args, device)
-    decode_layout(model)  # one-row products stream their weights faster (docs/deploy.md)
+    decode_layout(model, prepack=not args.no_prepack)  # faster products (docs/deploy.md)
     opts = _options(args, model)
     tok = run_tokenizer(args.run, run_cfg)
     idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]

@@ -28,6 +28,8 @@ def add_parsers(sub) -> None:
                    "(default: the exported tokenizer's own, if any)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-prepack", action="store_true", help="run fp32 CPU Linears on F.linear without "
+                   "oneDNN's prepacked copy of each weight: less memory, slower batches (docs/deploy.md)")
     depth_options(p)
     exit_options(p)
     p.add_argument("--max-batch", type=argtypes.positive_int, default=16,
@@ -52,7 +54,7 @@ def cmd_serve(args) -> int:
     if args.exit and len(args.exit) > 1:
         raise PhaseloopError(f"--exit {args.exit[0].kind}: give one value (a list sweeps in `phaseloop eval` only)")
     defaults = Settings(depth=args.depth, extend_loops=args.extend_loops, exit=args.exit[0] if args.exit else None)
-    served = load(args.run, device=args.device, dtype=args.dtype, quantized=args.quantized,
+    served = load(args.run, device=args.device, dtype=args.dtype, quantized=args.quantized, prepack=not args.no_prepack,
                   name=args.model_name, chat_template=args.chat_template, defaults=defaults)
     try:  # --depth / --exit the model cannot take: one line, before listening
         check(served.twin, served.defaults)

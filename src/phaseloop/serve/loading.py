@@ -112,8 +112,10 @@ def _from_export(path: Path):
 
 
 def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quantized: str | None = None,
-         name: str | None = None, chat_template: str | None = None, defaults: Settings | None = None) -> Served:
-    """Load ``path`` (a run folder, its checkpoint folder or an export) to serve it."""
+         name: str | None = None, chat_template: str | None = None, defaults: Settings | None = None,
+         prepack: bool = True) -> Served:
+    """Load ``path`` (a run folder, its checkpoint folder or an export) to serve it, its fp32
+    CPU Linears laid out by ``inference.decode_layout`` (``prepack``: on oneDNN)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} {why_missing(path)}; pass a run folder (phaseloop train) or an "
@@ -166,7 +168,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
         model = model.eval()
     else:
         model = model.to(device=resolve_device(device), dtype=DTYPES[dtype]).eval()
-    decode_layout(model)  # fp32 CPU weights laid out for decode steps (docs/deploy.md)
+    decode_layout(model, prepack=prepack)  # fp32 CPU weights laid out for inference (docs/deploy.md)
     try:
         twin = build_model(model.cfg, device="meta").eval()
     except Exception:  # a plugin that cannot be built without weights: no per-request options
