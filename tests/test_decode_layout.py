@@ -170,6 +170,25 @@ def test_autograd_copies_and_other_inputs_see_a_plain_linear():
 
 
 @needs_onednn
+def test_a_weight_made_in_inference_mode_stays_on_f_linear():
+    """It keeps no version counter, so a change in place could not be told: never packed."""
+    with torch.inference_mode():
+        lin = nn.Linear(8, 16)
+        assert decode_layout(lin) == 1 and type(lin) is nn.Linear and lin.weight.t().is_contiguous()
+        x = torch.randn(3, 8)
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    other = nn.Linear(8, 16)
+    decode_layout(other)
+    other.__dict__.pop("_onednn")
+    with torch.inference_mode():  # a weight made outside: packed in inference mode, used after
+        x = torch.randn(3, 8)
+        assert torch.allclose(other(x), F.linear(x, other.weight, other.bias), atol=1e-6)
+    with torch.no_grad():
+        assert torch.allclose(other(x), F.linear(x, other.weight, other.bias), atol=1e-6)
+    assert torch.equal(PrepackedLinear.forward(lin, x), F.linear(x, lin.weight, lin.bias))  # by hand: falls back
+
+
+@needs_onednn
 def test_weight_bytes_count_the_packed_copies():
     model = _model("rope-tiny")
     params, fp32 = weight_bytes(model)

@@ -232,12 +232,13 @@ class PrepackedLinear(nn.Linear):
     but for one row on one thread, and anything else on ``F.linear`` (there MKL streams a
     column-major weight faster: ``decode_layout``). The parameters stay as they are (``state_dict``,
     ties, training); the packed copy is held beside them, remade once the weight changes
-    (its version or storage), and neither copied nor pickled with the module."""
+    (its version or storage), and neither copied nor pickled with the module. A weight made
+    under ``torch.inference_mode`` keeps no version to check, so it stays on ``F.linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (torch.compiler.is_compiling() or x.dtype != torch.float32 or w.dtype != torch.float32
-                or x.device.type != "cpu" or w.device.type != "cpu"
+                or x.device.type != "cpu" or w.device.type != "cpu" or w.is_inference()
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
                 or (x.numel() == x.shape[-1] and torch.get_num_threads() == 1)):  # one row, one thread
             return F.linear(x, w, self.bias)
@@ -318,7 +319,7 @@ def decode_layout(model: nn.Module, prepack: bool | None = None) -> int:
         wide = w.shape[0] >= w.shape[1]
         if wide and not w.t().is_contiguous():  # a weight shared by two modules: moved once
             w.data = w.data.t().contiguous().t()
-        if isinstance(m, PrepackedLinear) or (prepack and type(m) is nn.Linear):
+        if isinstance(m, PrepackedLinear) or (prepack and type(m) is nn.Linear and not w.is_inference()):
             m.__class__ = PrepackedLinear
             m.packed()
         done += wide or isinstance(m, PrepackedLinear)
