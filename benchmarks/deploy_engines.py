@@ -93,9 +93,10 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _load_phaseloop(job: dict, quantized: str | None):
+def _load_phaseloop(job: dict, quantized: str | None, compiled: bool = False):
     """The run's model (packed from ``job["quant"][quantized]``), laid out as `phaseloop
-    generate` lays it out; its weight bytes and the bytes one decode step reads but the KV cache."""
+    generate` (``--compile``: without oneDNN's copies) lays it out; its weight bytes and the
+    bytes one decode step reads but the KV cache."""
     from phaseloop.engine.checkpoint import load_run
     from phaseloop.inference import decode_layout, prepacked_bytes
     from phaseloop.quant import load_packed, weight_bytes
@@ -104,7 +105,7 @@ def _load_phaseloop(job: dict, quantized: str | None):
         model, _ = load_run(job["run"])
     else:
         model, _, _ = load_packed(job["run"], job["quant"][quantized])
-    decode_layout(model)  # as `phaseloop generate` and `serve` lay it out
+    decode_layout(model, prepack=not compiled)  # as `phaseloop generate` and `serve` lay it out
     now, _ = weight_bytes(model)
     emb = model.embed.tok.weight
     # a step reads each Linear's oneDNN copy instead of its dense weight: counted once
@@ -151,7 +152,7 @@ def phaseloop_compiled_engine(quantized: str | None):
         from phaseloop.decoding import decode
         from phaseloop.deploy.compiled import CompiledDecoder
 
-        model, now, per_token = _load_phaseloop(job, quantized)
+        model, now, per_token = _load_phaseloop(job, quantized, compiled=True)
         prompt = torch.tensor([job["prompt"]])
         dec = CompiledDecoder(model, prompt.shape[1] + job["new_tokens"])
         marks: list[float] = []

@@ -127,6 +127,56 @@ def test_a_changed_weight_is_packed_again():
 
 
 @needs_onednn
+def test_a_reused_address_or_a_write_it_cannot_see():
+    """The packed copy holds the weight's storage, so a new weight never lands at its address
+    with its key (functional_call hands fresh tensors at version 0 every call); a write through
+    ``.data`` keeps the version, and ``decode_layout`` again packs anew."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 24)
+    decode_layout(lin)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        for _ in range(6):
+            params = {"weight": torch.randn(24, 16), "bias": torch.zeros(24)}
+            got = torch.func.functional_call(lin, params, (x,))
+            assert torch.allclose(got, F.linear(x, params["weight"], params["bias"]), atol=1e-5)
+        for _ in range(3):  # .data assigned twice without a product between
+            lin.weight.data = torch.randn(24, 16)
+            lin.weight.data = torch.randn(24, 16)
+            assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)
+        lin.weight.data.mul_(3)  # unseen by the version counter
+        decode_layout(lin)
+        assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)
+
+
+@needs_onednn
+def test_what_runs_on_f_linear_instead(monkeypatch):
+    """A bias alone trained gets its gradient; autocast gets its dtype; oneDNN switched off, a
+    tensor-subclass weight and ``prepack=False`` (a plain Linear again) are F.linear's."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 24)
+    decode_layout(lin)
+    x = torch.randn(5, 16)
+    lin.weight.requires_grad_(False)
+    lin(x).sum().backward()
+    assert torch.equal(lin.bias.grad, torch.full((24,), 5.0))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        assert lin(x).dtype == torch.bfloat16
+    with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+    class Tagged(torch.Tensor):  # stands for a quantised tensor subclass (torchao)
+        pass
+
+    sub = nn.Linear(16, 8)
+    sub.weight = nn.Parameter(sub.weight.detach().as_subclass(Tagged), requires_grad=False)
+    holder = nn.Sequential(sub, lin)
+    assert decode_layout(holder) == 1 and type(sub) is nn.Linear and type(sub.weight.data) is Tagged
+    assert decode_layout(holder, prepack=False) == 1 and type(lin) is nn.Linear and "_onednn" not in lin.__dict__
+    assert lin.weight.t().is_contiguous()
+
+
+@needs_onednn
 def test_one_row_on_one_thread_runs_on_mkl(monkeypatch):
     """Where MKL's column-major product measured faster (docs/deploy.md); any other call on oneDNN."""
     torch.manual_seed(0)

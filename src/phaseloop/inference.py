@@ -226,37 +226,49 @@ class TokenByToken(nn.Module):
 
 
 class PrepackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose fp32 CPU products outside autograd and compilation run on
-    oneDNN's inner product with the weight prepacked in its blocked layout
-    (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's frozen CPU graphs call),
-    but for one row on one thread, and anything else on ``F.linear`` (there MKL streams a
-    column-major weight faster: ``decode_layout``). The parameters stay as they are (``state_dict``,
-    ties, training); the packed copy is held beside them, remade once the weight changes
-    (its version or storage), and neither copied nor pickled with the module. A weight made
-    under ``torch.inference_mode`` keeps no version to check, so it stays on ``F.linear``."""
+    """An ``nn.Linear`` whose fp32 CPU products run on oneDNN's inner product with the
+    weight prepacked in its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
+    what inductor's frozen CPU graphs call), and on ``F.linear`` under autograd, autocast
+    and compilation, for other dtypes and devices, a tensor-subclass or inference-mode
+    weight, and one row on one thread (there MKL streams a column-major weight faster:
+    ``decode_layout``). The parameters stay as they are (``state_dict``, ties, training).
+    The packed copy is held beside them with the weight's storage (so its address is not
+    reused while the copy lives), remade when the weight's version, storage or strides
+    change (an optimizer step, ``load_state_dict``, assigning ``.data``), and neither
+    copied nor pickled with the module; a write the version counter does not see (through
+    ``w.data``, numpy or DLPack) needs ``decode_layout`` again, which packs anew."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (torch.compiler.is_compiling() or x.dtype != torch.float32 or w.dtype != torch.float32
-                or x.device.type != "cpu" or w.device.type != "cpu" or w.is_inference()
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+        w, b = self.weight, self.bias
+        if (torch.compiler.is_compiling() or x.dtype != torch.float32 or type(w.data) is not torch.Tensor
+                or w.dtype != torch.float32 or x.device.type != "cpu" or w.device.type != "cpu"
+                or w.is_inference() or not torch._C._get_mkldnn_enabled() or not onednn_linear()
+                or torch.is_autocast_enabled("cpu")
+                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                                 or (b is not None and b.requires_grad)))
                 or (x.numel() == x.shape[-1] and torch.get_num_threads() == 1)):  # one row, one thread
-            return F.linear(x, w, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed(), self.bias, "none", [None], "")
+            return F.linear(x, w, b)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed(), b, "none", [None], "")
 
     def packed(self) -> torch.Tensor:
         """The weight in oneDNN's layout, packed anew if the weight changed since."""
         w, have = self.weight, self.__dict__.get("_onednn")
-        key = (w._version, w.data_ptr())
+        key = (w._version, w.data_ptr(), w.stride())
         if have is None or have[0] != key:
+            self.unpack()
             with torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
-                have = self.__dict__["_onednn"] = (key, packed)
+                have = self.__dict__["_onednn"] = (key, packed, w.untyped_storage())
         return have[1]
+
+    def unpack(self) -> None:
+        """Drop the packed copy (the next product packs the weight anew)."""
+        self.__dict__.pop("_onednn", None)
 
     @property
     def packed_nbytes(self) -> int:
-        """Bytes of the packed copy (0 before the first pack)."""
+        """Bytes of the packed copy: its logical size, 4 per weight (0 before the first
+        pack); a blocked layout may pad odd shapes beyond it."""
         have = self.__dict__.get("_onednn")
         return 0 if have is None else have[1].numel() * have[1].element_size()
 
@@ -277,7 +289,7 @@ def onednn_linear() -> bool:
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
     try:
-        w, x = torch.randn(8, 4), torch.randn(3, 4)
+        w, x = torch.arange(32.0).view(8, 4) / 7, torch.arange(12.0).view(3, 4) / 5  # no RNG draw
         y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, None), None,
                                                "none", [None], "")
         return bool(torch.allclose(y, F.linear(x, w), atol=1e-5))
@@ -297,12 +309,14 @@ def decode_layout(model: nn.Module, prepack: bool | None = None) -> int:
     and slower when narrower.
 
     With ``prepack`` (None: where torch has oneDNN, ``onednn_linear``) each plain
-    ``nn.Linear`` also becomes a ``PrepackedLinear`` (and one stays so): its products run
-    on oneDNN with the weight prepacked once, at the cost of a copy of each weight beside
-    it (``quant.weight_bytes`` counts it). Measured here (docs/deploy.md,
-    ``benchmarks/deploy_kernels.py``): torch's MKL ``sgemm`` behind ``F.linear`` is 1.4-6x
-    slower from 2 rows up, and about even at one row on two threads; one row on one
-    thread, MKL's column-major product is faster (a rope-123m decode step 0.76x on oneDNN),
+    ``nn.Linear`` also becomes a ``PrepackedLinear`` (packed anew if it was one; with
+    ``prepack=False`` it is a plain ``nn.Linear`` again): its products run on oneDNN with
+    the weight prepacked once, at the cost of a copy of each weight beside it
+    (``quant.weight_bytes`` counts it). Measured here (docs/deploy.md,
+    ``benchmarks/deploy_kernels.py``): oneDNN is 1.3-6x faster than torch's MKL ``sgemm``
+    behind ``F.linear`` at 3-96 rows of a weight in cache on two threads, 1.2-1.4x at 128
+    rows read from memory on one, and 0.5-4x at one row on two threads; one row on one
+    thread MKL's column-major product is faster (a rope-123m decode step 0.76x on oneDNN),
     so that case stays on it.
 
     Either way the values are the same and the products differ in fp32 summation order
@@ -313,13 +327,18 @@ def decode_layout(model: nn.Module, prepack: bool | None = None) -> int:
     prepack = onednn_linear() if prepack is None else prepack and onednn_linear()
     for m in model.modules():
         w = getattr(m, "weight", None)
-        if not isinstance(m, nn.Linear) or w.device.type != "cpu" or w.dtype != torch.float32 or id(m) in seen:
+        if (not isinstance(m, nn.Linear) or type(w.data) is not torch.Tensor or w.device.type != "cpu"
+                or w.dtype != torch.float32 or id(m) in seen):  # a tensor subclass (torchao) is its own layout
             continue
         seen.add(id(m))
         wide = w.shape[0] >= w.shape[1]
         if wide and not w.t().is_contiguous():  # a weight shared by two modules: moved once
             w.data = w.data.t().contiguous().t()
-        if isinstance(m, PrepackedLinear) or (prepack and type(m) is nn.Linear and not w.is_inference()):
+        if isinstance(m, PrepackedLinear):
+            m.unpack()  # packed anew below, or back to a plain Linear
+            if not prepack:
+                m.__class__ = nn.Linear
+        if prepack and type(m) in (nn.Linear, PrepackedLinear) and not w.is_inference():
             m.__class__ = PrepackedLinear
             m.packed()
         done += wide or isinstance(m, PrepackedLinear)

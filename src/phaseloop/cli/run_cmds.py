@@ -153,7 +153,8 @@ def cmd_generate(args) -> int:
         return generate_pte(args)
     device = run_device(args)
     model, run_cfg = load_model(args, device)
-    decode_layout(model, prepack=not args.no_prepack)  # faster products (docs/deploy.md)
+    # faster products (docs/deploy.md); a compiled step packs its own copy (inductor's freezing)
+    decode_layout(model, prepack=not (args.no_prepack or args.compile))
     opts = _options(args, model)
     tok = run_tokenizer(args.run, run_cfg)
     idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]
