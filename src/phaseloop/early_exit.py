@@ -245,21 +245,14 @@ class Monitor:
     def rest(self, x, block, slots: dict, pass_input) -> torch.Tensor:
         """The passes left while ``at_rest``, for a trunk of one block (UT): pass s writes the
         block's keys/values into ``slots[s]`` and runs nothing else, then its ``step``. Under
-        ``latest`` the deepest ones (those ``idle_pass`` writes, transposed once for every pass
-        when no pass reads out through an end block); under ``recompute`` those projected from
+        ``latest`` the deepest ones (``idle_pass``); under ``recompute`` those projected from
         ``pass_input(x, s)`` (the block's input at pass s, of the frozen state), the passes'
         in batches: one norm, projection and rotation for a batch instead of one a pass, a
         batch holding at most ``REST_BATCH`` input elements (one pass a batch for a long
         prefill, all of them at decode)."""
         if self.run.fill == "latest":
-            if self.rule.kind in END_READ and self.trunk.readout_blocks:  # each pass reads out
-                for slot in slots.values():
-                    x = self.idle_pass(x, [(block, slot)])
-                return x
-            k_BKTE, v_BKTE = (t.transpose(1, 2) for t in self.run.latest[id(block.attn)])
-            for slot in slots.values():  # as idle_pass's forward_running writes them, transposed once
-                self.base.cache.update(slot, k_BKTE, v_BKTE)
-            self.t = self.base.stats["exit_loop"] = self.t + len(slots)
+            for slot in slots.values():
+                x = self.idle_pass(x, [(block, slot)])
             return x
         left, attn = list(slots.items()), block.attn
         group = max(1, REST_BATCH // x.numel())
