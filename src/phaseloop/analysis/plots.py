@@ -40,6 +40,17 @@ def save_png(fig, path: str | Path, dpi: int = 110) -> None:
     pyplot().close(fig)
 
 
+def finish(fig, ax, path: str | Path, xlabel: str, ylabel: str, title: str, legend_size: int = 8) -> None:
+    """Label ``ax``, grid and legend it, then save ``fig`` to ``path`` (``save_png``)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    save_png(fig, path)
+
+
 def plot_accuracy(per_seed: list[dict], path: str | Path, title: str) -> None:
     """Tasks: char and sequence accuracy against test length, one line per seed."""
     fig, axes = pyplot().subplots(1, 2, figsize=(8, 3.2), sharey=True)

@@ -195,13 +195,8 @@ def write_plots(out: Path, summary: dict) -> list[str] | str:
                 ax.fill_between(c[key], c["lo"], c["hi"], color=line.get_color(), alpha=0.2)
         ax.axhline(summary["target_val_loss"], color="grey", ls=":", lw=1,
                    label=f"target ({summary['reference']} final)")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title("validation loss (seed mean; band = min..max over seeds)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        plots.save_png(fig, out / fname)
+        plots.finish(fig, ax, out / fname, xlabel, "validation loss (nats/token)",
+                     "validation loss (seed mean; band = min..max over seeds)")
         written.append(fname)
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for v in done:
@@ -210,13 +205,8 @@ def write_plots(out: Path, summary: dict) -> list[str] | str:
     ps = [v["params"] for v in done]
     if ps and max(ps) > 4 * min(ps):
         ax.set_xscale("log")
-    ax.set_xlabel("parameters (unique)")
-    ax.set_ylabel("final validation loss")
-    ax.set_title("parameters vs final loss (mean ± std over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    plots.save_png(fig, out / "params_vs_loss.png")
+    plots.finish(fig, ax, out / "params_vs_loss.png", "parameters (unique)", "final validation loss",
+                 "parameters vs final loss (mean ± std over seeds)")
     written.append("params_vs_loss.png")
     return written
 

@@ -156,11 +156,6 @@ def plot(out: Path, results: dict, fname: str = "tuning_loss_vs_lr.png") -> str:
         best = next(row["loss"] for row in r["points"] if row["point"] == r["chosen"])
         ax.plot([r["chosen"]["lr"]], [best], marker="*", ms=14, color=line.get_color())
     ax.set_xscale("log")
-    ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("tuning loss (nats/token, tuning slice)")
-    ax.set_title("learning-rate tuning (mean over tuning seeds; star = chosen)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    plots.save_png(fig, out / fname)
+    plots.finish(fig, ax, out / fname, "peak learning rate", "tuning loss (nats/token, tuning slice)",
+                 "learning-rate tuning (mean over tuning seeds; star = chosen)")
     return fname
