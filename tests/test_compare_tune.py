@@ -23,6 +23,7 @@ from phaseloop.compare.dryrun import dry_run
 from phaseloop.compare.tune import choose, grow
 from phaseloop.data import store
 from phaseloop.engine import TrainConfig
+from phaseloop.errors import PhaseloopError
 
 TINY_TRAIN = dict(steps=6, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=1, eval_every=2,
                   eval_windows=2, ckpt_every=2, log_every=1)
@@ -299,3 +300,14 @@ def test_a_diverged_tuning_run_scores_infinite_and_is_not_redone(tmp_path, text_
     calls.clear()
     run_comparison(r, tmp_path / "cmp", progress=False, log=None)
     assert calls == []  # every run finished (the diverged one included): nothing redone
+
+
+def test_dry_run_refuses_a_bad_variant_before_its_first_line(text_file):
+    """Every variant resolves before the first one trains: a bad second variant is the
+    only thing a dry run says (one line at the CLI), not after the first variant's row."""
+    msgs = []
+    bad = {"name": "wide", "spec": "rope", "set": {"d_model": "x"}}
+    r = Recipe.from_dict(dict(name="x", variants=["rope", bad], seeds=[0], train={"steps": 2}))
+    with pytest.raises(PhaseloopError, match="d_model"):
+        dry_run(r, log=msgs.append, data=str(text_file))
+    assert msgs == []

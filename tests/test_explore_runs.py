@@ -319,3 +319,23 @@ def test_text_from_a_comparison_is_shown_never_run(comparison, tmp_path, explore
     assert not browser.find_elements("id", "injected") and not browser.find_elements("id", "bold")
     assert browser.find_element("css selector", "#compare-table tbody tr:nth-child(2) td").text == name
     assert external_urls(browser) == []
+
+
+@pytest.mark.parametrize("file,content", [("summary.json", [1]), ("config.json", [1]),
+                                          ("config.json", {"model": 3, "train": []})])
+def test_a_run_with_a_damaged_json_is_listed_with_its_error(comparison, tmp_path, file, content):
+    """A run's config.json or summary.json of another shape is a row naming the damage, not
+    Python's own words ('list' object has no attribute 'get'), and the list goes on."""
+    import shutil
+
+    copy = tmp_path / "ci"
+    shutil.copytree(comparison, copy, symlinks=True)
+    run = next(p for p in sorted((copy / "runs").iterdir()) if (p / "summary.json").is_file())
+    (run / file).write_text(json.dumps(content))
+    items = TestClient(create_app(ServerContext.from_paths([copy]))).get("/api/runs/list").json()["items"]
+    row = next(i for i in items if i["path"].endswith(run.name))
+    if isinstance(content, list):
+        assert f"{file} holds a JSON list, not an object: the file is damaged" in row["error"], row
+    else:
+        assert "error" not in row and row["arch"] is None, row
+    assert len(items) == 5

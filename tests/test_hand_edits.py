@@ -132,9 +132,11 @@ def test_the_digest_is_that_of_the_file_written_and_formatting_is_not_an_edit(ru
 def test_a_run_without_digests_still_resumes(run, capsys):
     _drop_digest(run)
     before = snapshot(run)
+    written = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
     code, err = run_cli([a if a != "RUN" else str(run) for a in RESUME], capsys)
     assert code == 0, err
     assert snapshot(run) == before  # a finished run: nothing to do, nothing changed
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == written  # not even rewritten
 
 
 # ------------------------------------------------------------------ class 4: metrics.jsonl
@@ -182,6 +184,23 @@ def test_records_after_the_checkpoint_and_a_torn_last_line_still_resume(made, tm
     train(cfg, tc, made["text"], tmp_path / "part", progress=False, stop_after=5)
     run = tmp_path / "part"
     _write(run, _lines(run) + ['{"step": 6, "lo'], end="")
+    code, err = run_cli(["train", "--out", str(run), "--resume", "--quiet"], capsys)
+    assert code == 0, err
+    assert [json.loads(line)["step"] for line in _lines(run) if "lr" in line] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_last_record_without_its_newline_is_ended_on_resume(made, tmp_path, capsys):
+    """A kill between a record and its newline leaves a whole last line without one: the
+    resume ends it before it appends (the next record would otherwise join it)."""
+    from phaseloop.config import ModelConfig
+    from phaseloop.engine import TrainConfig
+    from phaseloop.lm.train import train
+
+    cfg = ModelConfig.from_preset("rope-tiny", n_layers=1)
+    tc = TrainConfig(steps=6, batch_size=2, eval_every=3, eval_windows=2, warmup_steps=1, ckpt_every=3, log_every=1)
+    train(cfg, tc, made["text"], tmp_path / "part", progress=False, stop_after=3)
+    run = tmp_path / "part"
+    _write(run, _lines(run), end="")
     code, err = run_cli(["train", "--out", str(run), "--resume", "--quiet"], capsys)
     assert code == 0, err
     assert [json.loads(line)["step"] for line in _lines(run) if "lr" in line] == [1, 2, 3, 4, 5, 6]

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, snapshot
 from safetensors.torch import load_file
 
 from phaseloop import ModelConfig
@@ -16,6 +16,7 @@ from phaseloop.data import eval_windows, load_corpus
 from phaseloop.engine import TrainConfig, read_metrics
 from phaseloop.engine.checkpoint import TMP_PREFIX, load_run, verify_checkpoint
 from phaseloop.engine.keep import ckpt_step, kept_steps
+from phaseloop.errors import CheckpointError
 from phaseloop.lm.train import evaluate, train
 
 CFG = ModelConfig.from_preset("rope-tiny", max_seq_len=16)
@@ -96,3 +97,26 @@ def test_keep_settings_may_change_on_resume_and_are_checked(tmp_path, text_file,
     with pytest.raises(Exception, match="keep_checkpoints=0: must be a positive integer"):
         tc(keep_checkpoints=0)
     assert json.loads((run / "config.json").read_text())["train"]["keep_checkpoints"] == 1  # as first written
+
+
+def test_a_damaged_or_blocked_best_is_refused_before_the_run_changes(tmp_path, text_file):
+    """On resume with --keep-best: a file where the best folder (or its swap name) goes, or a
+    best whose weights differ from its manifest, is refused by name before a step trains
+    and before the run folder changes (a best never beaten again is never rewritten)."""
+    part = tmp_path / "part"
+    train(CFG, tc(steps=10), text_file, part, progress=False, stop_after=5)
+    cases = [(lambda r: (r / ".best.old").write_text("hi"), r"\.best\.old is not a folder"),
+             (lambda r: (shutil.rmtree(r / "best"), (r / "best").write_text("hi")), r"best is not a folder"),
+             (lambda r: (r / "best" / "model.safetensors").write_bytes(
+                 (r / "best" / "model.safetensors").read_bytes()[:100]), "model.safetensors differs")]
+    for i, (damage, pattern) in enumerate(cases):
+        run = tmp_path / f"r{i}"
+        shutil.copytree(part, run)
+        damage(run)
+        before = snapshot(run)
+        with pytest.raises(CheckpointError, match=pattern):
+            train(CFG, tc(steps=10), text_file, run, resume=True, progress=False)
+        assert snapshot(run) == before
+    # without --keep-best the best folder is not the run's business: the resume trains
+    train(CFG, tc(steps=10, keep_best=False), text_file, run, resume=True, progress=False)
+    assert ckpt_step(run / "checkpoint") == 10

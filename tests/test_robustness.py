@@ -35,6 +35,7 @@ def world(tmp_path_factory):
     (root / "bad.toml").write_text("variants = [\n")
     (root / "typo.toml").write_text('variants = ["rope n_layerz=3", "three_phase"]\nreference = "rope"\n')
     (root / "adir").mkdir()
+    (root / "ignore.toml").write_text("[train]\nloss_ignore_id = 100000\n")
     return {"root": root, "run": run, "text": text}
 
 
@@ -71,6 +72,12 @@ BAD = [
     (["train", *TINY, "--steps", "6", "--data", "{text}", "--out", "{run}", "--resume", "--set",
       "n_layers=3"], "different model config (n_layers"),
     (["train", *TINY, "--data", "{text}", "--out", "{root}/x16", "--steps", "many"], "invalid int value"),
+    (["train", *TINY, "--data", "{text}", "--out", "{root}/x17", "--beta2", "1.0"], "beta2=1.0: must be in [0, 1)"),
+    (["train", *TINY, "--data", "{text}", "--out", "{root}/x18", "--beta1", "1"], "beta1=1.0: must be in [0, 1)"),
+    (["train", *TINY, "--data", "{text}", "--resume"], "--resume needs --out"),
+    (["train", "--config", "{root}/ignore.toml", *TINY, "--data", "{text}", "--out", "{root}/x19"],
+     "loss_ignore_id=100000: no token has it (the vocabulary holds ids 0 .. 255)"),
+    (["train", *TINY, "--data", "{text}", "--out", ""], "--out '': name a folder"),
     # eval
     (["eval", "{run}", "--windows", "0"], "--windows: 0 is out of range"),
     (["eval", "{run}", "--windows", "-3"], "--windows: -3"),
@@ -112,6 +119,8 @@ BAD = [
     (["task", "--task", "jsonl:{text}", "--train-len", "3", "--out", "{root}/t6"], "drop them"),
     (["task", "--task", "copy", "--out", "{root}/afile"], "afile"),
     (["babi", "--data-dir", "{root}/adir", "--out", "{root}/t4"], "bAbI"),
+    (["task", "--task", "copy", "--seeds", "0,1,0", "--out", "{root}/t7"], "seed 0 is repeated"),
+    (["babi", "--seeds", "3,3", "--out", "{root}/t8"], "seed 3 is repeated"),
     # tokenizer
     (["tokenizer", "train", "--data", "{text}", "--vocab-size", "10", "--out", "{root}/k1"], "256"),
     (["tokenizer", "encode", "-t", "nosuch", "hi"], "unknown tokenizer"),
@@ -147,6 +156,18 @@ def _flip(path, at=None):
     path.write_bytes(bytes(data))
 
 
+def _forge(ckpt, name, text):
+    """``name`` rewritten to ``text`` with the manifest made to match: damage a checksum cannot see."""
+    (ckpt / name).write_text(text)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": (ckpt / name).stat().st_size, "sha256": file_sha256(ckpt / name)}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _trainer_meta(c, **change):
+    return json.dumps({**json.loads((c / "trainer.json").read_text()), **change})
+
+
 DAMAGE = [
     ("trainer.json missing", lambda c: (c / "trainer.json").unlink(), "trainer.json is missing", True),
     ("weights flipped", lambda c: _flip(c / "model.safetensors"), "model.safetensors differs", False),
@@ -160,6 +181,15 @@ DAMAGE = [
         '{"files": {"model.safetensors": 3}}'), "is not a manifest", False),
     ("trainer.json flipped", lambda c: (c / "trainer.json").write_text(
         (c / "trainer.json").read_text().replace('"step": 6', '"step": 5')), "trainer.json differs", True),
+    # valid JSON of another shape, its checksum matching (a foreign or hand-made checkpoint)
+    ("trainer.json a list", lambda c: _forge(c, "trainer.json", "[]"), "holds a JSON list", True),
+    ("trainer.json empty object", lambda c: _forge(c, "trainer.json", "{}"), "its step is None", True),
+    ("trainer.json step text", lambda c: _forge(c, "trainer.json", _trainer_meta(c, step="x")),
+     "its step is 'x'", True),
+    ("trainer.json optimizer gone", lambda c: _forge(c, "trainer.json", _trainer_meta(c, optimizer=None)),
+     "no optimizer state", True),
+    ("trainer.json optimizer tensor unknown", lambda c: _forge(c, "trainer.json", _trainer_meta(
+        c, optimizer={"state": {"0": ["nosuch"]}, "param_groups": [{}]})), "names tensors", True),
 ]
 
 
@@ -400,3 +430,20 @@ def test_sha256_file_reads_a_settled_file_once_and_any_change_again(tmp_path, mo
     monkeypatch.setattr(files.time, "time_ns", lambda: p.stat().st_ctime_ns + 3 * 10**9)
     assert files.sha256_file(p) == hashlib.sha256(b"b" * 100).hexdigest()
     assert len(reads) == 4
+
+
+def test_a_damaged_summary_is_refused_on_resume(tmp_path, capsys):
+    """A finished seed's summary.json that does not parse, or is not an object, is damage:
+    ``task --resume`` (as ``train --resume``) refuses it by name instead of writing anew."""
+    argv = ["task", "--task", "copy", "--arch", "rope", "--steps", "2", "--batch-size", "2", "--seeds", "0",
+            "--n-test", "5", "--quiet", "--out", tmp_path / "t"]
+    code, err = run_cli(argv, capsys)
+    assert code == 0, err
+    summary = tmp_path / "t" / "seed-0" / "summary.json"
+    for text, pattern in (("{", "summary.json: JSONDecodeError; the file is damaged"),
+                          ("[1]", "holds a JSON list, not a run summary")):
+        summary.write_text(text)
+        before = snapshot(tmp_path / "t")
+        code, err = run_cli([*argv, "--resume"], capsys)
+        assert_one_line(code, err, pattern)
+        assert snapshot(tmp_path / "t") == before

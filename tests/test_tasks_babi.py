@@ -98,6 +98,10 @@ def test_missing_folder_and_task_file(en1k, tmp_path):
     bad.write_bytes((en1k / "qa1_single-supporting-fact_train.txt").read_bytes()[:300] + b"1 Mary \xff.\n")
     with pytest.raises(TaskDataError, match=r"qa1_bad_train.txt:\d+: not valid UTF-8"):
         parse_babi_file(bad)
+    for text in ("", "1 Mary went home.\n2 John is here.\n"):  # no question: refused, not an empty task
+        bad.write_text(text)
+        with pytest.raises(TaskDataError, match="holds no question"):
+            parse_babi_file(bad)
 
 
 def test_parse_inline_and_malformed():

@@ -85,7 +85,11 @@ def _task_setup(args):
     items = [s.strip() for s in args.seeds.split(",")]
     if not all(s.isdecimal() for s in items):
         raise PhaseloopError(f"bad --seeds {args.seeds!r}; write integers like 0,1")
-    return cfg, arch, tc, list(dict.fromkeys(int(s) for s in items))
+    seeds = [int(s) for s in items]
+    if len(set(seeds)) != len(seeds):
+        again = next(s for i, s in enumerate(seeds) if s in seeds[:i])
+        raise PhaseloopError(f"--seeds {args.seeds}: seed {again} is repeated; name each seed once")
+    return cfg, arch, tc, seeds
 
 
 def _task_out(args, kind: str) -> Path:

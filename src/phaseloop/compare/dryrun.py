@@ -46,9 +46,9 @@ def dry_run(recipe: Recipe, log=print, data: str = "stdlib") -> list[dict]:
     rows = []
     corpus = load_corpus(data)
     tune = Tune(**recipe.tune) if recipe.tune else None
+    cfgs = [resolve_variant(v, recipe.scale) for v in recipe.variants]  # every one refused before any line
     with tempfile.TemporaryDirectory() as tmp:
-        for v in recipe.variants:
-            cfg = resolve_variant(v, recipe.scale)
+        for v, cfg in zip(recipe.variants, cfgs):
             full = measure(cfg, min(cfg.max_seq_len, 256))
             small = shrink(cfg)
             tc = dataclasses.replace(recipe.train_config(0, v), **SHRUNK_TRAIN)

@@ -21,6 +21,7 @@ from phaseloop.config import ModelConfig
 from phaseloop.data.corpus import Corpus, corpus_args, load_corpus
 from phaseloop.data.tokenizer import ByteTokenizer, HFTokenizer
 from phaseloop.engine.config import TrainConfig
+from phaseloop.engine.trainer_state import flatten_optimizer, meta_fault, unflatten_optimizer
 from phaseloop.errors import CheckpointError, ConfigError, first_line
 from phaseloop.files import dumps, read_json, save_safetensors, sha256_file, why_missing, write_json
 from phaseloop.model import build_model
@@ -101,25 +102,6 @@ def read_run_config(run_dir: str | Path, ckpt: Path | None = None,
     return cfg
 
 
-def _flatten_optimizer(opt_state: dict) -> tuple[dict, dict]:
-    tensors, meta = {}, {"param_groups": opt_state["param_groups"], "state": {}}
-    for idx, st in opt_state["state"].items():
-        meta["state"][str(idx)] = []
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"optim.{idx}.{k}"] = v.detach().cpu().contiguous()
-                meta["state"][str(idx)].append(k)
-            else:
-                raise TypeError(f"unsupported optimizer state {k}")
-    return tensors, meta
-
-
-def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
-    state = {(int(idx) if idx.isdigit() else idx): {k: tensors[f"optim.{idx}.{k}"] for k in keys}
-             for idx, keys in meta["state"].items()}
-    return {"state": state, "param_groups": meta["param_groups"]}
-
-
 def save_checkpoint(run_dir: Path, model: torch.nn.Module | dict, optimizer=None, step: int = 0,
                     data_state: dict | None = None, extra: dict | None = None,
                     rng: dict | None = None, config: dict | None = None) -> Path:
@@ -143,7 +125,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module | dict, optimizer=None
         meta = {"step": step, **(extra or {})}
         if optimizer is not None:
             opt = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
-            t, m = _flatten_optimizer(opt)
+            t, m = flatten_optimizer(opt)
             trainer_tensors.update(t)
             meta["optimizer"] = m
         save_safetensors(trainer_tensors, tmp / "trainer.safetensors", target=final / "trainer.safetensors")
@@ -324,11 +306,17 @@ def read_model_state(model: torch.nn.Module, ckpt: Path, head_from_embedding: bo
 def load_trainer_state(ckpt: Path) -> tuple[dict, dict]:
     verify_checkpoint(ckpt, ("trainer.safetensors", "trainer.json"))
     meta = read_json(Path(ckpt) / "trainer.json")
-    return meta, _load_safetensors(Path(ckpt) / "trainer.safetensors")
+    tensors = _load_safetensors(Path(ckpt) / "trainer.safetensors")
+    why = meta_fault(meta, tensors)
+    if why is not None:
+        raise CheckpointError(f"{Path(ckpt) / 'trainer.json'}: {why}, not the trainer state phaseloop writes; "
+                              "the checkpoint is damaged or foreign: resume from a kept checkpoint-* copy "
+                              "or start a new run in another --out")
+    return meta, tensors
 
 
 def optimizer_state(meta: dict, tensors: dict) -> dict:
-    return _unflatten_optimizer(tensors, meta["optimizer"])
+    return unflatten_optimizer(tensors, meta["optimizer"])
 
 
 def data_state(tensors: dict) -> dict:

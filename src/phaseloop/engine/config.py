@@ -117,9 +117,12 @@ class TrainConfig:
                               "--init-from RUN or drop it", "train config")
         if not self.lr > 0:
             raise ConfigError.invalid(f"lr={self.lr!r}: must be > 0", "train config")
-        for name in ("min_lr_ratio", "weight_decay", "beta1", "beta2", "decay_fraction"):
+        for name in ("min_lr_ratio", "weight_decay", "decay_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError.invalid(f"{name}={getattr(self, name)!r}: must be in [0, 1]", "train config")
+        for name in ("beta1", "beta2"):  # a decay of 1 never forgets: torch's Adam refuses it
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError.invalid(f"{name}={getattr(self, name)!r}: must be in [0, 1)", "train config")
         if not 0 < self.val_fraction < 1:
             raise ConfigError.invalid(f"val_fraction={self.val_fraction!r}: must be in (0, 1)", "train config")
         if not self.grad_clip > 0:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from phaseloop.engine.checkpoint import CKPT, MANIFEST, TMP_PREFIX, verify_checkpoint
 from phaseloop.engine.run import read_metrics
+from phaseloop.errors import CheckpointError
 from phaseloop.files import read_json
 
 BEST = "best"
@@ -115,6 +116,20 @@ class Keeper:
         if self.keep > 1 and step > 0 and self.writes and step not in kept_steps(run_dir) \
                 and (run_dir / CKPT).is_dir() and ckpt_step(run_dir / CKPT) == step:
             self._keep_last(step)
+
+    def check(self) -> None:
+        """Before the run folder is touched: the names ``--keep-best`` writes are folders (a
+        file there would fail the first keep, after training), and the kept best is intact
+        (a best that no later evaluation beats is never rewritten, so damage would stay)."""
+        if not (self.active and self.best and self.writes):
+            return
+        for name in (BEST, _BEST_OLD):
+            path = Path(self.run_dir) / name
+            if path.exists() and not path.is_dir():
+                raise CheckpointError(f"{path} is not a folder, where --keep-best keeps a checkpoint; "
+                                      "move it out of the run folder, then resume")
+        if (Path(self.run_dir) / BEST).is_dir():
+            verify_checkpoint(Path(self.run_dir) / BEST)
 
     def evaluated(self, step: int, result: dict) -> bool:
         """An evaluation's result: True when it is the best so far (checkpoint this step)."""

@@ -200,6 +200,12 @@ class RunFolder:
         """Refuse damage before anything is changed: metrics.jsonl must parse and, when
         resuming, hold every training record up to the checkpoint (``check_records``)."""
         lines, records, torn = _records(self.metrics_path)
+        if self.resuming and (self.path / "summary.json").is_file():  # a finished run's record of its end
+            summary = read_json(self.path / "summary.json")  # unreadable: refused by name
+            if not isinstance(summary, dict):
+                raise CheckpointError(f"{self.path / 'summary.json'} holds a JSON {type(summary).__name__}, not a "
+                                      "run summary: the file is damaged; restore it, or delete it to finish the "
+                                      "run again from its checkpoint")
         ckpt = self.checkpoint
         if ckpt is None and self.resuming:
             lost = self._progress_without_checkpoint()
@@ -234,8 +240,10 @@ class RunFolder:
         remove_orphans(self.path)
         if self.resuming and step == 0 and self.log_note is not None:
             self.log_note(f"note: {self.path} has no checkpoint yet; starting from step 0")
-        if lines or torn:  # records after the checkpoint are logged again
-            keep = [line for line, r in zip(lines, records) if r.get("step", 0) <= step]
+        keep = [line for line, r in zip(lines, records) if r.get("step", 0) <= step]
+        # records after the checkpoint are logged again; a last line without its newline (a kill
+        # between the record and it) is ended, or the next record would join it
+        if torn or len(keep) < len(lines) or (lines and not self.metrics_path.read_bytes().endswith(b"\n")):
             atomic_write_bytes(self.metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
         if not (self.path / "config.json").exists():
             write_json(self.path / "config.json", self.run_cfg)

@@ -171,10 +171,11 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, tc)  # after FSDP2 made its parameters DTensors
         if restored is not None:
             self._restore(*restored)
+        self.keeper = Keeper(run.path if run is not None else None, tc.keep_checkpoints, tc.keep_best, self.writes)
+        self.keeper.check()  # a damaged best is refused before the folder changes
         if run is not None and self.world.main:
             run.start(self.step)
         dist.barrier()
-        self.keeper = Keeper(run.path if run is not None else None, tc.keep_checkpoints, tc.keep_best, self.writes)
         self.keeper.sync(self.step)
         self._ready = True
         return self

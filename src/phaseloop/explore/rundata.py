@@ -165,17 +165,26 @@ def run_info(path: Path) -> dict:
     """What the list shows of a run: arch, steps done / planned, finished, final loss."""
     info: dict = {"finished": (path / "summary.json").is_file()}
     try:
-        cfg = read_json(path / "config.json")
-        info.update(arch=cfg.get("model", {}).get("arch"), steps=cfg.get("train", {}).get("steps"))
+        cfg = _object(path / "config.json")
+        model, train = (cfg.get(k) if isinstance(cfg.get(k), dict) else {} for k in ("model", "train"))
+        info.update(arch=model.get("arch"), steps=train.get("steps"))
     except Exception as e:  # a damaged config is shown, not fatal to the list
         info["error"] = str(e).splitlines()[0]
     if info["finished"]:
         try:
-            s = read_json(path / "summary.json")
+            s = _object(path / "summary.json")
             info.update(step=s.get("step"), val_loss=s.get("val_loss"), val_bpb=s.get("val_bpb"))
         except Exception as e:
             info["error"] = str(e).splitlines()[0]
     return info
+
+
+def _object(path: Path) -> dict:
+    """A JSON file that must hold an object (a run's config.json, summary.json)."""
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise DataError(f"{path.name} holds a JSON {type(value).__name__}, not an object: the file is damaged")
+    return value
 
 
 def comparison(path: Path) -> dict:

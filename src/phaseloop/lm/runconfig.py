@@ -195,6 +195,10 @@ def resolve_run(config: str | os.PathLike | dict | None = None, *, preset: str |
         raise ConfigError.invalid(f"preset={preset!r}: must be a preset name, e.g. "
                           f"\"{registry.default_preset()}\"")
     fields = merged(fields, model or {})  # --set over the file (the layer count under either name)
+    if resume and out is None:  # a fresh timestamped folder holds nothing to continue
+        raise ConfigError("--resume needs --out, the folder of the run to continue")
+    if out is not None and not os.fspath(out):
+        raise ConfigError("--out '': name a folder for the run (or drop --out for runs/PRESET-TIME)")
     out = Path(out or f"runs/{preset or arch or registry.default_preset()}-{time.strftime('%Y%m%d-%H%M%S')}")
     saved = read_run_config(out, fix="restore it as the run wrote it, or choose another --out") \
         if resume and (out / "config.json").exists() else None

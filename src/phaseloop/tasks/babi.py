@@ -128,7 +128,11 @@ def parse_babi_file(path: str | os.PathLike, task: int | None = None) -> list[Ba
         except UnicodeDecodeError:
             raise TaskDataError(f"{p}:{i}: not valid UTF-8 text; save the file as UTF-8 (the bAbI "
                                 "release is)") from None
-    return parse_babi(lines, task, source=str(p))
+    examples = parse_babi(lines, task, source=str(p))
+    if not examples:  # statements alone, or nothing: no question to train on or score
+        raise TaskDataError(f"{p}: holds no question (a line 'N question?<TAB>answer<TAB>facts'); "
+                            "restore the file from the bAbI release")
+    return examples
 
 
 def babi_files(folder: str | os.PathLike, split: str = "train") -> dict[int, Path]:
