@@ -71,6 +71,9 @@ def test_generate_at_a_depth(runs, capsys):
     ("generate", ["--depth", "5"], "extend='last'"),
     ("eval", ["--extend-loops", "last"], "apply with --depth"),
     ("eval", ["--plot", "x.png"], "apply with --depth"),
+    ("eval", ["--depth", "1,2", "--plot", "/"], "--plot / is a folder; name the PNG file"),
+    ("eval", ["--depth", "1,2", "--plot", "/proc/version/x.png"], "lies under the file"),
+    ("generate", ["--exit", "kl:0.1", "--exit", "argmax:2"], "--exit: given twice"),
     ("generate", ["--extend-loops", "last"], "applies with --depth"),
     ("eval", ["--depth", "2", "--extend-loops", "first"], "invalid choice"),
 ])

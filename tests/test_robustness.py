@@ -111,6 +111,8 @@ BAD = [
     (["quantize", "{run}", "--bits", "8", "--group-size", "0"], "--group-size 0"),
     (["quantize", "{run}", "--bits", "8", "--windows", "0"], "--windows"),
     (["quantize", "{run}", "--bits", "3"], "invalid choice"),
+    # export
+    (["export", "{run}", "--out", ""], "--out '': name a new folder"),
     # task / babi
     (["task", "--task", "nope", "--out", "{root}/t1"], "nope"),
     (["task", "--task", "copy", "--train-len", "abc", "--out", "{root}/t2"], "abc"),
@@ -265,6 +267,14 @@ def test_file_modes_agree(world):
     modes = {p.name: p.stat().st_mode & 0o777 for p in ckpt.iterdir()}
     assert len(set(modes.values())) == 1, modes
     assert (world["run"] / "config.json").stat().st_mode & 0o777 == modes["model.safetensors"]
+
+
+def test_quantized_file_mode_is_its_report_s(world, tmp_path, capsys):
+    run = _copy(world, tmp_path)
+    code, err = run_cli(["quantize", run, "--bits", "8", "--windows", "2"], capsys)
+    assert code == 0, err
+    weights = next(run.glob("quant-*.safetensors"))
+    assert weights.stat().st_mode & 0o777 == weights.with_suffix(".json").stat().st_mode & 0o777
 
 
 def test_manifest_records_every_file(world):
@@ -447,3 +457,15 @@ def test_a_damaged_summary_is_refused_on_resume(tmp_path, capsys):
         code, err = run_cli([*argv, "--resume"], capsys)
         assert_one_line(code, err, pattern)
         assert snapshot(tmp_path / "t") == before
+
+
+def test_an_interrupt_names_what_the_command_leaves():
+    """Ctrl-C / SIGTERM: a command that trains points at its checkpoints and --resume; one
+    that reads (generate, eval, serve) or writes one file renamed in at its end (export,
+    quantize) says nothing was left half-written, not that checkpoints are intact."""
+    from phaseloop.cli.exits import interrupted
+
+    assert interrupted(KeyboardInterrupt(), "train", "interrupted") == (
+        "interrupted; checkpoints already written are intact (rerun the same command with --resume to continue)")
+    for command in ("generate", "eval", "serve", "export", "quantize"):
+        assert interrupted(KeyboardInterrupt(), command, "terminated") == "terminated; nothing was left half-written"

@@ -6,6 +6,7 @@ weights (on a run it serves them packed: tests/test_serve_adaptive.py); chat com
 through a chat template (and a 400 without one)."""
 
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,6 +16,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 
+from conftest import assert_one_line, run_cli  # noqa: E402
 from serve_fixtures import fake_run  # noqa: E402
 
 from phaseloop import PRESETS, CheckpointError  # noqa: E402
@@ -134,3 +136,54 @@ def test_chat_completions_through_a_chat_template(runs, tmp_path):
             client.chat.completions.create(model=run.name, messages=msgs * 2, max_tokens=2)
         with pytest.raises(openai.BadRequestError, match="role"):
             client.chat.completions.create(model=run.name, messages=[{"role": "robot", "content": "x"}])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_or_foreign_folder_is_refused_by_name(runs, tmp_path, capsys):
+    """serve checks an export against the digests its phaseloop.json records (weights,
+    config, tokenizer): a damaged file is named, never served and never taken for a missing
+    one; a Llama export and a file given for a folder are each one line saying what they are."""
+    pytest.importorskip("transformers")
+    run = runs["rope-tiny"]
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    record = json.loads((out / "phaseloop.json").read_text())
+    assert set(record["files"]) == {"model.safetensors", "config.json", "tokenizer.json"}
+    old_style = {k: v for k, v in record.items() if k != "files"}  # an export from before the digests
+    cases = [
+        (lambda d: (d / "config.json").write_text("{"), "config.json: JSONDecodeError; the file is damaged"),
+        (lambda d: _flip(d / "model.safetensors"), "model.safetensors differs from the file exported"),
+        (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
+        (lambda d: (d / "phaseloop.json").write_text("["), "phaseloop.json: JSONDecodeError"),
+        (lambda d: (d / "phaseloop.json").unlink(), "an export without its phaseloop.json"),
+        (lambda d: ((d / "phaseloop.json").write_text(json.dumps(old_style)),
+                    (d / "tokenizer.json").write_text('{"x": 1}')), "tokenizer.json cannot be loaded"),
+    ]
+    for i, (damage, pattern) in enumerate(cases):
+        copy = tmp_path / f"d{i}"
+        shutil.copytree(out, copy)
+        damage(copy)
+        with pytest.raises(CheckpointError, match=pattern.replace(".", r"\.")):
+            load(copy)
+        code, err = run_cli(["serve", copy, "--port", "0"], capsys)
+        assert_one_line(code, err, pattern)
+    shutil.copytree(out, tmp_path / "fine")
+    (tmp_path / "fine" / "phaseloop.json").write_text(json.dumps(old_style))
+    assert load(tmp_path / "fine").info["kind"] == "export"  # nothing recorded: nothing to check
+    assert main(["export", str(run), "--format", "llama", "--out", str(tmp_path / "llama")]) == 0
+    for path, pattern in ((tmp_path / "llama", "is a 'llama' model folder"),
+                          (run / "config.json", "config.json is a file, not a folder")):
+        code, err = run_cli(["serve", path, "--port", "0"], capsys)
+        assert_one_line(code, err, pattern)
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }\n")
+    for template, pattern in ((tmp_path / "bad.jinja", "does not compile (unexpected '}')"),
+                              (tmp_path, "is a folder; pass a Jinja chat template file")):
+        code, err = run_cli(["serve", run, "--port", "0", "--chat-template", template], capsys)
+        assert_one_line(code, err, pattern)
+    code, err = run_cli(["serve", run, "--port", "0", "--exit", "kl:0.1", "--exit", "argmax:2"], capsys)
+    assert_one_line(code, err, "--exit: given twice")

@@ -195,6 +195,10 @@ def read_json(path: Path) -> dict:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} not found; point at a run folder made by `phaseloop train`") from None
+    except NotADirectoryError:  # a file given where a folder belongs: nothing is damaged
+        file = next(p for p in Path(path).parents if p.exists())
+        raise CheckpointError(f"{file} is a file, not a folder; pass the folder that holds it (a run folder "
+                              "made by `phaseloop train`, or its checkpoint folder)") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {path}: {e.__class__.__name__}; the file is damaged "
                               "— restore it or start a new run") from None

@@ -83,4 +83,6 @@ def interrupted(e: KeyboardInterrupt, command: str, what: str) -> str:
         if e.saved is None:
             return f"{what} at step {e.step}, before the first checkpoint; {again} to start again"
         return f"{what} at step {e.step}; the checkpoint of step {e.saved} is intact ({again} to continue)"
+    if command not in ("train", "task", "babi", "compare"):  # writes nothing, or one file renamed in at its end
+        return f"{what}; nothing was left half-written"
     return f"{what}; checkpoints already written are intact ({again} to continue)"

@@ -62,9 +62,20 @@ def depth_options(p, sweep: bool = False) -> None:
                    "reuse the last loop's parameters (refused otherwise)")
 
 
+class _OneRule(argparse.Action):
+    """--exit where one rule applies (generate, serve): a second is refused, not dropped
+    (eval's --exit takes several, so a user may expect them to combine)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            raise argparse.ArgumentError(self, "given twice: this command applies one exit rule (eval "
+                                         "compares several); keep one --exit")
+        setattr(namespace, self.dest, values)
+
+
 def exit_options(p, sweep: bool = False) -> None:
     """--exit: early exit per position at inference (early_exit.py)."""
-    p.add_argument("--exit", type=argtypes.exit_rules, action="append" if sweep else None,
+    p.add_argument("--exit", type=argtypes.exit_rules, action="append" if sweep else _OneRule,
                    metavar="RULE:V[,V...]" if sweep else "RULE:V",
                    help="stop a position early: kl:EPS (next-token KL between passes), argmax:K "
                    "(argmax kept K passes), state:EPS (relative state change), act:THRESHOLD "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -106,8 +107,14 @@ def cmd_eval(args) -> int:
     else:
         _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     windows, docs = eval_set(corpus, tokens, seq_len, windows_of(args), run_cfg["train"])
-    if args.plot:  # refuse a plot without matplotlib before evaluating
+    if args.plot:  # refuse a plot without matplotlib, or a path it cannot take, before evaluating
         plots.pyplot()
+        plot = Path(args.plot)
+        if plot.is_dir():
+            raise PhaseloopError(f"--plot {plot} is a folder; name the PNG file to write (e.g. {plot / 'depth.png'})")
+        above = next(p for p in plot.parents if p.exists())
+        if not above.is_dir():
+            raise PhaseloopError(f"--plot {plot} lies under the file {above}; choose another --plot")
     if args.kv_share is not None:
         return eval_kv_share(args, model, run_cfg, corpus, windows, seq_len, device, docs)
     if args.exit:

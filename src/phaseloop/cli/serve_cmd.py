@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from phaseloop.cli import argtypes
 from phaseloop.cli.options import depth_options, exit_options
@@ -60,6 +61,10 @@ def cmd_serve(args) -> int:
         check(served.twin, served.defaults)
     except APIError as e:
         raise PhaseloopError(e.message.replace("phaseloop.", "--").replace("_", "-", 1)) from None
+    limit = served.model.cfg.max_seq_len
+    if args.max_context is not None and args.max_context > limit:  # as generate says of a long request
+        print(f"note: --max-context {args.max_context} exceeds the model's max_seq_len {limit}: positions past "
+              "it are beyond what it was trained on", file=sys.stderr)
     key = args.api_key if args.api_key is not None else os.environ.get("PHASELOOP_API_KEY") or None
     return run(served, Config(host=args.host, port=args.port, api_key=key, max_batch=args.max_batch,
                               max_queue=args.max_queue, timeout=args.timeout, max_context=args.max_context,

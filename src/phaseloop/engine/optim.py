@@ -90,9 +90,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if not isinstance(name, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise ConfigError.invalid(f"device={name!r}: use auto, cpu or cuda[:N]", "train config")
+        raise ConfigError(f"--device {name!r}: use auto, cpu or cuda[:N]")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError.invalid(f"device={name!r}: no CUDA device here; use --device cpu", "train config")
+        raise ConfigError(f"--device {name!r}: no CUDA device here; use --device cpu")
     if name.startswith("cuda"):  # TF32 for the fp32 matmuls autocast leaves (Ampere and later)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -73,6 +73,7 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
                                                         "batch_size": calib_batch_size, "seed": seed}})
     try:  # the weights under a temporary name, the report, then the weights renamed in
         save_quantized(model, tmp, provenance(run, run_cfg), target=weights)
+        tmp.chmod(0o644)  # safetensors writes 0600; as the JSON beside it
         write_json(out_dir / f"{stem}.json", report)
         os.replace(tmp, weights)
     except BaseException:  # a full disk: nothing half-written, no folder left that we made

@@ -20,7 +20,7 @@ import torch
 
 from phaseloop.engine import resolve_device
 from phaseloop.engine.checkpoint import load_run, run_tokenizer
-from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError, state_dict_error
+from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError, first_line, state_dict_error
 from phaseloop.files import read_json, sha256_file, why_missing
 from phaseloop.inference import decode_layout
 from phaseloop.model import build_model
@@ -47,11 +47,26 @@ class Served:
 
 
 def is_export(path: Path) -> bool:
-    """A ``save_pretrained`` folder of phaseloop's (config.json with model_type phaseloop)."""
-    try:
-        return json.loads((path / "config.json").read_text()).get("model_type") == "phaseloop"
-    except (OSError, ValueError, AttributeError):
+    """A ``save_pretrained`` folder of phaseloop's (config.json with model_type phaseloop);
+    False for a run folder. A config.json that does not parse is refused as damaged (not
+    taken for an absent one), and a folder of another model type (``export --format
+    llama``) is refused naming what serves it."""
+    config = path / "config.json"
+    if not config.is_file():
         return False
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {config}: {type(e).__name__}; the file is damaged: restore it, or "
+                              "train or export the run again") from None
+    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if kind == "phaseloop":
+        return True
+    if isinstance(kind, str):
+        raise ConfigError(f"{path} is a {kind!r} model folder (phaseloop export --format {kind}?), which a "
+                          f"{kind} runtime serves (transformers, vLLM, llama.cpp); phaseloop serve takes a run "
+                          "folder or an export of --format hf")
+    return False
 
 
 def _packed(path: Path, quantized: str, device: str, dtype: str):
@@ -89,7 +104,14 @@ def _hf_tokenizer(run_tok=None, folder: Path | None = None):
     if folder is not None:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(folder))
+        if not (folder / "tokenizer.json").is_file():
+            raise CheckpointError(f"{folder} is an export without its tokenizer.json; export the run again "
+                                  "(phaseloop export)")
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except Exception as e:  # a damaged tokenizer.json fails in many ways inside transformers
+            raise CheckpointError(f"{folder / 'tokenizer.json'} cannot be loaded ({first_line(e)}); the file is "
+                                  "damaged: export the run again (phaseloop export)") from None
     from phaseloop.hf.tokenizer import hf_tokenizer
 
     return hf_tokenizer(run_tok)
@@ -99,10 +121,13 @@ def _from_export(path: Path):
     from phaseloop import hf
 
     hf.require("transformers")
+    from phaseloop.hf.export import no_progress_bar, verify_export
     from phaseloop.hf.modeling import PhaseloopForCausalLM
 
+    verify_export(path)  # the files against phaseloop.json's digests
     try:
-        wrapped = PhaseloopForCausalLM.from_pretrained(str(path))
+        with no_progress_bar():  # stderr is notes and, on failure, one line
+            wrapped = PhaseloopForCausalLM.from_pretrained(str(path))
     except (OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: the exported model cannot be loaded ({str(e).splitlines()[0][:120]}); "
                               "export the run again (phaseloop export)") from None
@@ -125,6 +150,8 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
     template = None
     if chat_template is not None:
         tpath = Path(chat_template)
+        if tpath.is_dir():
+            raise PhaseloopError(f"--chat-template {tpath} is a folder; pass a Jinja chat template file")
         if not tpath.is_file():
             raise PhaseloopError(f"--chat-template {tpath} {why_missing(tpath)}; pass a Jinja chat template file")
         try:
@@ -159,6 +186,13 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
     if template is not None or (fast is not None and getattr(fast, "chat_template", None)):
         fast = fast or _hf_tokenizer(run_tok=tok)
         if template is not None:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            try:  # compiled now, as transformers compiles it per request: a syntax error is the flag's
+                _compile_jinja_template(template)
+            except Exception as e:  # jinja2's TemplateSyntaxError and the like
+                raise PhaseloopError(f"--chat-template {chat_template} does not compile ({first_line(e)}); "
+                                     "fix the Jinja template") from None
             fast.chat_template = template
 
         def render(messages: list[dict]) -> str:
