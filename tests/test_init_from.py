@@ -189,3 +189,10 @@ def test_fields_that_change_the_function_are_said_one_by_one_and_recorded(source
     changed = json.loads((out / "config.json").read_text())["init"]["changed"]
     assert changed == {"rope_base": [10000.0, 500000.0], "dropout": [0.0, 0.1], "embed_scale": [False, True],
                        "init_std": [0.02, 0.05], "use_rope": [True, False]}
+
+
+def test_a_tokenizer_is_named_with_its_digest_only_where_it_has_one():
+    from phaseloop.engine.initfrom import _named
+
+    assert _named({"tokenizer": "bytes", "tokenizer_sha256": None}) == "'bytes'"  # not "sha256 None..."
+    assert _named({"tokenizer": "t3", "tokenizer_sha256": "ab" * 32}) == "'t3' (sha256 abababababab...)"

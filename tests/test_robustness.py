@@ -457,6 +457,10 @@ def test_a_damaged_summary_is_refused_on_resume(tmp_path, capsys):
         code, err = run_cli([*argv, "--resume"], capsys)
         assert_one_line(code, err, pattern)
         assert snapshot(tmp_path / "t") == before
+    # a task's seed folder is not an LM run, whatever --data says
+    code, err = run_cli(["train", "--out", tmp_path / "t" / "seed-0", "--resume", "--data", "shakespeare"], capsys)
+    assert_one_line(code, err, "is a run of `phaseloop task` / `babi`, not of `phaseloop train`")
+    assert snapshot(tmp_path / "t") == before
 
 
 def test_an_interrupt_names_what_the_command_leaves():

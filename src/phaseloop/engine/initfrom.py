@@ -74,6 +74,14 @@ def provenance(path: str | Path, model_cfg: ModelConfig | None = None) -> dict:
             **({"changed": config_changes(cfg["model"], model_cfg)} if model_cfg is not None else {})}
 
 
+def _named(data: dict) -> str:
+    """A run's tokenizer as a message names it: its name, and the start of its file's sha256
+    where it has a file (the byte tokenizer has none)."""
+    sha = data.get("tokenizer_sha256")
+    name = repr(data.get("tokenizer", "bytes"))
+    return f"{name} (sha256 {sha[:12]}...)" if isinstance(sha, str) else name
+
+
 def check_tokenizer(path: str | Path, data: dict, allow_new: bool) -> None:
     """An LM run's tokenizer (its ``data`` section: ``describe_tokenizer``'s keys) against the source's."""
     _, _, cfg = source(path)
@@ -82,9 +90,7 @@ def check_tokenizer(path: str | Path, data: dict, allow_new: bool) -> None:
         data.get("tokenizer_sha256") is not None or there.get("tokenizer", "bytes") == data.get("tokenizer"))
     if same:
         return
-    said = (f"--init-from {path} was trained with tokenizer {there.get('tokenizer')!r} (sha256 "
-            f"{str(there.get('tokenizer_sha256'))[:12]}...), this run uses {data.get('tokenizer')!r} (sha256 "
-            f"{str(data.get('tokenizer_sha256'))[:12]}...)")
+    said = (f"--init-from {path} was trained with tokenizer {_named(there)}, this run uses {_named(data)}")
     if not allow_new:
         raise ConfigError(f"{said}; use the same --tokenizer (the source run's tokenizer.json), or pass "
                           "--allow-new-tokenizer for another of the same vocabulary size")

@@ -220,6 +220,9 @@ def resolve_run(config: str | os.PathLike | dict | None = None, *, preset: str |
     given = {**file["data"], **(data or {})}
     _check_data(given)
     if saved is not None:  # the run's data and its copy of the tokenizer, unless given again
+        if "task" in saved:  # a task runner's seed folder: its data are examples, not a text corpus
+            raise ConfigError(f"{out} is a run of `phaseloop task` / `babi`, not of `phaseloop train`; resume it "
+                              "with the task command that made it")
         load = corpus_args(saved["data"])
         base = {"source": load["spec"], "text_column": load.get("text_column", "text"),
                 "split": load.get("split", "train"), "streaming": load.get("streaming", False),
