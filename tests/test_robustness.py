@@ -87,7 +87,7 @@ BAD = [
     (["eval", "{root}/loop"], "symlink loop"),
     (["eval", "{root}/adir"], "config.json not found"),
     (["eval", "{run}", "--data", "{root}/loop"], "symlink loop"),
-    (["eval", "{run}", "--device", "cuda"], "cuda"),
+    (["eval", "{run}", "--device", "cuda"], "--device 'cuda': no CUDA device here; use --device cpu"),
     # generate
     (["generate", "{run}", "--temperature", "nan"], "--temperature: nan"),
     (["generate", "{run}", "--temperature", "-1"], "--temperature -1"),
