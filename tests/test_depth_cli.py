@@ -72,7 +72,7 @@ def test_generate_at_a_depth(runs, capsys):
     ("eval", ["--extend-loops", "last"], "apply with --depth"),
     ("eval", ["--plot", "x.png"], "apply with --depth"),
     ("eval", ["--depth", "1,2", "--plot", "/"], "--plot / is a folder; name the PNG file"),
-    ("eval", ["--depth", "1,2", "--plot", "/proc/version/x.png"], "lies under the file"),
+    ("eval", ["--depth", "1,2", "--plot", "/proc/version/x.png"], "--plot /proc/version is a file, not a folder"),
     ("generate", ["--exit", "kl:0.1", "--exit", "argmax:2"], "--exit: given twice"),
     ("generate", ["--extend-loops", "last"], "applies with --depth"),
     ("eval", ["--depth", "2", "--extend-loops", "first"], "invalid choice"),

@@ -106,9 +106,11 @@ def test_a_damaged_or_blocked_best_is_refused_before_the_run_changes(tmp_path, t
     part = tmp_path / "part"
     train(CFG, tc(steps=10), text_file, part, progress=False, stop_after=5)
     cases = [(lambda r: (r / ".best.old").write_text("hi"), r"\.best\.old is not a folder"),
+             (lambda r: (r / ".best.old").symlink_to(r / "nowhere"), r"\.best\.old is not a folder"),
              (lambda r: (shutil.rmtree(r / "best"), (r / "best").write_text("hi")), r"best is not a folder"),
              (lambda r: (r / "best" / "model.safetensors").write_bytes(
-                 (r / "best" / "model.safetensors").read_bytes()[:100]), "model.safetensors differs")]
+                 (r / "best" / "model.safetensors").read_bytes()[:100]),
+              "model.safetensors differs .*; restore best/ from a copy, .* or resume without --keep-best")]
     for i, (damage, pattern) in enumerate(cases):
         run = tmp_path / f"r{i}"
         shutil.copytree(part, run)

@@ -178,9 +178,9 @@ DAMAGE = [
         (c / "trainer.safetensors").read_bytes()[:100]), "trainer.safetensors differs", True),
     ("manifest garbled", lambda c: (c / "manifest.json").write_text("{nope"), "manifest.json", False),
     ("manifest missing", lambda c: (c / "manifest.json").unlink(), "its manifest.json is missing", False),
-    ("manifest a list", lambda c: (c / "manifest.json").write_text("[]"), "is not a manifest", False),
+    ("manifest a list", lambda c: (c / "manifest.json").write_text("[]"), "holds no file digests", False),
     ("manifest entry a number", lambda c: (c / "manifest.json").write_text(
-        '{"files": {"model.safetensors": 3}}'), "is not a manifest", False),
+        '{"files": {"model.safetensors": 3}}'), "manifest.json holds no file digests", False),
     ("trainer.json flipped", lambda c: (c / "trainer.json").write_text(
         (c / "trainer.json").read_text().replace('"step": 6', '"step": 5')), "trainer.json differs", True),
     # valid JSON of another shape, its checksum matching (a foreign or hand-made checkpoint)
@@ -189,9 +189,18 @@ DAMAGE = [
     ("trainer.json step text", lambda c: _forge(c, "trainer.json", _trainer_meta(c, step="x")),
      "its step is 'x'", True),
     ("trainer.json optimizer gone", lambda c: _forge(c, "trainer.json", _trainer_meta(c, optimizer=None)),
-     "no optimizer state", True),
+     "optimizer entry is not", True),
+    ("trainer.json of weights only", lambda c: _forge(c, "trainer.json", '{"step": 6}'),
+     "holds weights only (no optimizer state), which a run cannot resume from: continue from them with "
+     "--init-from RUN", True),
+    ("trainer.json param group without params", lambda c: _forge(c, "trainer.json", _trainer_meta(
+        c, optimizer={"state": {}, "param_groups": [{}]})), "param_groups of parameter indices", True),
+    ("trainer.json one param group too many", lambda c: _forge(c, "trainer.json", _trainer_meta(
+        c, optimizer={**json.loads((c / "trainer.json").read_text())["optimizer"], "param_groups": [
+            *json.loads((c / "trainer.json").read_text())["optimizer"]["param_groups"], {"params": []}]})),
+     "optimizer state does not fit this run's optimizer", True),
     ("trainer.json optimizer tensor unknown", lambda c: _forge(c, "trainer.json", _trainer_meta(
-        c, optimizer={"state": {"0": ["nosuch"]}, "param_groups": [{}]})), "names tensors", True),
+        c, optimizer={"state": {"0": ["nosuch"]}, "param_groups": [{"params": [0]}]})), "names tensors", True),
 ]
 
 

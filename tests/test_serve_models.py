@@ -6,6 +6,7 @@ weights (on a run it serves them packed: tests/test_serve_adaptive.py); chat com
 through a chat template (and a 400 without one)."""
 
 import json
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -157,10 +158,11 @@ def test_a_damaged_or_foreign_folder_is_refused_by_name(runs, tmp_path, capsys):
     old_style = {k: v for k, v in record.items() if k != "files"}  # an export from before the digests
     cases = [
         (lambda d: (d / "config.json").write_text("{"), "config.json: JSONDecodeError; the file is damaged"),
-        (lambda d: _flip(d / "model.safetensors"), "model.safetensors differs from the file exported"),
+        (lambda d: _flip(d / "model.safetensors"), "has changed since `phaseloop export` wrote it (damaged, or "
+                                                   "saved again): model.safetensors differs from the file written"),
         (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
-        (lambda d: (d / "phaseloop.json").write_text("["), "phaseloop.json: JSONDecodeError"),
-        (lambda d: (d / "phaseloop.json").unlink(), "an export without its phaseloop.json"),
+        (lambda d: (d / "phaseloop.json").write_text("["), "phaseloop.json: JSONDecodeError; the file is damaged "
+                                                           "— export the run again"),
         (lambda d: ((d / "phaseloop.json").write_text(json.dumps(old_style)),
                     (d / "tokenizer.json").write_text('{"x": 1}')), "tokenizer.json cannot be loaded"),
     ]
@@ -168,15 +170,17 @@ def test_a_damaged_or_foreign_folder_is_refused_by_name(runs, tmp_path, capsys):
         copy = tmp_path / f"d{i}"
         shutil.copytree(out, copy)
         damage(copy)
-        with pytest.raises(CheckpointError, match=pattern.replace(".", r"\.")):
+        with pytest.raises(CheckpointError, match=re.escape(pattern)):
             load(copy)
         code, err = run_cli(["serve", copy, "--port", "0"], capsys)
         assert_one_line(code, err, pattern)
     shutil.copytree(out, tmp_path / "fine")
     (tmp_path / "fine" / "phaseloop.json").write_text(json.dumps(old_style))
     assert load(tmp_path / "fine").info["kind"] == "export"  # nothing recorded: nothing to check
+    (tmp_path / "fine" / "phaseloop.json").unlink()  # save_pretrained's folder has none: served as it is
+    assert load(tmp_path / "fine").info["kind"] == "export"
     assert main(["export", str(run), "--format", "llama", "--out", str(tmp_path / "llama")]) == 0
-    for path, pattern in ((tmp_path / "llama", "is a 'llama' model folder"),
+    for path, pattern in ((tmp_path / "llama", "is a 'llama' model folder (phaseloop export --format llama)"),
                           (run / "config.json", "config.json is a file, not a folder")):
         code, err = run_cli(["serve", path, "--port", "0"], capsys)
         assert_one_line(code, err, pattern)

@@ -190,7 +190,33 @@ def sha256_file(path: Path) -> str:
     return digest
 
 
-def read_json(path: Path) -> dict:
+def file_digests(folder: Path, names) -> dict:
+    """{name: {bytes, sha256}} of the files ``names`` in ``folder`` (a checkpoint's manifest,
+    an export's phaseloop.json)."""
+    return {n: {"bytes": (Path(folder) / n).stat().st_size, "sha256": sha256_file(Path(folder) / n)} for n in names}
+
+
+def digests_fault(folder: Path, files, names, record: str) -> str | None:
+    """What is wrong with the files ``names`` of ``folder`` against ``files`` (a
+    ``file_digests`` map read back from ``record``, named in the answer); None when they
+    all match."""
+    if not isinstance(files, dict) or not all(isinstance(f, dict) and isinstance(f.get("bytes"), int)
+                                              and isinstance(f.get("sha256"), str) for f in files.values()):
+        return f"its {record} holds no file digests"
+    for n in names:
+        path, want = Path(folder) / n, files.get(n)
+        if want is None:
+            return f"its {record} lists no {n}"
+        if not path.is_file():
+            return f"{n} is missing"
+        if path.stat().st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
+            return f"{n} differs from the file written (size or sha256)"
+    return None
+
+
+def read_json(path: Path, fix: str = "restore it or start a new run"):
+    """A JSON file's value; one-line ``CheckpointError`` for a missing, unreadable or
+    malformed file (``fix``: what to do about a damaged one), or a file where a folder belongs."""
     try:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -200,8 +226,7 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"{file} is a file, not a folder; pass the folder that holds it (a run folder "
                               "made by `phaseloop train`, or its checkpoint folder)") from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {e.__class__.__name__}; the file is damaged "
-                              "— restore it or start a new run") from None
+        raise CheckpointError(f"cannot read {path}: {e.__class__.__name__}; the file is damaged — {fix}") from None
 
 
 def parse_toml(text: str, source: str, error: type[PhaseloopError] = ConfigError) -> dict:

@@ -21,6 +21,7 @@ from phaseloop.depth import set_model_depth
 from phaseloop.engine import dist, resolve_device
 from phaseloop.engine.checkpoint import load_run, run_corpus, run_tokenizer
 from phaseloop.errors import PhaseloopError
+from phaseloop.files import check_out_dir
 from phaseloop.inference import Options, decode_layout, generate
 from phaseloop.lm.train import check_seq_len, eval_set, evaluate
 from phaseloop.quant import load_packed, weight_bytes
@@ -112,9 +113,7 @@ def cmd_eval(args) -> int:
         plot = Path(args.plot)
         if plot.is_dir():
             raise PhaseloopError(f"--plot {plot} is a folder; name the PNG file to write (e.g. {plot / 'depth.png'})")
-        above = next(p for p in plot.parents if p.exists())
-        if not above.is_dir():
-            raise PhaseloopError(f"--plot {plot} lies under the file {above}; choose another --plot")
+        check_out_dir(plot.parent, "--plot")
     if args.kv_share is not None:
         return eval_kv_share(args, model, run_cfg, corpus, windows, seq_len, device, docs)
     if args.exit:

@@ -218,7 +218,7 @@ def write_report(out: Path, recipe: Recipe, plan: list[Planned], data: dict,
 
     s = summarize(out, recipe, plan)
     s["tuning"] = tuning or {}
-    machine = _machine(resolve_device(recipe.train["device"]))
+    machine = _machine(resolve_device(recipe.train["device"], "the recipe's train.device"))
     s.update(recipe=recipe.to_dict(), data=data, machine=machine, software=software_versions(),
              command=command, reproduce=f"phaseloop compare {shlex.quote(str(out / 'recipe.json'))}"
              f" --out {shlex.quote(str(out) + '-repro')}")

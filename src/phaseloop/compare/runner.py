@@ -292,7 +292,7 @@ def run_comparison(recipe: Recipe, out_dir: str | Path, *, progress: bool = True
         slurm.check(launch)
     corpus, plan = _prepare(recipe, log)
     device = devices_for(recipe.train["device"])[0]
-    resolve_device(device)
+    resolve_device(device, "the recipe's train.device")
     if launch.launcher == "sequential":
         _launch_hint(recipe.train["device"], log)
     with dist.main_first():  # rank 0 stores the recipe; the others then find it there

@@ -23,7 +23,16 @@ from phaseloop.data.tokenizer import ByteTokenizer, HFTokenizer
 from phaseloop.engine.config import TrainConfig
 from phaseloop.engine.trainer_state import flatten_optimizer, meta_fault, unflatten_optimizer
 from phaseloop.errors import CheckpointError, ConfigError, first_line
-from phaseloop.files import dumps, read_json, save_safetensors, sha256_file, why_missing, write_json
+from phaseloop.files import (
+    digests_fault,
+    dumps,
+    file_digests,
+    read_json,
+    save_safetensors,
+    sha256_file,
+    why_missing,
+    write_json,
+)
 from phaseloop.model import build_model
 from phaseloop.registry import UnknownArch, missing_plugin
 
@@ -132,9 +141,8 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module | dict, optimizer=None
         write_json(tmp / "trainer.json", meta)
         for name in ("model.safetensors", "trainer.safetensors"):
             (tmp / name).chmod(0o644)  # as the JSON beside them
-        write_json(tmp / MANIFEST, {"step": step, "files": {
-            n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in CKPT_FILES},
-            **({CONFIG_DIGEST: config_digest(config)} if config is not None else {})})
+        write_json(tmp / MANIFEST, {"step": step, "files": file_digests(tmp, CKPT_FILES),
+                                    **({CONFIG_DIGEST: config_digest(config)} if config is not None else {})})
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
@@ -197,20 +205,9 @@ def verify_checkpoint(ckpt: Path, names=CKPT_FILES) -> None:
             raise CheckpointError(f"checkpoint {ckpt} is damaged: {missing[0]} is missing; {fix}")
         return
     manifest = read_json(ckpt / MANIFEST)
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or not all(
-            isinstance(f, dict) and isinstance(f.get("bytes"), int) and isinstance(f.get("sha256"), str)
-            for f in files.values()):
-        raise CheckpointError(f"checkpoint {ckpt} is damaged: its {MANIFEST} is not a manifest; {fix}")
-    for n in names:
-        path, want = ckpt / n, files.get(n)
-        if want is None:
-            raise CheckpointError(f"checkpoint {ckpt} is damaged: its manifest lists no {n}; {fix}")
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {ckpt} is damaged: {n} is missing; {fix}")
-        if path.stat().st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
-            raise CheckpointError(f"checkpoint {ckpt} is damaged: {n} differs from the file written "
-                                  f"(size or sha256); {fix}")
+    why = digests_fault(ckpt, manifest.get("files") if isinstance(manifest, dict) else None, names, MANIFEST)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: {why}; {fix}")
 
 
 def _writes_manifests(config: Path) -> bool:
@@ -307,6 +304,9 @@ def load_trainer_state(ckpt: Path) -> tuple[dict, dict]:
     verify_checkpoint(ckpt, ("trainer.safetensors", "trainer.json"))
     meta = read_json(Path(ckpt) / "trainer.json")
     tensors = _load_safetensors(Path(ckpt) / "trainer.safetensors")
+    if isinstance(meta, dict) and "optimizer" not in meta and type(meta.get("step")) is int:  # optimizer=None
+        raise CheckpointError(f"checkpoint {ckpt} holds weights only (no optimizer state), which a run cannot "
+                              "resume from: continue from them with --init-from RUN in a new --out")
     why = meta_fault(meta, tensors)
     if why is not None:
         raise CheckpointError(f"{Path(ckpt) / 'trainer.json'}: {why}, not the trainer state phaseloop writes; "

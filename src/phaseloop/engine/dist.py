@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phaseloop.errors import CheckpointError, first_line
 from phaseloop.layers import Block
 from phaseloop.trunk import Trunk
 
@@ -223,17 +224,23 @@ def full_state(model: nn.Module, optimizer, how: str) -> tuple[dict, dict | None
 
 
 def load_optimizer(model: nn.Module, optimizer, state: dict, how: str) -> None:
-    """The inverse of ``full_state`` for the optimiser (every rank holds the full state)."""
-    if world().size == 1 or how != "fsdp":
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    """The inverse of ``full_state`` for the optimiser (every rank holds the full state); a
+    state of another optimizer's shape (a forged or foreign checkpoint) is one line."""
+    try:
+        if world().size == 1 or how != "fsdp":
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    order = _fqn_order(model, optimizer)
-    fqn = {"state": {order[int(i)]: v for i, v in state["state"].items()},
-           "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=fqn,
-                             options=StateDictOptions(full_state_dict=True))
+        order = _fqn_order(model, optimizer)
+        fqn = {"state": {order[int(i)]: v for i, v in state["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=fqn,
+                                 options=StateDictOptions(full_state_dict=True))
+    except (ValueError, KeyError, IndexError) as e:
+        raise CheckpointError(f"the checkpoint's optimizer state does not fit this run's optimizer "
+                              f"({first_line(e)}): the checkpoint is damaged or foreign; resume from a kept "
+                              "checkpoint-* copy or start a new run in another --out") from None
 
 
 # ---------------------------------------------------------------------------- activation checkpointing

@@ -118,18 +118,23 @@ class Keeper:
             self._keep_last(step)
 
     def check(self) -> None:
-        """Before the run folder is touched: the names ``--keep-best`` writes are folders (a
-        file there would fail the first keep, after training), and the kept best is intact
-        (a best that no later evaluation beats is never rewritten, so damage would stay)."""
-        if not (self.active and self.best and self.writes):
+        """Before the run folder is touched (on every rank: it only reads): the names
+        ``--keep-best`` writes are folders (a file or a dangling link there would fail the
+        first keep, after training), and the kept best is intact (a best that no later
+        evaluation beats is never rewritten, so damage would stay)."""
+        if not (self.active and self.best):
             return
         for name in (BEST, _BEST_OLD):
             path = Path(self.run_dir) / name
-            if path.exists() and not path.is_dir():
+            if os.path.lexists(path) and not path.is_dir():
                 raise CheckpointError(f"{path} is not a folder, where --keep-best keeps a checkpoint; "
                                       "move it out of the run folder, then resume")
         if (Path(self.run_dir) / BEST).is_dir():
-            verify_checkpoint(Path(self.run_dir) / BEST)
+            try:
+                verify_checkpoint(Path(self.run_dir) / BEST)
+            except CheckpointError as e:  # the run's own checkpoint is fine: say what to do with best/
+                raise CheckpointError(f"{str(e).split('; ')[0]}; restore best/ from a copy, remove it (the next "
+                                      "better evaluation keeps a new one), or resume without --keep-best") from None
 
     def evaluated(self, step: int, result: dict) -> bool:
         """An evaluation's result: True when it is the best so far (checkpoint this step)."""

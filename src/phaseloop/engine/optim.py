@@ -86,13 +86,15 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Optim
     return OPTIMIZERS[tc.optimizer](model, tc)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, what: str = "--device") -> torch.device:
+    """``name`` (auto, cpu, cuda[:N]) as a device; ``what`` names the setting in a refusal."""
+    fix = "--device cpu" if what == "--device" else "cpu"
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if not isinstance(name, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise ConfigError(f"--device {name!r}: use auto, cpu or cuda[:N]")
+        raise ConfigError(f"{what} {name!r}: use auto, cpu or cuda[:N]")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name!r}: no CUDA device here; use --device cpu")
+        raise ConfigError(f"{what} {name!r}: no CUDA device here; use {fix}")
     if name.startswith("cuda"):  # TF32 for the fp32 matmuls autocast leaves (Ampere and later)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

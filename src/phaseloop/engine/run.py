@@ -204,8 +204,7 @@ class RunFolder:
             summary = read_json(self.path / "summary.json")  # unreadable: refused by name
             if not isinstance(summary, dict):
                 raise CheckpointError(f"{self.path / 'summary.json'} holds a JSON {type(summary).__name__}, not a "
-                                      "run summary: the file is damaged; restore it, or delete it to finish the "
-                                      "run again from its checkpoint")
+                                      "run summary: the file is damaged; restore it from a copy")
         ckpt = self.checkpoint
         if ckpt is None and self.resuming:
             lost = self._progress_without_checkpoint()

@@ -145,8 +145,10 @@ class Trainer:
             check_memory(twin := self.build(), self.device, 16, "training")
             if tc.depth_sample is not None:
                 check_depth_sample(twin, parse_depth_range(tc.depth_sample), tc.extend_loops)
+        self.keeper = Keeper(run.path if run is not None else None, tc.keep_checkpoints, tc.keep_best, self.writes)
         if run is not None:
             run.check()
+            self.keeper.check()  # a damaged best is refused before the folder changes
             check_trackers(tc.log_to)  # a missing package is refused before anything is written
         torch.manual_seed(tc.seed)  # the same initial weights on every rank
         self.model = self.build().to(self.device)
@@ -171,8 +173,6 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, tc)  # after FSDP2 made its parameters DTensors
         if restored is not None:
             self._restore(*restored)
-        self.keeper = Keeper(run.path if run is not None else None, tc.keep_checkpoints, tc.keep_best, self.writes)
-        self.keeper.check()  # a damaged best is refused before the folder changes
         if run is not None and self.world.main:
             run.start(self.step)
         dist.barrier()

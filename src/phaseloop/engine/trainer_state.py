@@ -42,11 +42,10 @@ def meta_fault(meta, tensors: dict) -> str | None:
     if "elapsed" in meta and (isinstance(meta["elapsed"], bool) or not isinstance(meta["elapsed"], (int, float))):
         return f"its elapsed is {meta['elapsed']!r}"
     opt = meta.get("optimizer")
-    if opt is None:
-        return "it holds no optimizer state"
     if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict) and isinstance(opt.get("param_groups"), list)
-            and all(isinstance(g, dict) for g in opt["param_groups"])):
-        return "its optimizer entry is not {state, param_groups}"
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) and all(_count(i) for i in g["params"])
+                    for g in opt["param_groups"])):
+        return "its optimizer entry is not {state, param_groups of parameter indices}"
     for idx, keys in opt["state"].items():
         if not isinstance(keys, list) or any(f"optim.{idx}.{k}" not in tensors for k in keys):
             return f"its optimizer state of parameter {idx} names tensors trainer.safetensors lacks"

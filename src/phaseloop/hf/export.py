@@ -26,7 +26,16 @@ from phaseloop import registry
 from phaseloop.depth import set_model_depth
 from phaseloop.engine.checkpoint import checkpoint_weights, load_run, run_folder, run_tokenizer
 from phaseloop.errors import CheckpointError, PhaseloopError
-from phaseloop.files import check_out_dir, dumps, pid_alive, read_json, read_unchanged, writing
+from phaseloop.files import (
+    check_out_dir,
+    digests_fault,
+    dumps,
+    file_digests,
+    pid_alive,
+    read_json,
+    read_unchanged,
+    writing,
+)
 from phaseloop.files import sha256_file as file_sha256
 from phaseloop.hf.modeling import PhaseloopForCausalLM
 from phaseloop.hf.tokenizer import hf_tokenizer
@@ -182,31 +191,23 @@ def atomic_folder(out: Path):
 DIGESTED = ("model.safetensors", "config.json", "tokenizer.json")  # an export's files phaseloop.json digests
 
 
-def file_digests(folder: Path) -> dict:
-    """{name: {bytes, sha256}} of the ``DIGESTED`` files in ``folder`` (phaseloop.json's ``files``)."""
-    return {n: {"bytes": (folder / n).stat().st_size, "sha256": file_sha256(folder / n)}
-            for n in DIGESTED if (folder / n).is_file()}
-
-
 def verify_export(folder: Path) -> None:
     """Refuse an export folder whose phaseloop.json is damaged or whose files differ from the
-    digests it records (an export written before digests were recorded has none to check)."""
-    fix = "export the run again (phaseloop export)"
+    digests it records. A folder without one (``save_pretrained`` of a phaseloop model) or
+    written before digests were recorded has none to check."""
     record = folder / "phaseloop.json"
     if not record.is_file():
-        raise CheckpointError(f"{folder} is an export without its phaseloop.json; {fix}")
-    rec = read_json(record)
-    files = rec.get("files", {}) if isinstance(rec, dict) else None
-    if not isinstance(files, dict) or not all(isinstance(f, dict) and isinstance(f.get("bytes"), int)
-                                              and isinstance(f.get("sha256"), str) for f in files.values()):
-        raise CheckpointError(f"{record} is not the record phaseloop export writes: the file is damaged; {fix}")
-    for name, want in files.items():
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{folder} is damaged: {name} is missing; {fix}")
-        if path.stat().st_size != want["bytes"] or file_sha256(path) != want["sha256"]:
-            raise CheckpointError(f"{folder} is damaged: {name} differs from the file exported (size or "
-                                  f"sha256); {fix}")
+        return
+    fix = "export the run again (phaseloop export)"
+    rec = read_json(record, fix)
+    if not isinstance(rec, dict):
+        raise CheckpointError(f"{record} holds a JSON {type(rec).__name__}: the file is damaged; {fix}")
+    if "files" not in rec:
+        return
+    why = digests_fault(folder, rec["files"], [n for n in DIGESTED if n in rec["files"]], "phaseloop.json")
+    if why is not None:
+        raise CheckpointError(f"{folder} has changed since `phaseloop export` wrote it (damaged, or saved "
+                              f"again): {why}; {fix}")
 
 
 def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
@@ -232,8 +233,9 @@ def export_run(run: str | Path, out: str | Path, dtype: str = "float32",
             (tmp / name).write_text(f'"""phaseloop\'s {cls} for trust_remote_code=True (needs '
                                     f'`pip install phaseloop`)."""\n\nfrom phaseloop.hf.{module} '
                                     f'import {cls}  # noqa: F401\n')
+        digested = file_digests(tmp, [n for n in DIGESTED if (tmp / n).is_file()])
         (tmp / "phaseloop.json").write_text(dumps({
-            "run": str(run_dir.resolve()), "checkpoint_sha256": sha, "files": file_digests(tmp),
+            "run": str(run_dir.resolve()), "checkpoint_sha256": sha, "files": digested,
             "quantization": getattr(hf.config, "phaseloop_quantization", None), "dtype": dtype,
             "train": run_cfg.get("train"), "data": run_cfg.get("data"), "summary": summary,
             **({"init": run_cfg["init"]} if "init" in run_cfg else {})}, indent=2))  # --init-from's source

@@ -150,7 +150,7 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     fit_vocab(model_cfg, corpus.tokenizer, explicit=True)
     seq_len = tc.seq_len or model_cfg.max_seq_len
     check_seq_len(seq_len, model_cfg)
-    if tc.loss_ignore_id is not None and tc.loss_ignore_id >= model_cfg.vocab_size:  # no target is that id
+    if not resume and tc.loss_ignore_id is not None and tc.loss_ignore_id >= model_cfg.vocab_size:  # no such id
         raise ConfigError.invalid(f"loss_ignore_id={tc.loss_ignore_id}: no token has it (the vocabulary holds "
                                   f"ids 0 .. {model_cfg.vocab_size - 1}); name the id to leave out, or drop it",
                                   "train config")

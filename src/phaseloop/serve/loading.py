@@ -8,7 +8,6 @@ records no run to check the file against, it loads the file's dequantised weight
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections import Counter
@@ -54,18 +53,14 @@ def is_export(path: Path) -> bool:
     config = path / "config.json"
     if not config.is_file():
         return False
-    try:
-        cfg = json.loads(config.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {config}: {type(e).__name__}; the file is damaged: restore it, or "
-                              "train or export the run again") from None
+    cfg = read_json(config, "restore it, or train or export the run again")
     kind = cfg.get("model_type") if isinstance(cfg, dict) else None
     if kind == "phaseloop":
         return True
     if isinstance(kind, str):
-        raise ConfigError(f"{path} is a {kind!r} model folder (phaseloop export --format {kind}?), which a "
-                          f"{kind} runtime serves (transformers, vLLM, llama.cpp); phaseloop serve takes a run "
-                          "folder or an export of --format hf")
+        made = " (phaseloop export --format llama)" if kind == "llama" else ""
+        raise ConfigError(f"{path} is a {kind!r} model folder{made}, which transformers, vLLM or llama.cpp "
+                          "serve; phaseloop serve takes a run folder or an export of --format hf")
     return False
 
 
@@ -115,6 +110,20 @@ def _hf_tokenizer(run_tok=None, folder: Path | None = None):
     from phaseloop.hf.tokenizer import hf_tokenizer
 
     return hf_tokenizer(run_tok)
+
+
+def _compile(template: str, what: str) -> None:
+    """Compile a chat template at start, as transformers compiles it for each request: a
+    syntax error is refused in one line here, not answered with a 400 per request."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        _compile_jinja_template(template)
+    except ImportError as e:  # transformers wants a newer jinja2 for templates
+        raise PhaseloopError(f"{what}: chat templates need jinja2 ({first_line(e)}); pip install "
+                             "'jinja2>=3.1.6'") from None
+    except Exception as e:  # jinja2's TemplateSyntaxError and the like
+        raise PhaseloopError(f"{what} does not compile ({first_line(e)}); fix the Jinja template") from None
 
 
 def _from_export(path: Path):
@@ -186,14 +195,9 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
     if template is not None or (fast is not None and getattr(fast, "chat_template", None)):
         fast = fast or _hf_tokenizer(run_tok=tok)
         if template is not None:
-            from transformers.utils.chat_template_utils import _compile_jinja_template
-
-            try:  # compiled now, as transformers compiles it per request: a syntax error is the flag's
-                _compile_jinja_template(template)
-            except Exception as e:  # jinja2's TemplateSyntaxError and the like
-                raise PhaseloopError(f"--chat-template {chat_template} does not compile ({first_line(e)}); "
-                                     "fix the Jinja template") from None
             fast.chat_template = template
+        _compile(fast.chat_template, f"--chat-template {chat_template}" if template is not None
+                 else f"{path}'s chat template (tokenizer_config.json)")
 
         def render(messages: list[dict]) -> str:
             return fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
