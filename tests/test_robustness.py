@@ -36,6 +36,8 @@ def world(tmp_path_factory):
     (root / "typo.toml").write_text('variants = ["rope n_layerz=3", "three_phase"]\nreference = "rope"\n')
     (root / "adir").mkdir()
     (root / "ignore.toml").write_text("[train]\nloss_ignore_id = 100000\n")
+    (root / "ignore-recipe.toml").write_text('variants = ["rope-tiny"]\nseeds = [0]\n[train]\nsteps = 2\n'
+                                             'loss_ignore_id = 100000\n')
     return {"root": root, "run": run, "text": text}
 
 
@@ -104,6 +106,8 @@ BAD = [
     (["compare", "--variants", "rope n_layerz=3", "--out", "{root}/c1"], "did you mean 'n_layers'"),
     (["compare", "--seeds", "a,b", "--out", "{root}/c2"], "--seeds"),
     (["compare", "--steps", "0", "--out", "{root}/c3"], "--steps: 0 is out of range"),
+    (["compare", "{root}/ignore-recipe.toml", "--data", "{text}", "--out", "{root}/c4"],
+     "variant 'rope-tiny': loss_ignore_id=100000: no token has it (the vocabulary holds ids 0 .. 255)"),
     (["compare", "--out", "{root}/afile", "--steps", "2", "--data", "{text}", "--variants", "rope-tiny"],
      "is a file"),
     # quantize

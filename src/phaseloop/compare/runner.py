@@ -256,6 +256,12 @@ def _prepare(recipe: Recipe, log, eval_tasks: bool = True):
     with dist.main_first():  # rank 0 builds the token store, then the others read it
         corpus = load_corpus(**recipe_data(recipe))
     plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
+    for p in plan:  # an id no token has leaves nothing out: refused before the folder is written
+        ignore = recipe.train_config(0, p.variant).loss_ignore_id
+        if ignore is not None and ignore >= p.cfg.vocab_size:
+            raise RecipeError(f"variant {p.variant.name!r}: loss_ignore_id={ignore}: no token has it (the "
+                              f"vocabulary holds ids 0 .. {p.cfg.vocab_size - 1}); name the id to leave out, "
+                              "or drop it")
     for p in plan if recipe.train.get("depth_sample") else ():  # training for depth: refused before any trains
         try:
             check_depth_sample(build_model(p.cfg, device="meta"), parse_depth_range(recipe.train["depth_sample"]),
