@@ -163,6 +163,8 @@ def test_a_damaged_or_foreign_folder_is_refused_by_name(runs, tmp_path, capsys):
         (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
         (lambda d: (d / "phaseloop.json").write_text("["), "phaseloop.json: JSONDecodeError; the file is damaged "
                                                            "— export the run again"),
+        (lambda d: (d / "phaseloop.json").write_text(json.dumps({**record, "files": 3})),
+         "its phaseloop.json holds no file digests"),
         (lambda d: ((d / "phaseloop.json").write_text(json.dumps(old_style)),
                     (d / "tokenizer.json").write_text('{"x": 1}')), "tokenizer.json cannot be loaded"),
     ]

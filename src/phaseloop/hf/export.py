@@ -202,9 +202,11 @@ def verify_export(folder: Path) -> None:
     rec = read_json(record, fix)
     if not isinstance(rec, dict):
         raise CheckpointError(f"{record} holds a JSON {type(rec).__name__}: the file is damaged; {fix}")
-    if "files" not in rec:
+    files = rec.get("files")
+    if files is None:
         return
-    why = digests_fault(folder, rec["files"], [n for n in DIGESTED if n in rec["files"]], "phaseloop.json")
+    names = [n for n in DIGESTED if n in files] if isinstance(files, dict) else DIGESTED  # else refused below
+    why = digests_fault(folder, files, names, "phaseloop.json")
     if why is not None:
         raise CheckpointError(f"{folder} has changed since `phaseloop export` wrote it (damaged, or saved "
                               f"again): {why}; {fix}")
