@@ -190,12 +190,13 @@ def checkpoint_weights(run: str | Path) -> Path | None:
     return None if ckpt is None else ckpt / "model.safetensors"
 
 
-def verify_checkpoint(ckpt: Path, names=CKPT_FILES) -> None:
+def verify_checkpoint(ckpt: Path, names=CKPT_FILES,
+                      fix: str = "restore it from a copy, or start the run again in another --out (nothing was "
+                                 "changed)") -> None:
     """Refuse a checkpoint whose files ``names`` are missing or differ (size, sha256)
-    from its manifest, naming the file. A checkpoint of a phaseloop without manifests
-    is accepted when its files are all there."""
+    from its manifest, naming the file and ``fix``. A checkpoint of a phaseloop without
+    manifests is accepted when its files are all there."""
     ckpt = Path(ckpt)
-    fix = "restore it from a copy, or start the run again in another --out (nothing was changed)"
     if not (ckpt / MANIFEST).exists():
         if _writes_manifests(ckpt.parent / "config.json"):
             raise CheckpointError(f"checkpoint {ckpt} is damaged: its {MANIFEST} is missing (the phaseloop "

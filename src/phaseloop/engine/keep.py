@@ -129,12 +129,9 @@ class Keeper:
             if os.path.lexists(path) and not path.is_dir():
                 raise CheckpointError(f"{path} is not a folder, where --keep-best keeps a checkpoint; "
                                       "move it out of the run folder, then resume")
-        if (Path(self.run_dir) / BEST).is_dir():
-            try:
-                verify_checkpoint(Path(self.run_dir) / BEST)
-            except CheckpointError as e:  # the run's own checkpoint is fine: say what to do with best/
-                raise CheckpointError(f"{str(e).split('; ')[0]}; restore best/ from a copy, remove it (the next "
-                                      "better evaluation keeps a new one), or resume without --keep-best") from None
+        if (Path(self.run_dir) / BEST).is_dir():  # the run's own checkpoint is fine: say what to do with best/
+            verify_checkpoint(Path(self.run_dir) / BEST, fix="restore best/ from a copy, remove it (the next better "
+                              "evaluation keeps a new one), or resume without --keep-best")
 
     def evaluated(self, step: int, result: dict) -> bool:
         """An evaluation's result: True when it is the best so far (checkpoint this step)."""
