@@ -30,6 +30,7 @@ from phaseloop.errors import PhaseloopError
 from phaseloop.files import check_out_dir, read_json, write_json
 from phaseloop.hf import downstream
 from phaseloop.hf.harness import lm_eval_run, resolved_tasks
+from phaseloop.lm.train import ignore_id_fault
 from phaseloop.model import build_model
 from phaseloop.validation import first_difference
 
@@ -256,12 +257,10 @@ def _prepare(recipe: Recipe, log, eval_tasks: bool = True):
     with dist.main_first():  # rank 0 builds the token store, then the others read it
         corpus = load_corpus(**recipe_data(recipe))
     plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
-    for p in plan:  # an id no token has leaves nothing out: refused before the folder is written
-        ignore = recipe.train_config(0, p.variant).loss_ignore_id
-        if ignore is not None and ignore >= p.cfg.vocab_size:
-            raise RecipeError(f"variant {p.variant.name!r}: loss_ignore_id={ignore}: no token has it (the "
-                              f"vocabulary holds ids 0 .. {p.cfg.vocab_size - 1}); name the id to leave out, "
-                              "or drop it")
+    for p in plan:  # before the folder is written
+        why = ignore_id_fault(recipe.train_config(0, p.variant).loss_ignore_id, p.cfg)
+        if why is not None:
+            raise RecipeError(f"variant {p.variant.name!r}: {why}")
     for p in plan if recipe.train.get("depth_sample") else ():  # training for depth: refused before any trains
         try:
             check_depth_sample(build_model(p.cfg, device="meta"), parse_depth_range(recipe.train["depth_sample"]),

@@ -47,6 +47,16 @@ def check_seq_len(seq_len: int, cfg: ModelConfig) -> None:
                           f"the model with --set max_seq_len={seq_len}")
 
 
+def ignore_id_fault(ignore_id: int | None, cfg: ModelConfig) -> str | None:
+    """Why a ``loss_ignore_id`` leaves nothing out (no token has it), or None: refused for a
+    new run (a run that recorded one still resumes; compare checks each variant before its
+    folder is written)."""
+    if ignore_id is not None and ignore_id >= cfg.vocab_size:
+        return (f"loss_ignore_id={ignore_id}: no token has it (the vocabulary holds ids 0 .. {cfg.vocab_size - 1}); "
+                "name the id to leave out, or drop it")
+    return None
+
+
 @torch.no_grad()
 def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | None = None,
              batch_size: int = 16, device: torch.device | str = "cpu", ignore_id: int | None = None,
@@ -150,10 +160,9 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     fit_vocab(model_cfg, corpus.tokenizer, explicit=True)
     seq_len = tc.seq_len or model_cfg.max_seq_len
     check_seq_len(seq_len, model_cfg)
-    if not resume and tc.loss_ignore_id is not None and tc.loss_ignore_id >= model_cfg.vocab_size:  # no such id
-        raise ConfigError.invalid(f"loss_ignore_id={tc.loss_ignore_id}: no token has it (the vocabulary holds "
-                                  f"ids 0 .. {model_cfg.vocab_size - 1}); name the id to leave out, or drop it",
-                                  "train config")
+    why = None if resume else ignore_id_fault(tc.loss_ignore_id, model_cfg)
+    if why is not None:
+        raise ConfigError.invalid(why, "train config")
     run_cfg = {"model": model_cfg.to_dict(), "train": tc.to_dict(), "data": corpus.describe(),
                "parallel": {"world_size": dist.world().size}, "software": software_versions(model_cfg.arch),
                **init_section(tc, corpus.describe(), out_dir, resume, model_cfg)}
