@@ -229,6 +229,15 @@ def read_json(path: Path, fix: str = "restore it or start a new run"):
         raise CheckpointError(f"cannot read {path}: {e.__class__.__name__}; the file is damaged — {fix}") from None
 
 
+def read_object(path: Path, what: str = "an object", fix: str = "restore it or start a new run") -> dict:
+    """``read_json`` of a file that must hold a JSON object (``what``: how the refusal of
+    another value names it)."""
+    value = read_json(path, fix)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not {what}: the file is damaged; {fix}")
+    return value
+
+
 def parse_toml(text: str, source: str, error: type[PhaseloopError] = ConfigError) -> dict:
     """The table a TOML text holds (config files, recipes); ``error`` naming ``source``,
     the line and the fix otherwise."""

@@ -14,7 +14,7 @@ from phaseloop.config import ModelConfig
 from phaseloop.engine.checkpoint import CKPT, MANIFEST, TMP_PREFIX, checkpoint_dir, read_run_config, remove_orphans
 from phaseloop.engine.config import TrainConfig
 from phaseloop.errors import CheckpointError, PhaseloopError
-from phaseloop.files import atomic_write_bytes, check_out_dir, dumps, read_json, write_json
+from phaseloop.files import atomic_write_bytes, check_out_dir, dumps, read_json, read_object, write_json
 
 # keys that may change between a run and its resumption (where it runs, not what; and
 # the budget of skipped non-finite steps, so a diverged run can be resumed with one)
@@ -201,10 +201,7 @@ class RunFolder:
         resuming, hold every training record up to the checkpoint (``check_records``)."""
         lines, records, torn = _records(self.metrics_path)
         if self.resuming and (self.path / "summary.json").is_file():  # a finished run's record of its end
-            summary = read_json(self.path / "summary.json")  # unreadable: refused by name
-            if not isinstance(summary, dict):
-                raise CheckpointError(f"{self.path / 'summary.json'} holds a JSON {type(summary).__name__}, not a "
-                                      "run summary: the file is damaged; restore it from a copy")
+            read_object(self.path / "summary.json", "a run summary", "restore it from a copy")
         ckpt = self.checkpoint
         if ckpt is None and self.resuming:
             lost = self._progress_without_checkpoint()

@@ -20,7 +20,7 @@ from phaseloop.analysis.params import format_count
 from phaseloop.compare.evals import accuracy_verdict, fmt_acc
 from phaseloop.compare.report import _fmt, _speed, _verdict
 from phaseloop.errors import DataError
-from phaseloop.files import read_json
+from phaseloop.files import read_json, read_object
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "tok_per_s", "elapsed_s")
 EVAL_KEYS = ("val_loss", "val_bpb", "val_ppl", "elapsed_s")
@@ -165,26 +165,18 @@ def run_info(path: Path) -> dict:
     """What the list shows of a run: arch, steps done / planned, finished, final loss."""
     info: dict = {"finished": (path / "summary.json").is_file()}
     try:
-        cfg = _object(path / "config.json")
+        cfg = read_object(path / "config.json")
         model, train = (cfg.get(k) if isinstance(cfg.get(k), dict) else {} for k in ("model", "train"))
         info.update(arch=model.get("arch"), steps=train.get("steps"))
     except Exception as e:  # a damaged config is shown, not fatal to the list
         info["error"] = str(e).splitlines()[0]
     if info["finished"]:
         try:
-            s = _object(path / "summary.json")
+            s = read_object(path / "summary.json")
             info.update(step=s.get("step"), val_loss=s.get("val_loss"), val_bpb=s.get("val_bpb"))
         except Exception as e:
             info["error"] = str(e).splitlines()[0]
     return info
-
-
-def _object(path: Path) -> dict:
-    """A JSON file that must hold an object (a run's config.json, summary.json)."""
-    value = read_json(path)
-    if not isinstance(value, dict):
-        raise DataError(f"{path.name} holds a JSON {type(value).__name__}, not an object: the file is damaged")
-    return value
 
 
 def comparison(path: Path) -> dict:

@@ -33,6 +33,7 @@ from phaseloop.files import (
     file_digests,
     pid_alive,
     read_json,
+    read_object,
     read_unchanged,
     writing,
 )
@@ -199,10 +200,7 @@ def verify_export(folder: Path) -> None:
     if not record.is_file():
         return
     fix = "export the run again (phaseloop export)"
-    rec = read_json(record, fix)
-    if not isinstance(rec, dict):
-        raise CheckpointError(f"{record} holds a JSON {type(rec).__name__}: the file is damaged; {fix}")
-    files = rec.get("files")
+    files = read_object(record, "phaseloop export's record", fix).get("files")
     if files is None:
         return
     names = [n for n in DIGESTED if n in files] if isinstance(files, dict) else DIGESTED  # else refused below
