@@ -53,7 +53,7 @@ from torch.linalg import vector_norm
 from phaseloop import registry
 from phaseloop.errors import ConfigError
 from phaseloop.layers import apply_rope, compute_dtype
-from phaseloop.passes import FILLS, Running
+from phaseloop.passes import FILLS, Running, deepest_kv
 
 PASS_RULES = ("kl", "kl-lens", "entropy", "argmax", "state", "accel")  # any weight-tied trunk without ACT
 END_READ = ("kl", "entropy")  # read p_t through the trunk's end block (``Trunk.exit_readout``)
@@ -233,8 +233,9 @@ class Monitor:
         """A pass while ``idle``: each ``(layer, slot)``'s attention writes every position's
         deepest keys/values into ``slot`` (its ``forward_running`` with no position running),
         the rest of the layer is not called; then the pass's ``step``."""
-        for layer, slot in layers:
-            layer.attn.forward_running(None, None, self.ctx, slot, self.run, x.shape[1])
+        if self.base.cache is not None:
+            for layer, slot in layers:
+                self.base.cache.update(slot, *deepest_kv(layer.attn, self.run))
         return self.step(x, x)
 
     @property
@@ -292,7 +293,8 @@ class Monitor:
         if self.t < self.n:  # nothing to decide after the last pass
             rows = None if run.all else run.flat_N
             stop_N = self._stop(before, x, rows)
-            stopped = int(stop_N.sum())  # the one host read of a pass; none: the same positions run on
+            # the one host read of a pass (of a single position: no reduction); none: the same positions run on
+            stopped = int(stop_N) if stop_N.numel() == 1 else int(stop_N.sum())
             if stopped:
                 if rows is not None:
                     stop_N = torch.zeros_like(self.done).view(-1).index_copy(0, rows, stop_N)

@@ -148,13 +148,25 @@ def recording_passes(default, on_output=None) -> tuple[list, Callable]:
     return passes, seen
 
 
-def _passes(out, trunk) -> float | None:
-    """Mean passes behind the last position of a model output (the next token's); None
-    for a stack, which has no passes."""
+def _passes(out, trunk) -> torch.Tensor | float | None:
+    """Passes behind the last position of a model output (the next token's): per row, a
+    tensor read by ``_mean_passes`` once decoding is over (no host read a token); None for
+    a stack, which has no passes."""
     s = out.stats.get("exit_passes")
     if s is not None:
-        return float(s[:, -1].float().mean())
+        return s[:, -1].clone()
     return None if trunk.passes is None else float(trunk.passes)
+
+
+def _mean_passes(passes: list) -> list:
+    """``_passes``' records as floats: each tensor's mean over the rows, read in one go."""
+    at = [i for i, p in enumerate(passes) if isinstance(p, torch.Tensor)]
+    if at:
+        means = torch.stack([passes[i] for i in at]).float().mean(1).tolist()
+        passes = list(passes)
+        for i, m in zip(at, means):
+            passes[i] = m
+    return passes
 
 
 @torch.no_grad()
@@ -185,6 +197,7 @@ def generate(model, prompt_BT: torch.Tensor, options: Options) -> Generation:
             ids = decode(step, prompt_BT, options.max_new_tokens, temperature=options.temperature,
                          top_k=options.top_k, generator=gen, eos_id=options.eos_id, use_cache=options.use_cache,
                          on_output=lambda out: passes.append(_passes(out, model.trunk)))
+            passes = _mean_passes(passes)
             seconds = time.perf_counter() - t0
     finally:
         model.train(was_training)

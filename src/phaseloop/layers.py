@@ -24,7 +24,7 @@ from torch import nn
 from phaseloop import docattn, registry
 from phaseloop.config import ModelConfig
 from phaseloop.kvcache import KVCache, StaticKVCache, position_table  # the caches callers import from here
-from phaseloop.passes import Running, merged_kv, rope_rows
+from phaseloop.passes import Running, deepest_kv, merged_kv, rope_rows
 
 
 # ---------------------------------------------------------------------------- options
@@ -276,8 +276,9 @@ class Attention(nn.Module):
             if run.any:
                 fresh = self.kv_proj(h_ND).view(len(h_ND), 2, self.n_kv_heads, self.head_dim).unbind(1)
                 fresh = (apply_rope(fresh[0], cos, sin) if self.use_rope else fresh[0], fresh[1])
-            k_BTKE, v_BTKE = merged_kv(self, run, fresh) if fresh else run.latest[id(self)]
-            k_BKTE, v_BKTE = k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
+            if fresh:
+                merged_kv(self, run, fresh)
+            k_BKTE, v_BKTE = deepest_kv(self, run)
         if ctx.cache is not None:
             k_BKTE, v_BKTE = ctx.cache.update(slot, k_BKTE, v_BKTE)
         if not run.any:

@@ -117,3 +117,10 @@ def merged_kv(attn, run: Running, fresh_NKE: tuple) -> tuple:
     out = tuple(o.flatten(0, 1).index_copy(0, run.flat_N, f.to(o.dtype)).view_as(o) for o, f in zip(old, fresh_NKE))
     run.latest[id(attn)] = out
     return out
+
+
+def deepest_kv(attn, run: Running) -> tuple:
+    """(keys, values) [B, K, T, E] of ``attn`` under ``fill=latest``: every position's
+    deepest of this forward (``merged_kv``'s last, or the last pass every position ran)."""
+    k_BTKE, v_BTKE = run.latest[id(attn)]
+    return k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
