@@ -31,7 +31,7 @@ if not os.environ.get("CI"):  # CI installs the deploy extra: a missing one fail
 
 from phaseloop import ConfigError, ModelConfig, PhaseloopError, build_model, registry
 from phaseloop.data.tokenizer import ByteTokenizer
-from phaseloop.deploy import pte
+from phaseloop.deploy import pte, record_digest
 from phaseloop.deploy.generate import Exported
 from phaseloop.deploy.generate import generate as pte_generate
 from phaseloop.deploy.program import metadata, prepare
@@ -383,6 +383,16 @@ def _damaged_sidecars_are_refused(fp32, tmp_path, capsys):
         sidecars(p)[1].write_text(json.dumps(edited))
         code, err = run_cli(["generate", p], capsys)
         assert_one_line(code, err, "is not the record of an ExecuTorch export")
+    assert rec["record_sha256"] == record_digest(rec)  # export digests its record
+    for name, edited in (("len", {**rec, "metadata": {**meta, "get_max_seq_len": meta["get_max_seq_len"] + 1}}),
+                         ("digest", {**rec, "record_sha256": "0" * 64})):  # of the record's own shape
+        p = _copy(fp32, tmp_path / f"{name}.pte")
+        sidecars(p)[1].write_text(json.dumps(edited))
+        code, err = run_cli(["generate", p], capsys)
+        assert_one_line(code, err, f"{name}.json is damaged or was edited")
+    p = _copy(fp32, tmp_path / "older.pte")  # an export from before records were digested
+    sidecars(p)[1].write_text(json.dumps({k: v for k, v in rec.items() if k != "record_sha256"}))
+    assert open_pte(p).record["pte_sha256"] == rec["pte_sha256"]
     p = _copy(fp32, tmp_path / "tok.pte")
     tok = sidecars(p)[0]
     tok.write_text(json.dumps(json.loads(tok.read_text()), indent=1))  # the same vocabulary, another file

@@ -16,7 +16,9 @@ docs/deploy.md ("ExecuTorch") has the commands and the measured sizes and speeds
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 from pathlib import Path
 
 from phaseloop.errors import ConfigError
@@ -35,3 +37,12 @@ def sidecars(out: Path) -> tuple[Path, Path]:
     """(tokenizer file, record) beside the program ``out``."""
     stem = Path(out).with_suffix("")
     return stem.with_name(stem.name + ".tokenizer.json"), stem.with_name(stem.name + ".json")
+
+
+def record_digest(record: dict) -> str:
+    """sha256 of an export's record less its ``record_sha256``, as canonical JSON (sorted
+    keys, no spaces): export stores it in the record, ``generate FILE.pte`` recomputes it,
+    so a record damaged or edited after export is refused (the .pte and tokenizer have
+    their digests in the record)."""
+    body = {k: v for k, v in record.items() if k != "record_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

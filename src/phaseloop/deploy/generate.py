@@ -22,7 +22,7 @@ import torch
 
 from phaseloop.data.tokenizer import HFTokenizer
 from phaseloop.decoding import decode
-from phaseloop.deploy import EXTRA, sidecars
+from phaseloop.deploy import EXTRA, record_digest, sidecars
 from phaseloop.errors import CheckpointError, ConfigError
 from phaseloop.files import read_json, sha256_file, why_missing
 from phaseloop.inference import Generation, Options, recording_passes
@@ -57,6 +57,9 @@ def _record(rec_path: Path) -> dict:
             or not _count(meta.get("get_vocab_size"), 1)
             or not all(record.get(k) is None or _count(record[k], 0) for k in ("passes", "kv_cache_bytes"))):
         raise CheckpointError(f"{rec_path} is not the record of an ExecuTorch export; export the run again")
+    if "record_sha256" in record and record["record_sha256"] != record_digest(record):  # absent: an older export
+        raise CheckpointError(f"{rec_path} is damaged or was edited (its contents differ from its "
+                              "record_sha256); export the run again")
     return record
 
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from phaseloop.data.tokenizer import ByteTokenizer, byte_level_tokenizer
-from phaseloop.deploy import pte, sidecars
+from phaseloop.deploy import pte, record_digest, sidecars
 from phaseloop.deploy.program import metadata, prepare
 from phaseloop.engine.checkpoint import checkpoint_weights, load_run, run_folder, run_tokenizer
 from phaseloop.errors import PhaseloopError
@@ -78,6 +78,7 @@ def export_run(run: str | Path, out: str | Path, *, depth: int | None = None, ex
               "run": str(run_dir.resolve()),
               "checkpoint_sha256": weights_sha256,
               "export_s": round(time.perf_counter() - t0, 1)}
+    record["record_sha256"] = record_digest(record)
     write_all([(tok_path, tok_json), (record_path, (dumps(record, indent=2) + "\n").encode()),
                (out, data)])  # the .pte last: one on disk comes with its sidecars
     return {**record, "out": str(out)}
