@@ -193,7 +193,7 @@ class Monitor:
         self.passes = ctx.stats["exit_passes"] = torch.zeros(B, T, dtype=torch.long, device=x0.device)
         self.readouts = ctx.stats["exit_readouts"] = torch.zeros_like(self.passes)
         self.t, self.base, self.exited = 0, ctx, False  # exited: some position of ``done`` stopped
-        self.latest, self.read_latest = {}, {}
+        self.latest, self.read_latest, self.deepest = {}, {}, {}  # deepest: idle_pass's keys/values
         self._set_running(Running.uniform(~self.done, exits.fill, self.latest, True))
         kind, dtype = self.rule.kind, compute_dtype(x0.dtype)
         if kind in LENS_READ:
@@ -233,9 +233,13 @@ class Monitor:
         """A pass while ``idle``: each ``(layer, slot)``'s attention writes every position's
         deepest keys/values into ``slot`` (its ``forward_running`` with no position running),
         the rest of the layer is not called; then the pass's ``step``."""
-        if self.base.cache is not None:
+        cache = self.base.cache
+        if cache is not None:
             for layer, slot in layers:
-                self.base.cache.update(slot, *deepest_kv(layer.attn, self.run))
+                kv = self.deepest.get(id(layer.attn))
+                if kv is None:  # idle from now on: ``latest`` no longer changes in this forward
+                    kv = self.deepest[id(layer.attn)] = deepest_kv(layer.attn, self.run)
+                cache.update(slot, *kv)
         return self.step(x, x)
 
     @property
