@@ -106,14 +106,14 @@ def test_nbytes_counts_what_is_held():
     assert grown.nbytes == 2 * k.nbytes
 
 
-@pytest.mark.parametrize("share", [None, 1])
+@pytest.mark.parametrize("share,capacity", [(None, 12), (1, 12), (None, 2)])  # 2: buffers outgrown, copied
 @pytest.mark.parametrize("preset", TRUNKS)
-def test_truncate_forgets_positions_as_if_never_fed(preset, share):
+def test_truncate_forgets_positions_as_if_never_fed(preset, share, capacity):
     m = _model(preset, **({"act_halting_bias_init": -1.0} if "act" in preset else {}))
     set_kv_share(m, share)
     idx = _idx(T=9)
     other = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(7))
-    cache = KVCache(capacity=12)
+    cache = KVCache(capacity=capacity)
     m(idx[:, :4], cache=cache)
     first = [m(idx[:, t:t + 1], cache=cache).logits for t in range(4, 9)]
     cache.truncate(6)

@@ -44,6 +44,35 @@ def test_greedy_is_the_full_depths_greedy(preset, over):
     assert min(rates) < 1, rates  # drafts were rejected: the rollback ran
 
 
+def test_acceptance_counts_the_drafts_each_row_keeps(monkeypatch):
+    """Rows of a batch keep the prefix they all accepted (m drafts), and a row whose own
+    verification went further keeps d[m] as its next token: acceptance = those / drafted,
+    not the drafts each row's verification accepted."""
+    seen = []
+
+    def recorded(*a, **kw):
+        j_B, after_B = verify(*a, **kw)
+        seen.append(j_B.tolist())
+        return j_B, after_B
+    monkeypatch.setattr(decoding, "verify", recorded)
+    m = _model("universal-tiny")
+    idx = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    g = generate(m, idx, Options(max_new_tokens=14, speculative=1, draft_tokens=4))
+    assert any(len(set(j)) > 1 for j in seen), seen  # rows accepted different numbers of drafts
+    kept = sum(len(j) * min(j) + sum(x > min(j) for x in j) for j in seen)
+    drafted = sum(len(j) * k for j, k in zip(seen, _draft_counts(14, 4, seen), strict=True))
+    assert g.acceptance == pytest.approx(kept / drafted, abs=1e-12) and g.rounds == len(seen)
+
+
+def _draft_counts(new: int, k: int, seen: list) -> list:
+    """Drafts per round: ``k``, fewer in the round that reaches ``new`` tokens."""
+    counts, made = [], 1  # the prefill's token
+    for j in seen:
+        counts.append(min(k, new - made))
+        made += min(j) + 1
+    return counts
+
+
 def test_the_acceptance_arithmetic_gives_p_exactly():
     """sum_d q(d) [keep(d) e_d + (1 - keep(d)) residual] = p (Leviathan et al. 2023, Thm. 1)."""
     g = torch.Generator().manual_seed(0)

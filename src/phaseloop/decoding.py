@@ -136,7 +136,7 @@ def join_rows(caches: list[KVCache], capacity: int = 0) -> KVCache:
     for c in caches:
         B, device = _rows(c)
         pads.append((c.pad if c.pad is not None else torch.zeros(B, dtype=torch.long, device=device)) + S - c.pos)
-    out = KVCache(pos=S, capacity=capacity or None, pad=torch.cat(pads))
+    out = KVCache(pos=S, capacity=max(S, capacity), pad=torch.cat(pads))  # its buffers, preallocated
     for slot in slots:
         k0 = caches[0].entries[slot][0]
         buf = tuple(k0.new_zeros(len(out.pad), k0.shape[1], max(S, capacity), k0.shape[3]) for _ in range(2))
@@ -248,7 +248,9 @@ def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draf
             nxt_B = torch.where(j_B == m, after_B, d_BK[:, min(m, K - 1)])
             out.append(torch.cat([d_BK[:, :m], nxt_B[:, None]], 1))
             cache.truncate(n + 1 + m)
-            drafted, kept, rounds = drafted + K * len(j_B), kept + int(j_B.sum()), rounds + 1
+            # drafts in the output: m a row, and d[m] where a row accepted it (its next token)
+            kept += len(j_B) * m + int((j_B > m).sum())
+            drafted, rounds = drafted + K * len(j_B), rounds + 1
             passes += K * draft_passes + (K + 1) * full
             new += m + 1
     finally:

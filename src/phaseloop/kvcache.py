@@ -71,6 +71,7 @@ class KVCache:
         self.written[slot] = self.pos
         end = max(n, start + T)
         if self.capacity is None:
+            self.buffers.pop(slot, None)  # grown from now on: a buffer would go stale
             if n and start < n:  # replace rows [start, start + T), keep any after them
                 k_old, v_old = self.entries[slot]
                 k_BKTE = torch.cat([k_old[:, :, :start], k_BKTE, k_old[:, :, start + T:]], dim=2)
