@@ -178,6 +178,11 @@ def monitor(trunk, x0, ctx, n_passes: int, merge=None) -> Monitor | None:
     return Monitor(trunk, x0, ctx, n_passes, merge)
 
 
+def _vectors(x_N):
+    """[N, ...] as [N, features] (a view; no op when it is that already)."""
+    return x_N if x_N.dim() == 2 else x_N.flatten(1)
+
+
 class Monitor:
     """Exit decisions of one forward call, per position ([B, T]). The trunk runs each pass
     under ``ctx`` (its ``running``: the positions still computing), calls ``hold(before,
@@ -331,9 +336,10 @@ class Monitor:
     def _stop(self, before, x, rows):
         eps, kind = self.rule.value, self.rule.kind
         if kind in ("state", "accel"):
-            delta = (self._rows(x, rows) - self._rows(before, rows)).flatten(1)
+            b = _vectors(self._rows(before, rows))
+            delta = _vectors(self._rows(x, rows)) - b
             if kind == "state":  # eps = 0: never
-                return vector_norm(delta, dim=-1) < eps * vector_norm(self._rows(before, rows).flatten(1), dim=-1)
+                return vector_norm(delta, dim=-1) < eps * vector_norm(b, dim=-1)
             prev = self._rows(self.delta, rows, flat=True)
             hit = vector_norm(delta - prev, dim=-1) < eps
             hits = torch.where(hit, self._rows(self.hits, rows, flat=True) + 1, 0) * (self.t >= 2)

@@ -152,17 +152,18 @@ def _passes(out, trunk) -> torch.Tensor | float | None:
     """Passes behind the last position of a model output (the next token's): per row, a
     tensor read by ``_mean_passes`` once decoding is over (no host read a token); None for
     a stack, which has no passes."""
-    s = out.stats.get("exit_passes")
+    s = out.stats.get("exit_passes")  # [B, T], made by this forward and not changed after it
     if s is not None:
-        return s[:, -1].clone()
+        return s
     return None if trunk.passes is None else float(trunk.passes)
 
 
 def _mean_passes(passes: list) -> list:
-    """``_passes``' records as floats: each tensor's mean over the rows, read in one go."""
+    """``_passes``' records as floats: each tensor's last position averaged over the rows,
+    read in one go."""
     at = [i for i, p in enumerate(passes) if isinstance(p, torch.Tensor)]
     if at:
-        means = torch.stack([passes[i] for i in at]).float().mean(1).tolist()
+        means = torch.stack([passes[i][:, -1] for i in at]).float().mean(1).tolist()
         passes = list(passes)
         for i, m in zip(at, means):
             passes[i] = m
