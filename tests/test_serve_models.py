@@ -78,6 +78,8 @@ def test_export_serves_as_its_run(runs, tmp_path):
         card = httpx.get(f"{b.url}/v1/models").json()["data"][0]
         assert card["id"] == "exported" and card["phaseloop"]["kind"] == "export"
         assert card["phaseloop"]["defaults"] == {"depth": 3}  # the export's own depth
+        ran = httpx.get(f"{a.url}/v1/models").json()["data"][0]["phaseloop"]  # depth: passes, as a request's
+        assert card["phaseloop"]["depth"] == 3 and ran["depth"] == load_run(run)[0].trunk.passes != ran["layers"]
         for p in PROMPTS:
             assert complete(b, p) == complete(a, p, {"depth": 3})
             assert complete(b, p, {"depth": 2}) == complete(a, p, {"depth": 2})

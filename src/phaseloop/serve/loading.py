@@ -211,7 +211,12 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
         twin = build_model(model.cfg, device="meta").eval()
     except Exception:  # a plugin that cannot be built without weights: no per-request options
         twin = None
-    info.update(arch=model.cfg.arch, depth=getattr(model.trunk, "depth", None), dtype=dtype)
+    # depth: the passes a request runs unless it asks (UT steps / loop passes, as a request's
+    # depth; None: a stack); layers: the trained layer applications (a Looped model's begin,
+    # middle x loops and end)
+    passes = getattr(model.trunk, "passes", None)
+    info.update(arch=model.cfg.arch, depth=passes if defaults is None or defaults.depth is None else defaults.depth,
+                layers=getattr(model.trunk, "depth", None), dtype=dtype)
     info["weight_bytes"], info["weight_bytes_fp32"] = weight_bytes(model)
     return Served(model, name or path.resolve().name, encode, decode, eos_id, render, twin,
                   defaults or Settings(), info, path)
