@@ -36,8 +36,8 @@ PROMPT = "the qu"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Trained rope-tiny runs (plain; tied with sqrt(d) embedding scale; a BPE tokenizer)
-    and a 3PT run."""
+    """Trained rope-tiny runs (plain; tied with sqrt(d) embedding scale; tied; a BPE
+    tokenizer) and a 3PT run."""
     root = tmp_path_factory.mktemp("deploy")
     text = write_corpus(root / "corpus.txt")
     threads = torch.get_num_threads()
@@ -46,6 +46,7 @@ def runs(tmp_path_factory):
                  str(root / "tok")]) == 0
     out = {"root": root}
     for name, extra in (("rope", []), ("scaled", ["--set", "tie_embeddings=true", "--set", "embed_scale=true"]),
+                        ("tied", ["--set", "tie_embeddings=true"]),  # exported tied: no lm_head / output.weight
                         ("bpe", ["--tokenizer", str(root / "tok" / "tokenizer.json")]),
                         ("3pt", ["--preset", "3pt-tiny", "--steps", "2"])):
         preset = [] if "--preset" in extra else ["--preset", "rope-tiny"]
@@ -79,7 +80,8 @@ def test_llama_has_phaseloops_logits_and_greedy_tokens(over):
 
 
 def test_the_rope_convention_and_the_split_are_checked():
-    """Negative controls: k and v (or gate and up) swapped, or interleaved RoPE pairs, differ."""
+    """Negative controls: k and v (or gate and up) swapped differ (the RoPE pairs' control is
+    GGUF's: test_gguf_q_and_k_rows_are_interleaved_pairs)."""
     torch.manual_seed(0)
     model = build_model(ModelConfig.from_preset("rope-tiny")).eval()
     x = torch.randint(0, 256, (1, 12))
@@ -94,7 +96,7 @@ def test_the_rope_convention_and_the_split_are_checked():
 
 
 def test_export_llama_folder_loads_without_phaseloop_code(runs, tmp_path, capsys):
-    for name in ("rope", "scaled", "bpe"):
+    for name in ("rope", "scaled", "tied", "bpe"):
         out = tmp_path / name
         assert main(["export", str(runs[name]), "--format", "llama", "--out", str(out)]) == 0
         conf = json.loads((out / "config.json").read_text())
@@ -102,6 +104,8 @@ def test_export_llama_folder_loads_without_phaseloop_code(runs, tmp_path, capsys
         assert "auto_map" not in conf and not list(out.glob("*.py"))
         llama = AutoModelForCausalLM.from_pretrained(out).eval()
         assert type(llama) is LlamaForCausalLM
+        tied = llama.lm_head.weight.data_ptr() == llama.model.embed_tokens.weight.data_ptr()
+        assert conf["tie_word_embeddings"] is tied is (name == "tied")  # scaled: untied (docs/deploy.md)
         tok = AutoTokenizer.from_pretrained(out)
         model, _ = load_run(runs[name])
         ids = tok(PROMPT, return_tensors="pt").input_ids
@@ -179,7 +183,7 @@ def test_a_file_that_appears_during_the_export_is_left_alone(runs, tmp_path, mon
 def ggufs(runs, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     out = {}
-    for name in ("rope", "scaled", "bpe"):
+    for name in ("rope", "scaled", "tied", "bpe"):
         for outtype in ("f32", "f16", "q8_0"):
             path = root / f"{name}-{outtype}.gguf"
             assert main(["export", str(runs[name]), "--format", "gguf", "--outtype", outtype, "--out", str(path)]) == 0
@@ -187,7 +191,7 @@ def ggufs(runs, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["rope", "scaled", "bpe"])
+@pytest.mark.parametrize("name", ["rope", "scaled", "tied", "bpe"])
 @pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
 def test_gguf_holds_the_run(runs, ggufs, name, outtype):
     model, run_cfg = load_run(runs[name])
@@ -226,10 +230,50 @@ def test_gguf_holds_the_run(runs, ggufs, name, outtype):
         assert len(meta["tokenizer.ggml.merges"]) == len(spec["model"]["merges"]) > 0
 
 
+def _rope_pairs(x_HE, pos, base, interleaved):
+    """RoPE at ``pos`` of [H, E] rows: rotate-half (phaseloop, Llama) pairs i, i + E/2;
+    interleaved (GGML's, llama.cpp's LLaMA graph) pairs 2i, 2i + 1; angle pos base^(-2i/E)."""
+    H, E = x_HE.shape
+    ang = pos * base ** (-np.arange(0, E, 2) / E)
+    c, s = np.cos(ang), np.sin(ang)
+    a, b = (x_HE[:, 0::2], x_HE[:, 1::2]) if interleaved else (x_HE[:, :E // 2], x_HE[:, E // 2:])
+    ra, rb = a * c - b * s, a * s + b * c
+    return np.stack([ra, rb], -1).reshape(H, E) if interleaved else np.concatenate([ra, rb], 1)
+
+
+def test_gguf_q_and_k_rows_are_interleaved_pairs(runs, ggufs):
+    """The q/k rows as the file stores them (not read back through ``unpermute``), under
+    GGML's interleaved RoPE, give the attention scores phaseloop's rotate-half RoPE gives
+    with its own weights, head by head (GQA included); the unpermuted rows do not. Checked
+    without llama.cpp, so CI catches a permutation in the wrong direction or none."""
+    import gguf
+
+    model, _ = load_run(runs["rope"])
+    cfg, hf = model.cfg, {k: v.double().numpy() for k, v in llama_tensors(model).items()}
+    stored = {t.name: np.asarray(t.data, dtype=np.float64).reshape(t.data.shape)
+              for t in gguf.GGUFReader(str(ggufs["rope", "f32"])).tensors}
+    x_D, y_D = np.random.default_rng(0).standard_normal((2, cfg.d_model))
+    per = cfg.n_heads // cfg.n_kv_heads
+
+    def scores(wq, wk, interleaved):
+        q = _rope_pairs((wq @ x_D).reshape(cfg.n_heads, -1), 9, cfg.rope_base, interleaved)
+        k = _rope_pairs((wk @ y_D).reshape(cfg.n_kv_heads, -1), 4, cfg.rope_base, interleaved)
+        return np.array([q[h] @ k[h // per] for h in range(cfg.n_heads)])
+
+    for i in range(cfg.n_layers):
+        want = scores(hf[f"model.layers.{i}.self_attn.q_proj.weight"], hf[f"model.layers.{i}.self_attn.k_proj.weight"],
+                      interleaved=False)
+        got = scores(stored[f"blk.{i}.attn_q.weight"], stored[f"blk.{i}.attn_k.weight"], interleaved=True)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+        unpermuted = scores(hf[f"model.layers.{i}.self_attn.q_proj.weight"],
+                            hf[f"model.layers.{i}.self_attn.k_proj.weight"], interleaved=True)
+        assert np.abs(unpermuted - want).max() > 1e-3 * np.abs(want).max()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                     reason="llama-cpp-python is not installed (CI does not build it: 10-40 minutes); "
                     "benchmarks/bench_deploy.py runs this check where it is")
-@pytest.mark.parametrize("name", ["rope", "scaled", "bpe"])
+@pytest.mark.parametrize("name", ["rope", "scaled", "tied", "bpe"])
 def test_llama_cpp_runs_the_gguf_to_phaseloops_greedy_tokens(runs, ggufs, name, capsys, monkeypatch, tmp_path):
     from llama_cpp import Llama
 

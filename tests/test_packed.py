@@ -18,7 +18,7 @@ from phaseloop.inference import decode_layout, onednn_linear, prepacked_bytes
 from phaseloop.lm.train import eval_set, evaluate
 from phaseloop.quant import PackedLinear, QuantizedWeight, load_dequantized, load_packed, quantize_rtn, weight_bytes
 from phaseloop.quant.core import dequantize
-from phaseloop.quant.io import DIGEST, tensors_digest
+from phaseloop.quant.io import DIGEST, HEADER, header_digest, tensors_digest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,6 +66,21 @@ def test_packed_module_keeps_its_buffers_through_to_and_double():
     x = torch.randn(2, 128, dtype=torch.float64)
     assert m(x).dtype == torch.float64
     assert (m(x) - x @ W.double().t()).abs().max() <= 1e-2 * (x @ W.double().t()).abs().max()
+
+
+@pytest.mark.parametrize("n,k,bits,g", [(64, 128, 4, 32), (64, 128, 8, 32), (24, 128, 4, 16)])  # last: fp32
+def test_packed_buffers_survive_a_round_trip_through_other_dtypes(n, k, bits, g):
+    """``.to(bf16)`` / ``.half()`` then ``.float()`` leave every buffer bit for bit (an fp32
+    offset or fallback weight sent through bf16 was rounded: 2e-3 of the output)."""
+    qw, _ = _qw(n, k, bits, g)
+    m = PackedLinear(qw)
+    before = {name: b.clone() for name, b in m.named_buffers()}
+    x = torch.randn(3, k)
+    y = m(x)
+    m.to(torch.bfloat16).float()
+    m.half().float()
+    assert all(torch.equal(before[name], b) and before[name].dtype == b.dtype for name, b in m.named_buffers())
+    assert torch.equal(m(x), y)
 
 
 def test_weight_bytes_int4_g32_at_most_a_fifth_of_fp32():
@@ -235,9 +250,10 @@ def test_foreign_damaged_and_mismatched_files_are_refused_by_name(world, tmp_pat
     assert not (tmp_path / "x").exists()
 
 
-def _edited(src, dst, meta=lambda m: m, tensors=lambda t: t):
-    """``src`` rewritten at ``dst`` with its header and tensors edited, its tensors' digest
-    written again (an edit that keeps the file whole: the checks behind the digest see it)."""
+def _edited(src, dst, meta=lambda m: m, tensors=lambda t: t, redigest: bool = True):
+    """``src`` rewritten at ``dst`` with its header and tensors edited, its tensors' and its
+    header's digests written again (an edit that keeps the file whole: the checks behind the
+    digests see it; ``redigest`` False: the header's digest kept, as an editor would)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -245,6 +261,8 @@ def _edited(src, dst, meta=lambda m: m, tensors=lambda t: t):
         m, t = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
     t = tensors(t)
     m = meta({**m, DIGEST: tensors_digest(t)} if DIGEST in m else m)
+    if redigest and HEADER in m:
+        m[HEADER] = header_digest(m)
     save_file(t, str(dst), metadata=m)
     return dst
 
@@ -282,6 +300,13 @@ def test_edited_headers_and_damaged_values_are_refused(world, tmp_path, capsys):
             code, err = run_cli([*cmd, "--quantized", path], capsys)
             assert_one_line(code, err, pattern)
             assert str(path) in err and not (tmp_path / "x").exists()
+    # this run's file with the other run's checkpoint digest written into its header (the same
+    # config): it loaded into the other run, this run's embedding, norms and head included
+    with safe_open(str(world["other"] / qfile.name), "pt") as f:
+        theirs = {k: f.metadata()[k] for k in ("run", "checkpoint_sha256")}
+    moved = _edited(qfile, tmp_path / "moved.safetensors", redigest=False, meta=lambda m: {**m, **theirs})
+    code, err = run_cli(["eval", world["other"], "--windows", "2", "--quantized", moved], capsys)
+    assert_one_line(code, err, "is damaged or was edited: its metadata")
     # run packed (eval), a plain entry in another dtype and a bias the layer does not have (nor the file
     # a bias it has) were taken as they were: an fp16 embedding failed in the forward, the bias was added
     linear = prefix[: -len(".weight")]  # a quantised Linear without a bias (bias=False, the default)

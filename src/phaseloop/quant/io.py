@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Mapping
 
@@ -15,6 +16,7 @@ from phaseloop.quant.core import QUANT_ATTR, QuantizedWeight
 
 FORMAT = "phaseloop.quant.v1"  # the metadata's "format" of every quantised file
 DIGEST = "tensors_sha256"  # the metadata's digest of every tensor in the file (tensors_digest)
+HEADER = "header_sha256"  # the metadata's digest of the rest of the metadata (header_digest)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
@@ -72,6 +74,21 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def header_digest(meta: Mapping[str, str]) -> str:
+    """sha256 of a file's metadata less its ``header_sha256`` (canonical JSON): the run,
+    checkpoint and config digests the provenance checks trust, and the tensors' digest."""
+    body = {k: v for k, v in meta.items() if k != HEADER}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_header(meta: Mapping[str, str], name: str, fix: str) -> None:
+    """Refuse metadata edited or damaged since it was written (a file from before the
+    header was digested has nothing to check)."""
+    if HEADER in meta and meta[HEADER] != header_digest(meta):
+        raise CheckpointError(f"{name} is damaged or was edited: its metadata (run, checkpoint and config "
+                              f"digests) differs from the {HEADER} recorded when it was written; {fix}")
+
+
 def check_digest(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], name: str, fix: str) -> None:
     """Refuse ``tensors`` (of the file ``name``) unless they have the digest ``meta`` records."""
     if tensors_digest(tensors) != meta[DIGEST]:
@@ -88,6 +105,7 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, metadata: Mapping[
     meta = {"format": FORMAT}
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
     meta[DIGEST] = tensors_digest(sd)
+    meta[HEADER] = header_digest(meta)
     save_safetensors(sd, path, metadata=meta, target=target)
 
 
@@ -109,6 +127,7 @@ def load_quantized_state_dict(src, model: nn.Module | None = None, *, device="cp
         except Exception as e:
             raise CheckpointError(f"quantised file {os.fspath(src)} is damaged or not a safetensors file "
                                   f"({first_line(e, 100)}); {fix}") from None
+        check_header(meta, f"quantised file {os.fspath(src)}", fix)
         if DIGEST in meta:
             check_digest(sd, meta, f"quantised file {os.fspath(src)}", fix)
         sd = {k: v.to(device) for k, v in sd.items()}

@@ -91,12 +91,13 @@ class PackedLinear(nn.Module):
         self.n_groups = K // G
 
     def _apply(self, fn, recurse=True):
-        """``.to(dtype)``, ``.double()``, ``.half()`` move the module but keep its buffers'
-        dtypes: the kernels take int codes and bf16 scales only."""
-        dtypes = {n: b.dtype for n, b in self._buffers.items() if b is not None}
+        """``.to(dtype)``, ``.double()``, ``.half()`` move the module but keep its buffers as
+        they are (dtype and values; only their device follows): the kernels take int codes and
+        bf16 scales, and a round trip through another dtype would round the fp32 offsets."""
+        old = {n: b for n, b in self._buffers.items() if b is not None}
         super()._apply(fn, recurse)
-        for n, dt in dtypes.items():
-            self._buffers[n] = self._buffers[n].to(dt)
+        for n, b in old.items():
+            self._buffers[n] = b.to(device=self._buffers[n].device)
         return self
 
     def extra_repr(self) -> str:
