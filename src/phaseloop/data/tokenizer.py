@@ -45,12 +45,15 @@ class Tokenizer(Protocol):
     sha256: str | None  # of the tokenizer file (None for bytes)
     path: Path | None
     chunk_safe: bool  # encoding text pieces split after a newline = encoding the whole
+    byte_level: bool  # decoding = the tokens' bytes joined (token_bytes), then UTF-8
 
     def encode(self, data: bytes | str) -> np.ndarray: ...
 
     def encode_batch(self, pieces: list[bytes | str]) -> list[np.ndarray]: ...
 
     def decode(self, ids) -> str: ...
+
+    def token_bytes(self, i: int) -> bytes: ...
 
     def window_bytes(self, ids_NT) -> np.ndarray: ...
 
@@ -84,7 +87,7 @@ class ByteTokenizer:
     name = kind = "bytes"
     vocab_size = 256
     sha256 = path = None
-    chunk_safe = True
+    chunk_safe = byte_level = True
 
     def encode(self, data: bytes | str) -> np.ndarray:
         if isinstance(data, str):
@@ -99,6 +102,10 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) & 0xFF for i in ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for (one byte, which may be part of a character)."""
+        return bytes([int(i) & 0xFF])
 
     def window_bytes(self, ids_NT) -> np.ndarray:
         return np.full(len(ids_NT), np.shape(ids_NT)[1], dtype=np.int64)
@@ -223,6 +230,29 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for: a byte-level piece mapped back to its bytes (part
+        of a character, maybe), a byte-fallback ``<0xNN>`` its byte, else its decoded text."""
+        piece = self.tok.id_to_token(int(i))
+        if piece is not None and self._dec == "ByteLevel" and piece not in self._special:
+            dec = _gpt2_byte_decoder()
+            if all(c in dec for c in piece):
+                return bytes(dec[c] for c in piece)
+        if piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([i]).encode("utf-8")
+
+    @property
+    def byte_level(self) -> bool:
+        return self._dec == "ByteLevel"
+
+    @cached_property
+    def _special(self) -> set:
+        return {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
 
     @cached_property
     def _token_bytes(self) -> np.ndarray | None:

@@ -122,7 +122,7 @@ class Server:
             self.engine.submit(seqs)
         except QueueFull as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
-        rid, name, decode = request_id("chatcmpl" if req.chat else "cmpl"), self.served.name, self.served.decode
+        rid, name, decode = request_id("chatcmpl" if req.chat else "cmpl"), self.served.name, self.served.vocab
         if req.stream:
             return StreamingResponse(self.stream(request, req, seqs, queue, rid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -145,9 +145,9 @@ class Server:
         return json_response(responses.body(req, seqs, rid, name, decode))
 
     async def stream(self, request: Request, req: schema.Request, seqs: list[Sequence], queue, rid: str):
-        name, decode, t0, status = self.served.name, self.served.decode, time.monotonic(), "200"
+        name, decode, t0, status = self.served.name, self.served.vocab, time.monotonic(), "200"
         try:
-            started, pending = set(), set(range(len(seqs)))
+            started, pending, track = set(), set(range(len(seqs))), {}
             while pending:
                 k, ev = await queue.get()
                 if ev.finish is not None:
@@ -159,13 +159,15 @@ class Server:
                         return
                 if k not in started:
                     started.add(k)
+                    track[k] = responses.tracker(req, seqs[k], k, decode)
                     if req.echo:
                         yield responses.sse(responses.echo_chunk(req, seqs[k], rid, name, k, decode))
                     first = True
                 else:
                     first = False
                 if ev.text or ev.finish or first or req.logprobs is not None:
-                    yield responses.sse(responses.chunk(req, rid, name, k, ev, decode, first=first and req.chat))
+                    yield responses.sse(responses.chunk(req, rid, name, k, ev, decode, first=first and req.chat,
+                                                        track=track[k]))
             if req.include_usage:
                 yield responses.sse({"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
                                      "created": int(time.time()), "model": name, "choices": [],

@@ -278,8 +278,12 @@ class Engine:
             spec, before = g.speculative, g.speculative.forwards
             kept = spec.round()
             self.steps += spec.forwards - before
-            for token, logits_V in kept:
+            for i, (token, logits_V) in enumerate(kept):
                 if g.rows[0].finish is None:
+                    # drafts in the output (the last token is the full depth's own; a stop or
+                    # eos may end the row before the rest of the round), counted before the
+                    # push that may finish the row and answer the request
+                    g.rows[0].speculation["accepted"] += i < len(kept) - 1
                     self._push(g.rows[0], token, logits_V)
             return
         x_B1 = torch.tensor([[s.last] for s in g.rows], device=self.device)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from phaseloop.data.tokenizer import HFTokenizer
 from phaseloop.engine import resolve_device
 from phaseloop.engine.checkpoint import load_run, run_tokenizer
 from phaseloop.errors import CheckpointError, ConfigError, PhaseloopError, first_line, state_dict_error
@@ -27,6 +28,7 @@ from phaseloop.quant import load_packed, weight_bytes
 from phaseloop.quant.io import load_quantized_state_dict
 from phaseloop.quant.load import read_quantized
 from phaseloop.serve.options import Settings
+from phaseloop.serve.responses import Vocab
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,6 +45,11 @@ class Served:
     defaults: Settings = Settings()
     info: dict = field(default_factory=dict)  # shown in /v1/models: no paths
     path: Path | None = None
+    vocab: Vocab | None = None  # decode with each token's bytes (the answers' logprobs); None: from decode
+
+    def __post_init__(self):
+        if self.vocab is None:
+            self.vocab = Vocab(self.decode, lambda t: self.decode([t]).encode("utf-8"), False)
 
 
 def is_export(path: Path) -> bool:
@@ -177,6 +184,8 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
 
         decode = fast.decode
         eos_id = fast.eos_token_id
+        own = HFTokenizer(path / "tokenizer.json")  # each token's bytes (the fast tokenizer's file)
+        vocab = Vocab(decode, own.token_bytes, own.byte_level)
         info["kind"] = "export"
     else:
         if quantized:
@@ -188,6 +197,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
             return tok.encode(text).tolist()
 
         decode, eos_id, fast = tok.decode, None, None
+        vocab = Vocab(decode, tok.token_bytes, tok.byte_level)
         info["kind"] = "run"
     if quantized and "quantized" not in info:
         info["quantized"] = _quantized(model, Path(quantized), path)
@@ -219,4 +229,4 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
                 layers=getattr(model.trunk, "depth", None), dtype=dtype)
     info["weight_bytes"], info["weight_bytes_fp32"] = weight_bytes(model)
     return Served(model, name or path.resolve().name, encode, decode, eos_id, render, twin,
-                  defaults or Settings(), info, path)
+                  defaults or Settings(), info, path, vocab)

@@ -7,8 +7,10 @@ top-p)."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
+from collections.abc import Callable
 
 from phaseloop.serve.schema import Request
 from phaseloop.serve.sequence import Event, Sequence
@@ -34,15 +36,51 @@ def prompt_text(req: Request, i: int, decode) -> str:
     return req.texts[i] if req.texts[i] is not None else decode(req.prompts[i])
 
 
-def _logprobs(ids: list[int], scores: list, decode, offset: int) -> dict:
-    tokens = [decode([t]) for t in ids]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [s[0] if s else None for s in scores],
-            "top_logprobs": [{decode([i]): lp for i, lp in s[1].items()} if s else None for s in scores],
-            "text_offset": offsets}
+class Vocab:
+    """The served tokenizer as the answers need it: ``vocab(ids)`` the text, ``string(id)``
+    a token's own text, or OpenAI's ``bytes:\\xNN`` where its bytes are not UTF-8 alone
+    (a byte of a character: distinct ids never share a string), ``token_bytes(id)`` its
+    bytes, ``tracker(base)`` the character each next token's text starts at."""
+
+    def __init__(self, decode: Callable[[list[int]], str], token_bytes: Callable[[int], bytes], byte_level: bool):
+        self.decode, self.token_bytes, self.byte_level = decode, token_bytes, byte_level
+
+    def __call__(self, ids: list[int]) -> str:
+        return self.decode(ids)
+
+    def string(self, t: int) -> str:
+        raw = self.token_bytes(t)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def tracker(self, base: int = 0) -> Callable[[int], int]:
+        """token -> the offset in the text where it starts (a byte completing a character:
+        where that character starts), fed the tokens in order; a byte-level vocabulary
+        decodes incrementally, another one decodes each prefix."""
+        if self.byte_level:
+            dec, at = codecs.getincrementaldecoder("utf-8")(errors="replace"), [base]
+
+            def nxt(t: int) -> int:
+                start = at[0]
+                at[0] += len(dec.decode(self.token_bytes(t)))
+                return start
+            return nxt
+        seen: list[int] = []
+
+        def prefix(t: int) -> int:
+            start = base + (len(self.decode(seen)) if seen else 0)
+            seen.append(t)
+            return start
+        return prefix
+
+
+def _logprobs(ids: list[int], scores: list, vocab: Vocab, offset: int, track=None) -> dict:
+    track = track or vocab.tracker(offset)
+    return {"tokens": [vocab.string(t) for t in ids], "token_logprobs": [s[0] if s else None for s in scores],
+            "top_logprobs": [{vocab.string(i): lp for i, lp in s[1].items()} if s else None for s in scores],
+            "text_offset": [track(t) for t in ids]}
 
 
 def completion_logprobs(req: Request, s: Sequence, i: int, decode) -> dict | None:
@@ -55,10 +93,9 @@ def completion_logprobs(req: Request, s: Sequence, i: int, decode) -> dict | Non
     return _logprobs(s.tokens, s.logprobs, decode, len(prompt_text(req, i, decode)))
 
 
-def _chat_logprobs(ids: list[int], scores: list, decode, n: int) -> dict:
+def _chat_logprobs(ids: list[int], scores: list, vocab: Vocab, n: int) -> dict:
     def entry(token: int, lp: float) -> dict:
-        text = decode([token])
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"token": vocab.string(token), "logprob": lp, "bytes": list(vocab.token_bytes(token))}
 
     return {"content": [{**entry(t, sc[0]), "top_logprobs": [entry(i, lp) for i, lp in sorted(
         sc[1].items(), key=lambda kv: -kv[1])[:n]]} for t, sc in zip(ids, scores)]}
@@ -82,8 +119,10 @@ def body(req: Request, seqs: list[Sequence], rid: str, model: str, decode) -> di
             "model": model, "choices": choices, "usage": usage(req, seqs)}
 
 
-def chunk(req: Request, rid: str, model: str, k: int, ev: Event, decode, first: bool = False) -> dict:
-    """One streamed chunk for choice ``k``."""
+def chunk(req: Request, rid: str, model: str, k: int, ev: Event, decode, first: bool = False,
+          track=None) -> dict:
+    """One streamed chunk for choice ``k`` (``track``: the choice's ``Vocab.tracker``, fed
+    every token of it in order: the offsets the whole answer would give)."""
     finish = ev.finish if ev.finish in ("stop", "length") else None
     if req.chat:
         delta = {"role": "assistant", "content": ev.text} if first else {"content": ev.text}
@@ -92,10 +131,21 @@ def chunk(req: Request, rid: str, model: str, k: int, ev: Event, decode, first: 
         choice = {"index": k, "delta": delta, "logprobs": lp, "finish_reason": finish}
     else:
         lp = (None if req.logprobs is None or ev.logprob is None
-              else _logprobs([ev.token], [ev.logprob], decode, 0))
+              else _logprobs([ev.token], [ev.logprob], decode, 0, track))
         choice = {"index": k, "text": ev.text, "logprobs": lp, "finish_reason": finish}
     return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def tracker(req: Request, s: Sequence, k: int, vocab: Vocab) -> Callable[[int], int]:
+    """The offsets of choice ``k``'s generated tokens in what its stream sends: after the
+    prompt's tokens with ``echo``, after the prompt's text without."""
+    if req.echo:
+        track = vocab.tracker(0)
+        for t in req.prompts[k // req.n]:
+            track(t)
+        return track
+    return vocab.tracker(len(prompt_text(req, k // req.n, vocab)))
 
 
 def echo_chunk(req: Request, s: Sequence, rid: str, model: str, k: int, decode) -> dict:

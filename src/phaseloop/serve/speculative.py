@@ -86,7 +86,7 @@ class Speculative:
         self.cache.truncate(n + 1 + m)
         self.forwards += K + 1
         st = s.speculation
-        st["rounds"], st["drafted"], st["accepted"] = st["rounds"] + 1, st["drafted"] + K, st["accepted"] + m
+        st["rounds"], st["drafted"] = st["rounds"] + 1, st["drafted"] + K  # "accepted": the engine, as it pushes
         return list(zip(d_BK[0, :m].tolist() + [int(after_B[0])], logits_BKV[0, :m + 1]))
 
 
