@@ -61,3 +61,20 @@ def test_the_joinable_record_is_bounded(monkeypatch):
                 eng._turn()
     assert all(s.finish == "length" for s in seqs)
     assert list(eng.joinable) == [s.settings for s in seqs[-3:]]  # the oldest went first
+
+
+def test_text_a_tokenizer_keeps_nothing_of_is_a_400():
+    """A tokenizer that encodes a prompt (or the rendered chat) to no token: a 400 naming the
+    field, not an empty prompt for the model (a 500)."""
+    import pytest
+
+    from phaseloop.serve import schema
+
+    limits = schema.Limits(max_context=64, vocab_size=256)
+    for call, param in ((lambda: schema.completion({"prompt": ["ok", "§"]}, lambda t: [] if t == "§" else [1], limits),
+                         "prompt"),
+                        (lambda: schema.chat({"messages": [{"role": "user", "content": "§"}]}, lambda m: "§",
+                                             lambda t: [], limits), "messages")):
+        with pytest.raises(schema.APIError) as e:
+            call()
+        assert e.value.status == 400 and e.value.param == param and "encodes to no token" in e.value.message

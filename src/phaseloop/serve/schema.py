@@ -179,7 +179,7 @@ def completion(body: dict, encode, limits: Limits) -> Request:
     ids, texts = [], []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            ids.append(list(encode(p or "\n")))
+            ids.append(_encoded(encode, p or "\n", "prompt", f"prompt {i}"))
             texts.append(p or "\n")
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             if not all(0 <= t < limits.vocab_size for t in p):
@@ -222,13 +222,22 @@ def messages(body: dict) -> list[dict]:
     return out
 
 
+def _encoded(encode, text: str, param: str, what: str) -> list[int]:
+    """``text``'s token ids; a 400 naming ``param`` where the tokenizer keeps none of it (a
+    vocabulary without these characters), which the model cannot start from."""
+    ids = list(encode(text))
+    if not ids:
+        raise bad(param, f"{what} encodes to no token with this model's tokenizer; send other text or token ids")
+    return ids
+
+
 def chat(body: dict, render, encode, limits: Limits) -> Request:
     """A ``POST /v1/chat/completions`` body; ``render(messages) -> prompt text`` (the
     tokenizer's chat template, with the assistant's turn opened)."""
     common = _common(body, CHAT, limits, chat=True)
     _unsupported(body, _NEUTRAL)
     text = render(messages(body))
-    ids = list(encode(text or "\n"))
+    ids = _encoded(encode, text or "\n", "messages", "the rendered messages")
     mt = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, mt, max(1, min(limits.max_context - len(ids), 256)), lo=0, none_ok=False)
     _check_length([ids], max_tokens, limits)
