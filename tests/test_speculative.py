@@ -62,6 +62,25 @@ def test_acceptance_counts_the_drafts_each_row_keeps(monkeypatch):
     kept = sum(len(j) * min(j) + sum(x > min(j) for x in j) for j in seen)
     drafted = sum(len(j) * k for j, k in zip(seen, _draft_counts(14, 4, seen), strict=True))
     assert g.acceptance == pytest.approx(kept / drafted, abs=1e-12) and g.rounds == len(seen)
+    # an eos on a kept draft with kept drafts after it: the output ends there, and so do the
+    # drafts it counts (row 0 alone: each round's m drafts from position ``at``)
+    rows, at, cut = idx[:1], 1, None
+    seen.clear()
+    alone = generate(m, rows, Options(max_new_tokens=14, speculative=1, draft_tokens=4))
+    for j in seen:
+        if j[0] >= 2 and cut is None:
+            cut = at  # the round's first draft: an eos there drops the round's other drafts
+        at += j[0] + 1
+    assert cut is not None, seen
+    eos = int(alone.tokens[0, cut])
+    seen.clear()
+    g = generate(m, rows, Options(max_new_tokens=14, speculative=1, draft_tokens=4, eos_id=eos))
+    L, at, kept = g.tokens.shape[1], 1, 0
+    for j in seen:
+        kept += max(0, min(j[0], L - at))
+        at += j[0] + 1
+    assert g.tokens[0, -1] == eos and kept < sum(j[0] for j in seen)  # drafts were dropped
+    assert g.acceptance == pytest.approx(kept / sum(_draft_counts(14, 4, seen)), abs=1e-12)
 
 
 def _draft_counts(new: int, k: int, seen: list) -> list:

@@ -226,7 +226,7 @@ def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draf
         return prompt_BT, {"cache": cache, "acceptance": None, "rounds": 0, "passes": 0}
     logits = model(prompt_BT, cache=cache).logits[:, -1]
     nxt_B = pick(logits, dist(logits))
-    out, new, drafted, kept, rounds, passes = [nxt_B[:, None]], 1, 0, 0, 0, full
+    out, new, drafted, placed, rounds, passes = [nxt_B[:, None]], 1, 0, [], 0, full
     try:
         while new < max_new_tokens and not (eos_id is not None and bool((torch.cat(out, 1) == eos_id).any(1).all())):
             K, n = min(draft_tokens, max_new_tokens - new), cache.pos
@@ -248,8 +248,9 @@ def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draf
             nxt_B = torch.where(j_B == m, after_B, d_BK[:, min(m, K - 1)])
             out.append(torch.cat([d_BK[:, :m], nxt_B[:, None]], 1))
             cache.truncate(n + 1 + m)
-            # drafts in the output: m a row, and d[m] where a row accepted it (its next token)
-            kept += len(j_B) * m + int((j_B > m).sum())
+            # drafts in the output: m a row from position ``new``, and d[m] where a row accepted it
+            # (its next token); counted once the output's length is known (an eos may cut it)
+            placed.append((new, m, int((j_B > m).sum())))
             drafted, rounds = drafted + K * len(j_B), rounds + 1
             passes += K * draft_passes + (K + 1) * full
             new += m + 1
@@ -260,6 +261,7 @@ def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draf
         hit_BN = new_BN == eos_id
         if bool(hit_BN.any(1).all()):
             new_BN = new_BN[:, :int(hit_BN.int().argmax(1).max()) + 1]
-    ids = torch.cat([prompt_BT, new_BN], 1)
+    ids, L, B = torch.cat([prompt_BT, new_BN], 1), new_BN.shape[1], new_BN.shape[0]
+    kept = sum(B * max(0, min(m, L - at)) + (extra if at + m < L else 0) for at, m, extra in placed)
     return ids, {"cache": cache, "acceptance": kept / drafted if drafted else None, "rounds": rounds,
                  "passes": passes}
