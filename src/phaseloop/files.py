@@ -190,6 +190,15 @@ def sha256_file(path: Path) -> str:
     return digest
 
 
+def json_digest(record: dict, without: str) -> str:
+    """sha256 of ``record`` less its key ``without`` (where the digest itself is kept), as
+    canonical JSON (sorted keys, no spaces): a record that carries its own digest, so one
+    damaged or edited after it was written is told (an export's record, a quantised file's
+    metadata)."""
+    body = {k: v for k, v in record.items() if k != without}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def file_digests(folder: Path, names) -> dict:
     """{name: {bytes, sha256}} of the files ``names`` in ``folder`` (a checkpoint's manifest,
     an export's phaseloop.json)."""

@@ -110,13 +110,13 @@ def rope_rows(cos_TE: torch.Tensor, run: Running, T: int) -> torch.Tensor:
     return cos_TE[:, 0].flatten(0, 1).index_select(0, run.flat_N)[:, None]
 
 
-def merged_kv(attn, run: Running, fresh_NKE: tuple) -> tuple:
-    """(keys, values) [B, T, K, E] of this pass under ``fill=latest``: the running rows'
-    fresh ones, the others' deepest (kept for the next pass)."""
+def merged_kv(attn, run: Running, fresh_NKE: tuple) -> None:
+    """Keep in ``run.latest`` the (keys, values) [B, T, K, E] of this pass under
+    ``fill=latest``: the running rows' fresh ones, the others' deepest (``deepest_kv``
+    reads them, this pass and the next)."""
     old = run.latest[id(attn)]
     out = tuple(o.flatten(0, 1).index_copy(0, run.flat_N, f.to(o.dtype)).view_as(o) for o, f in zip(old, fresh_NKE))
     run.latest[id(attn)] = out
-    return out
 
 
 def deepest_kv(attn, run: Running) -> tuple:

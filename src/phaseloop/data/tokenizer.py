@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -111,8 +111,10 @@ class ByteTokenizer:
         return np.full(len(ids_NT), np.shape(ids_NT)[1], dtype=np.int64)
 
 
+@cache
 def _gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, inverted: the printable character standing for each byte."""
+    """GPT-2's bytes_to_unicode, inverted: the printable character standing for each byte
+    (made once; callers read it)."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     chars, n = list(keep), 0
     for b in range(256):
@@ -261,9 +263,8 @@ class HFTokenizer:
             return None
         dec = _gpt2_byte_decoder()
         out = np.zeros(self.vocab_size, dtype=np.int64)
-        special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
         for token, i in self.tok.get_vocab(with_added_tokens=True).items():
-            if token not in special:
+            if token not in self._special:
                 out[i] = sum(1 if c in dec else len(c.encode()) for c in token)
         return out
 

@@ -16,12 +16,11 @@ docs/deploy.md ("ExecuTorch") has the commands and the measured sizes and speeds
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 from pathlib import Path
 
 from phaseloop.errors import ConfigError
+from phaseloop.files import json_digest
 
 EXTRA = "pip install 'phaseloop[deploy]'"
 
@@ -40,9 +39,7 @@ def sidecars(out: Path) -> tuple[Path, Path]:
 
 
 def record_digest(record: dict) -> str:
-    """sha256 of an export's record less its ``record_sha256``, as canonical JSON (sorted
-    keys, no spaces): export stores it in the record, ``generate FILE.pte`` recomputes it,
-    so a record damaged or edited after export is refused (the .pte and tokenizer have
-    their digests in the record)."""
-    body = {k: v for k, v in record.items() if k != "record_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    """An export's record's own digest (``files.json_digest`` less ``record_sha256``): export
+    stores it in the record, ``generate FILE.pte`` recomputes it, so a record damaged or
+    edited after export is refused (the .pte and tokenizer have their digests in the record)."""
+    return json_digest(record, "record_sha256")

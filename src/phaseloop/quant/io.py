@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping
 
@@ -11,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from phaseloop.errors import CheckpointError, ConfigError, first_line
-from phaseloop.files import save_safetensors
+from phaseloop.files import json_digest, save_safetensors
 from phaseloop.quant.core import QUANT_ATTR, QuantizedWeight
 
 FORMAT = "phaseloop.quant.v1"  # the metadata's "format" of every quantised file
@@ -75,10 +74,9 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
 
 
 def header_digest(meta: Mapping[str, str]) -> str:
-    """sha256 of a file's metadata less its ``header_sha256`` (canonical JSON): the run,
-    checkpoint and config digests the provenance checks trust, and the tensors' digest."""
-    body = {k: v for k, v in meta.items() if k != HEADER}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    """A file's metadata's own digest (``files.json_digest`` less ``header_sha256``): the
+    run, checkpoint and config digests the provenance checks trust, and the tensors' digest."""
+    return json_digest(dict(meta), HEADER)
 
 
 def check_header(meta: Mapping[str, str], name: str, fix: str) -> None:
