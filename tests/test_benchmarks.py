@@ -133,6 +133,16 @@ def test_bench_serve_runs(capsys, one_thread):
     assert len(rows) == 4 and all(line.split("|")[8].strip() == "0" for line in rows)  # 0 errors
 
 
+def test_bench_stream_text_runs(capsys):
+    pytest.importorskip("tokenizers")
+    import bench_stream_text
+
+    assert bench_stream_text.main(["--lengths", "8,16", "--rounds", "1", "--vocab", "300"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| b")]
+    assert [r.split("|")[1:3] for r in rows] == [[" bytes ", " 8 "], [" bytes ", " 16 "], [" bpe-300 ", " 8 "],
+                                                 [" bpe-300 ", " 16 "]]
+
+
 def test_bench_adaptive_runs(capsys, one_thread, tmp_path):
     import bench_adaptive
 

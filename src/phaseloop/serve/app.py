@@ -95,7 +95,7 @@ class Server:
         for prompt in req.prompts:
             for j in range(req.n):
                 k = len(seqs)
-                seqs.append(Sequence(prompt, req.max_tokens, sampling, settings, self.served.decode,
+                seqs.append(Sequence(prompt, req.max_tokens, sampling, settings, self.served.vocab,
                                      lambda ev, k=k: loop.call_soon_threadsafe(queue.put_nowait, (k, ev)),
                                      req.stop, self.served.eos_id, req.stream,
                                      req.logprobs if req.echo and req.logprobs is not None else None,

@@ -55,6 +55,21 @@ class Vocab:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
+    def running(self) -> Callable[[int], str] | None:
+        """For a byte-level vocabulary, a running decode: fed the tokens in order, each call
+        returns the text of all of them so far (``vocab(ids)``: a character not complete yet
+        is one U+FFFD), at the cost of the new token's bytes where ``vocab(ids)`` decodes
+        every token again; None for another vocabulary (its text of a token may depend on
+        the tokens around it)."""
+        if not self.byte_level:
+            return None
+        dec, done = codecs.getincrementaldecoder("utf-8")(errors="replace"), [""]
+
+        def feed(t: int) -> str:
+            done[0] += dec.decode(self.token_bytes(t))
+            return done[0] + "\ufffd" if dec.getstate()[0] else done[0]
+        return feed
+
     def tracker(self, base: int = 0) -> Callable[[int], int]:
         """token -> the offset in the text where it starts (a byte completing a character:
         where that character starts), fed the tokens in order; a byte-level vocabulary

@@ -2,7 +2,8 @@
 sampling rule, its tokens and log-probabilities, its text with the stop sequences cut, and
 the events it sends the request waiting on it (``notify``: called from the decode thread).
 
-Text is decoded from all tokens so far; a streamed delta holds back a trailing U+FFFD (a
+Text is that of all tokens so far (decoded token by token where the vocabulary is byte-level,
+``Vocab.running``; else every token again); a streamed delta holds back a trailing U+FFFD (a
 multi-byte character not complete yet) and any tail that could start a stop sequence, so
 the deltas of a stream add up to the text of the same request unstreamed."""
 
@@ -45,7 +46,7 @@ class Sequence:
     max_new: int
     sampling: Sampling
     settings: Settings
-    decode: Callable[[list[int]], str]
+    decode: Callable[[list[int]], str]  # ids -> text; a ``Vocab`` decodes a byte-level stream token by token
     notify: Callable[[Event], None]
     stop: list[str] = field(default_factory=list)
     eos_id: int | None = None
@@ -64,6 +65,7 @@ class Sequence:
     speculation: dict | None = None  # a speculative sequence's rounds, drafts and accepted drafts
     started: float = field(default_factory=time.monotonic)
     _sent: int = 0
+    _running: Callable[[int], str] | None = None  # ``Vocab.running``: the text so far, token by token
 
     def seed_on(self, device) -> None:
         """The sequence's generator on ``device``: seeded ``seed + index`` (choice 0 draws as
@@ -87,7 +89,10 @@ class Sequence:
         if token == self.eos_id:
             return self.end("stop", token, logprob)
         if self.stop or self.stream:
-            text = self.decode(self.tokens)
+            if len(self.tokens) == 1:
+                running = getattr(self.decode, "running", None)
+                self._running = running() if running is not None else None
+            text = self._running(token) if self._running is not None else self.decode(self.tokens)
             self.text = self._cut(text)
             if len(self.text) < len(text):
                 return self.end("stop", token, logprob)
