@@ -157,14 +157,40 @@ METRICS = [
     (lambda L: L[:4] + [L[4][:25]], "lacks the training record of step 4"),  # torn at step <= 6
     (lambda L: L[:2] + [L[2][:30]] + L[3:], "line 3 is not valid JSON"),  # torn in the middle
     (lambda L: [], "lacks the training record of step 1"),
+    (lambda L: L[:2] + ['{"step": "4", "loss": 1}'] + L[2:], """line 3 has no step number ("step": '4'"""),
+    (lambda L: L[:4] + [L[4].replace('"step": 4,', '"step": 4.0,')] + L[5:], "line 5 has no step number"),
+    (lambda L: L + ['{"loss": 99}'], "line 9 has no step number"),  # after the checkpoint too
+    (lambda L: L[:1] + ['{"step": null}'] + L[1:], "line 2 has no step number"),
 ]
 
 
 @pytest.mark.parametrize("damage, pattern", METRICS, ids=["gap", "eval-gap", "repeated", "torn-last-early",
-                                                         "torn-middle", "emptied"])
+                                                         "torn-middle", "emptied", "step-text", "step-float",
+                                                         "no-step", "step-null"])
 def test_metrics_damaged_before_the_checkpoint_is_refused(run, capsys, damage, pattern):
     _write(run, damage(_lines(run)))
     refused_untouched(RESUME, run, capsys, pattern)
+
+
+@pytest.mark.parametrize("value", ["2", None, 0, True])
+def test_a_hand_edited_world_size_is_refused_by_every_reader(run, capsys, value):
+    """Where no digest guards config.json (a run of 0.1), parallel.world_size must still
+    be a whole number of processes, for resume and for the readers."""
+    _drop_digest(run)
+    _edit(run, lambda c: {**c, "parallel": {"world_size": value}})
+    for argv in (RESUME, EVAL):
+        refused_untouched(argv, run, capsys, f"parallel.world_size is {value!r}, not the positive whole number")
+
+
+def test_resuming_with_init_from_a_run_trained_without_it_says_so(made, run, capsys):
+    refused_untouched([*RESUME, "--init-from", str(made["run"])], run, capsys,
+                      "was trained without --init-from, which a resumed run cannot add; resume without")
+
+
+def test_a_run_without_its_config_is_damaged_not_foreign(run, capsys):
+    (run / "config.json").unlink()
+    refused_untouched([*RESUME, "--preset", "rope-tiny"], run, capsys,
+                      "holds a run's checkpoint/ or metrics.jsonl but no config.json: the run is damaged")
 
 
 def test_deleted_metrics_is_refused_not_taken_for_none(run, capsys):
@@ -313,3 +339,15 @@ def test_a_recipe_seed_beyond_torch_is_refused(tmp_path, capsys, monkeypatch):
     code, err = run_cli(["compare", recipe, "--out", tmp_path / "c"], capsys)
     assert_one_line(code, err, "integers from 0 to 2^63 - 1")
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_a_finished_run_killed_before_its_summary_gets_its_last_evaluation(run, capsys):
+    """A kill between the last checkpoint and summary.json: resuming writes the summary the
+    uninterrupted run wrote, its validation figures read back from metrics.jsonl."""
+    want = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()
+    code, err = run_cli([str(run) if a == "RUN" else a for a in RESUME], capsys)
+    assert code == 0, err
+    got = json.loads((run / "summary.json").read_text())
+    keys = [k for k in want if k.startswith("val_")]
+    assert len(keys) >= 5 and {k: got.get(k) for k in keys} == {k: want[k] for k in keys}

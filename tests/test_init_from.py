@@ -196,3 +196,21 @@ def test_a_tokenizer_is_named_with_its_digest_only_where_it_has_one():
 
     assert _named({"tokenizer": "bytes", "tokenizer_sha256": None}) == "'bytes'"  # not "sha256 None..."
     assert _named({"tokenizer": "t3", "tokenizer_sha256": "ab" * 32}) == "'t3' (sha256 abababababab...)"
+
+
+def test_a_source_whose_weights_are_not_finite_is_refused_before_anything_is_written(tmp_path, capsys):
+    """As every other reader of weights: NaN in one norm gain (or an embedding row no token
+    of the corpus uses) is refused naming the tensor, not trained from (then taken for a
+    divergence of the new run, exit 3, or trained on silently)."""
+    cfg = ModelConfig.from_preset("rope-tiny", max_seq_len=16)
+    model = _saved_run(tmp_path / "src", cfg, seed=0)
+    with torch.no_grad():
+        model.embed.tok.weight[cfg.vocab_size - 1, 0] = float("nan")  # a byte no text here holds
+    save_checkpoint(tmp_path / "src", model, config=json.loads((tmp_path / "src" / "config.json").read_text()))
+    text = tmp_path / "t.txt"
+    text.write_text("plain ascii text, again and again. " * 200)
+    out = tmp_path / "new"
+    code, err = run_cli(["train", *TINY, "--steps", "2", "--data", text, "--out", out, "--init-from",
+                         tmp_path / "src"], capsys)
+    assert_one_line(code, err, "hold NaN or inf (embed.tok.weight): that run diverged; start from another run")
+    assert not out.exists()

@@ -122,3 +122,20 @@ def test_a_damaged_or_blocked_best_is_refused_before_the_run_changes(tmp_path, t
     # without --keep-best the best folder is not the run's business: the resume trains
     train(CFG, tc(steps=10, keep_best=False), text_file, run, resume=True, progress=False)
     assert ckpt_step(run / "checkpoint") == 10
+
+
+def test_a_superseded_best_and_a_copy_named_like_a_kept_checkpoint_on_resume(tmp_path, text_file):
+    """A kill after the new best came in and before the old one went leaves .best.old beside
+    best/: the next resume removes it. A folder named like a kept checkpoint but not as
+    --keep-checkpoints names them (a user's checkpoint-1) is neither counted nor removed."""
+    t = tc()
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(CFG, t, text_file, full, progress=False)
+    train(CFG, t, text_file, part, progress=False, stop_after=10)
+    shutil.copytree(part / "best", part / ".best.old")
+    shutil.copytree(part / "checkpoint", part / "checkpoint-1")
+    assert 1 not in kept_steps(part)
+    train(CFG, t, text_file, part, resume=True, progress=False)
+    assert not (part / ".best.old").exists() and ckpt_step(part / "best") == ckpt_step(full / "best")
+    assert kept_steps(part) == kept_steps(full)
+    verify_checkpoint(part / "checkpoint-1")

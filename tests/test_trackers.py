@@ -135,6 +135,21 @@ def test_unknown_tracker_and_missing_package_are_one_line_errors(tmp_path, text_
     assert_one_line(code, err, "pip install 'phaseloop[track]'")
     assert "--log-to wandb needs the wandb package" in err
     assert not out.exists()  # refused before the run folder was made
+    code, err = run_cli(["train", *TINY, "--steps", "2", "--data", text_file, "--out", out, "--log-to", ","],
+                        capsys)
+    assert_one_line(code, err, "log_to=',' names no tracker")
+
+
+def test_a_damaged_tracker_ids_file_is_refused_before_the_run_changes(tmp_path, text_file, capsys):
+    from conftest import snapshot
+
+    run = tmp_path / "run"  # stopped past the checkpoint of step 5: resuming would drop the records of 6, 7
+    train(CFG, tc(log_to="wandb"), text_file, run, progress=False, stop_after=7)
+    (run / IDS).write_text("[")
+    before = snapshot(run)
+    with pytest.raises(Exception, match="trackers.json is damaged"):
+        train(CFG, tc(log_to="wandb"), text_file, run, resume=True, progress=False)
+    assert snapshot(run) == before
 
 
 def test_trackers_open_in_the_process_that_writes_the_run_only(tmp_path, text_file, monkeypatch):

@@ -80,6 +80,10 @@ def read_run_config(run_dir: str | Path, ckpt: Path | None = None,
         if name in cfg and not isinstance(cfg[name], dict):
             raise CheckpointError(f"{path}: its {name} section is a JSON {type(cfg[name]).__name__}, not "
                                   f"an object of settings; {fix}")
+    world = cfg.get("parallel", {}).get("world_size", 1)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"{path}: parallel.world_size is {world!r}, not the positive whole number of "
+                              f"processes the run was trained with; {fix}")
     data = cfg.get("data", {})
     for key, types in _DATA_TYPES.items():
         if key in data and not isinstance(data[key], types):
@@ -340,11 +344,15 @@ def load_run(path: str | Path, device: str | torch.device = "cpu"):
         raise CheckpointError(f"{run_dir} has no checkpoint yet; train it first (phaseloop train)")
     model = build_model(cfg)
     load_model_state(model, ckpt)
-    bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        raise CheckpointError(f"the weights in {ckpt} hold NaN or inf ({bad[0]}): that run diverged; "
-                              "train again with a lower --lr")
+    refuse_nonfinite(model.state_dict(), ckpt, "train again with a lower --lr")
     return model.to(device).eval(), run_cfg
+
+
+def refuse_nonfinite(state: dict, ckpt: Path, fix: str) -> None:
+    """One line naming the first weight of ``state`` (read from ``ckpt``) that holds NaN or inf."""
+    bad = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if bad is not None:
+        raise CheckpointError(f"the weights in {ckpt} hold NaN or inf ({bad}): that run diverged; {fix}")
 
 
 TOKENIZER_COPY = "tokenizer.json"  # a run keeps the tokenizer it was trained with

@@ -36,6 +36,7 @@ from phaseloop.engine.checkpoint import (
     checkpoint_dir,
     read_model_state,
     read_run_config,
+    refuse_nonfinite,
     verify_checkpoint,
 )
 from phaseloop.errors import ConfigError
@@ -119,6 +120,7 @@ def load_init(model, path: str | Path, log: Callable[[str], None] | None = None)
         raise ConfigError(f"--init-from {path}: its weights do not fit this model ({e.detail}"
                           + (f"; config: {diff}" if diff else "") + "); build the model with the source's "
                           "shape (its config.json), or start without --init-from") from None
+    refuse_nonfinite(state, ckpt, "start from another run (--init-from), or without one")
     notes = check_changes(path, there, here)
     model.load_state_dict(state)
     for note in notes if log is not None else ():

@@ -37,11 +37,11 @@ def kept_name(step: int) -> str:
 
 
 def kept_steps(run_dir: Path) -> list[int]:
-    """The steps of the RUN/checkpoint-<step> folders, ascending."""
+    """The steps of the RUN/checkpoint-<step> folders ``kept_name`` writes, ascending."""
     out = []
     for p in Path(run_dir).glob(f"{CKPT}-*"):
         tail = p.name[len(CKPT) + 1:]
-        if p.is_dir() and tail.isdigit():
+        if p.is_dir() and tail.isdigit() and p.name == kept_name(int(tail)):  # not a copy named alike
             out.append(int(tail))
     return sorted(out)
 
@@ -103,8 +103,11 @@ class Keeper:
         if not self.active:
             return
         run_dir = Path(self.run_dir)
-        if self.writes and (run_dir / _BEST_OLD).is_dir() and not (run_dir / BEST).exists():
-            (run_dir / _BEST_OLD).rename(run_dir / BEST)  # killed mid-swap: the previous best
+        if self.writes and (run_dir / _BEST_OLD).is_dir():  # killed mid-swap
+            if not (run_dir / BEST).exists():
+                (run_dir / _BEST_OLD).rename(run_dir / BEST)  # before the new best came in: the previous one
+            else:
+                shutil.rmtree(run_dir / _BEST_OLD)  # after: the superseded one
         evals = [(r["val_loss"], r["step"]) for r in read_metrics(run_dir)
                  if isinstance(r.get("val_loss"), (int, float)) and r.get("step", 0) <= step]
         if evals:

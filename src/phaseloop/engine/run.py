@@ -78,6 +78,11 @@ def _records(path: Path) -> tuple[list[str], list[dict], bool]:
         if not isinstance(records[-1], dict):
             raise CheckpointError(f"{path} line {i + 1} is not a metrics record; restore the file, "
                                   "or delete that line to resume")
+        step = records[-1].get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # every record has its step
+            raise CheckpointError(f"{path} line {i + 1} has no step number (\"step\": {step!r}, a whole number "
+                                  "every record holds): the file is damaged; restore it, or delete that line "
+                                  "to resume")
     return lines, records, False
 
 
@@ -148,7 +153,10 @@ class RunFolder:
                 raise CheckpointError(f"{path} already holds a run; pass --resume to continue it "
                                       "or choose another --out")
             saved = read_run_config(path, fix="restore it as the run wrote it, or choose another --out",
-                                    sections=[k for k in run_cfg if k not in ("software", "parallel")])
+                                    sections=[k for k in run_cfg if k not in ("software", "parallel", "init")])
+            if "init" in run_cfg and "init" not in saved:
+                raise CheckpointError(f"{path} was trained without --init-from, which a resumed run cannot add; "
+                                      "resume without --init-from, or start a new run in another --out")
             there, now = _global_batch(saved), _global_batch(run_cfg)
             if there != now:
                 world = run_cfg.get("parallel", {}).get("world_size", 1)
@@ -180,6 +188,10 @@ class RunFolder:
                     f"{path} holds a run with a different {section} config ({k}: "
                     f"{saved.get(section, {}).get(k)!r} there, {want.get(k)!r} now); "
                     "resume with the same settings or choose another --out")
+        elif any(os.path.lexists(path / name) for name in (CKPT, "metrics.jsonl")):
+            raise CheckpointError(f"{path} holds a run's {CKPT}/ or metrics.jsonl but no config.json: the run "
+                                  "is damaged; restore its config.json from a copy, or choose another --out "
+                                  "(nothing was changed)")
         elif path.exists() and any(p for p in path.iterdir() if not p.name.startswith(TMP_PREFIX)):
             raise CheckpointError(f"{path} exists, holds no run and is not empty; choose another --out")
         elif resume:

@@ -32,6 +32,9 @@ IDS = "trackers.json"  # the run's tracker run ids (the W&B run id)
 def names(log_to: str | None) -> list[str]:
     """The trackers of a ``log_to`` setting ("tensorboard,wandb"), checked by name."""
     out = [n.strip() for n in (log_to or "").split(",") if n.strip()]
+    if log_to is not None and not out:  # "" or ",": a setting that names nothing
+        raise ConfigError.invalid(f"log_to={log_to!r} names no tracker; name one or more of "
+                                  f"{', '.join(TRACKERS)}, comma-separated, or leave it out", "train config")
     for n in out:
         if n not in TRACKERS:
             raise ConfigError.invalid(f"log_to={log_to!r}: unknown tracker {n!r}; choose "
@@ -42,13 +45,16 @@ def names(log_to: str | None) -> list[str]:
     return out
 
 
-def check(log_to: str | None) -> None:
-    """Refuse, before anything is written, a tracker whose package is not installed."""
+def check(log_to: str | None, run_dir: Path | None = None) -> None:
+    """Refuse, before anything is written, a tracker whose package is not installed, and
+    a damaged ``trackers.json`` in ``run_dir`` that W&B would read."""
     for n in names(log_to):
         pkg = TRACKERS[n].package
         if importlib.util.find_spec(pkg) is None:
             raise ConfigError(f"--log-to {n} needs the {pkg} package, which is not installed; "
                               f"pip install 'phaseloop[{EXTRA}]' (or pip install {pkg})")
+    if run_dir is not None and "wandb" in names(log_to):
+        read_ids(run_dir)
 
 
 def scalars(record: dict) -> dict[str, float]:

@@ -149,7 +149,7 @@ class Trainer:
         if run is not None:
             run.check()
             self.keeper.check()  # a damaged best is refused before the folder changes
-            check_trackers(tc.log_to)  # a missing package is refused before anything is written
+            check_trackers(tc.log_to, run.path)  # a missing package or damaged ids: refused before any write
         torch.manual_seed(tc.seed)  # the same initial weights on every rank
         self.model = self.build().to(self.device)
         if self.world.rank > 0:  # dropout masks differ between ranks

@@ -18,6 +18,7 @@ from phaseloop.data.tokenizer import ByteTokenizer, Tokenizer
 from phaseloop.engine import RunFolder, TrainConfig, Trainer, autocast, dist, software_versions
 from phaseloop.engine.checkpoint import TOKENIZER_COPY, checkpoint_dir
 from phaseloop.engine.initfrom import check_tokenizer, provenance
+from phaseloop.engine.run import read_metrics
 from phaseloop.engine.trainer import ignore_targets
 from phaseloop.errors import ConfigError
 from phaseloop.files import atomic_write_bytes, read_json
@@ -58,6 +59,12 @@ def ignore_id_fault(ignore_id: int | None, cfg: ModelConfig) -> str | None:
 
 
 @torch.no_grad()
+def last_evaluation(run_dir: Path, step: int) -> dict:
+    """``evaluate``'s figures as metrics.jsonl logged them at ``step`` ({} where none was)."""
+    found = [r for r in read_metrics(run_dir) if r["step"] == step and "lr" not in r]
+    return {k: v for k, v in found[-1].items() if k.startswith("val_")} if found else {}
+
+
 def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | None = None,
              batch_size: int = 16, device: torch.device | str = "cpu", ignore_id: int | None = None,
              docs: dict[str, torch.Tensor] | None = None) -> dict:
@@ -181,6 +188,8 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
                                                             tc.extend_loops if depth else None)["flops_per_token"],
                       compile_share=compile_share, log=log)
     trainer.setup()  # writes config.json: the tokenizer's copy goes in beside it
+    if trainer.step >= tc.steps:  # a finished run (killed before its summary.json?): its last evaluation
+        trainer.last_eval = last_evaluation(run.path, trainer.step)
     if w.main and corpus.tokenizer.path is not None and not (run.path / TOKENIZER_COPY).exists():
         atomic_write_bytes(run.path / TOKENIZER_COPY, corpus.tokenizer.path.read_bytes())
     summary = {**trainer.fit(stop_after), "data": corpus.describe(), **({"world_size": w.size} if w.size > 1 else {})}
