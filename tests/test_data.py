@@ -154,3 +154,41 @@ def test_bpb_is_nats_per_byte_over_ln2(text_file):
     r = evaluate(m, D.eval_windows(va, 16, 4), c.tokenizer)
     assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2))
     assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]))
+
+
+def test_jsonl_with_a_byte_order_mark_and_crlf(tmp_path):
+    """Windows editors write a BOM (and CRLF): the first record is read, not refused."""
+    f = tmp_path / "r.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"text": "hello world"}\r\n{"text": "again"}\r\n')
+    c = D.load_corpus(str(f))
+    got = bytes(c.tokens[:])
+    assert len(c.doc_starts) == 2 and got.startswith(b"hello world") and b"\xef" not in got
+
+
+def test_safe_pieces_cut_a_stream_as_they_cut_the_whole(monkeypatch):
+    """Blocks of any size give the pieces of the whole text at once (the search resumes
+    where the last one ended: a line without a cut is scanned once, not once a block)."""
+    import random
+    import re
+
+    monkeypatch.setattr(S, "PIECE", 64)
+    rng = random.Random(0)
+    alphabet = [b"a", b" ", b"\n", "\u00a0".encode(), b"x", b"\n ", "東".encode()]
+    for _ in range(200):
+        text = b"".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 1500)))
+        cuts = [m.start() for m in re.finditer(S._CUT, text)]
+        want, start = [], 0
+        while len(text) - start > S.PIECE:
+            cut = next((c for c in cuts if c >= start + S.PIECE), None)
+            if cut is None:
+                break
+            want.append(text[start:cut])
+            start = cut
+        want += [text[start:]] if start < len(text) else []
+        sizes = iter(lambda: rng.randrange(1, 300), None)
+        blocks, i = [], 0
+        while i < len(text):
+            k = next(sizes)
+            blocks.append(text[i:i + k])
+            i += k
+        assert list(S.safe_pieces(blocks, False)) == want

@@ -172,3 +172,21 @@ def test_wikitext_rows_of_a_dataset_are_grouped_into_articles(tmp_path, data_dir
     assert bytes(grouped.tokens[:]) == raw and grouped.doc_starts.tolist() == from_file.doc_starts.tolist()
     datasets.Dataset.from_dict({"text": rows[:50]}).save_to_disk(str(tmp_path / "other"))
     assert len(load_corpus(tmp_path / "other").doc_starts) == 50  # any other dataset: a document per row
+
+
+def test_wikitext_articles_by_name_with_crlf_and_never_from_a_store_of_other_documents(tmp_path, data_dir):
+    """The same bytes named as a plain file are one document, named as WikiText its 60
+    articles, whichever was read first (the store of one is not reused for the other); a
+    copy with CRLF line ends has the same articles."""
+    from phaseloop.data import load_corpus
+
+    raw = (data_dir / "wikitext-2" / "wiki.valid.raw").read_bytes()
+    for name, data in (("a/plain.txt", raw), ("b/wiki.valid.raw", raw), ("c/wiki.valid.raw",
+                                                                          raw.replace(b"\n", b"\r\n"))):
+        (tmp_path / name).parent.mkdir()
+        (tmp_path / name).write_bytes(data)
+    assert len(load_corpus(tmp_path / "a/plain.txt").doc_starts) == 1
+    wiki = load_corpus(tmp_path / "b/wiki.valid.raw")
+    assert len(wiki.doc_starts) == 60
+    crlf = load_corpus(tmp_path / "c/wiki.valid.raw")
+    assert len(crlf.doc_starts) == 60 and bytes(crlf.tokens[:]) == raw.replace(b"\n", b"\r\n")

@@ -128,7 +128,9 @@ BAD = [
     (["task", "--task", "copy", "--seeds", "0,1,0", "--out", "{root}/t7"], "seed 0 is repeated"),
     (["babi", "--seeds", "3,3", "--out", "{root}/t8"], "seed 3 is repeated"),
     # tokenizer
-    (["tokenizer", "train", "--data", "{text}", "--vocab-size", "10", "--out", "{root}/k1"], "256"),
+    (["tokenizer", "train", "--data", "{text}", "--vocab-size", "10", "--out", "{root}/k1"], "use >= 256 (or"),
+    (["demo", "parity", "--length", "5000"], "must be an integer from 1 to 4,096"),
+    (["demo", "parity", "--layers", "100000000"], "must be an integer from 0 to 4,096"),
     (["tokenizer", "encode", "-t", "nosuch", "hi"], "unknown tokenizer"),
     (["tokenizer", "decode", "abc"], "takes token ids"),
     (["params", "--preset", "nope"], "unknown preset"),

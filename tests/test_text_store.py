@@ -189,6 +189,13 @@ STORE_CASES = [
     ("bytes", lambda d: (d / "manifest.json").write_text("{"), ["eval", "{run}"], "is damaged (JSONDecodeError)"),
     ("bytes", lambda d: _edit_manifest(d, documents=None), ["eval", "{run}"], "is damaged (KeyError)"),
     ("bytes", lambda d: _edit_manifest(d, bytes=0), ["eval", "{run}"], "its manifest's bytes is 0"),
+    ("bytes", lambda d: _edit_manifest(d, shards=[]), ["eval", "{run}"], "its manifest lists no shards"),
+    ("bytes", lambda d: _edit_manifest(d, tokens=5), ["eval", "{run}"], "its manifest says 5 tokens, its shards hold"),
+    ("bytes", lambda d: _edit_manifest(d, format="phaseloop.tokens.v9"), ["eval", "{run}"],
+     "its manifest's format is 'phaseloop.tokens.v9'"),
+    ("bytes", lambda d: _edit_manifest(d, shards=[{k: v for k, v in sh.items() if k != "sha256"} for sh in
+                                                  json.loads((d / "manifest.json").read_text())["shards"]]),
+     ["eval", "{run}"], "a shard of its manifest has no sha256"),  # not taken for a store of v1
     ("bytes", lambda d: (d / "manifest.json").unlink(), ["train", *TINY, "--data", "{text}", "--out", "{root}/x"],
      "is damaged (FileNotFoundError)"),  # never taken for a store not built yet
     ("bpe", lambda d: (_legacy(d), (d / "tokens-00000.bin").write_bytes(
@@ -220,6 +227,16 @@ def test_store_verification_is_cached_by_file_state_and_sees_later_damage(world,
     with pytest.raises(DataError, match="tokens-00000.bin differs from the file written"):
         load_corpus(world["text"])
     assert any(str(c).endswith("tokens-00000.bin") for c in calls) and "docs.i64" in calls
+
+
+def test_a_verified_stamp_of_another_shape_is_no_stamp(world, stores):
+    d = stores["bytes"]
+    load_corpus(world["text"])
+    for bad in ("9", [1], 2.5):
+        stamp = json.loads((d / token_store.VERIFIED).read_text())
+        (d / token_store.VERIFIED).write_text(json.dumps({**stamp, "max_id": bad}))
+        assert len(load_corpus(world["text"]).tokens) > 0  # checked in full again, and stamped anew
+        assert type(json.loads((d / token_store.VERIFIED).read_text())["max_id"]) is int
 
 
 def test_store_of_the_previous_release_opens_after_its_checks(world, stores):
@@ -340,3 +357,13 @@ def test_a_build_in_progress_is_not_taken_for_an_interrupted_one(tmp_path):
     old.mkdir()
     os.utime(old, (0, 0))  # another host's, untouched for more than a day
     assert _abandoned(old, prefix)
+
+
+def test_data_split_on_a_dataset_saved_without_splits_is_refused(world, capsys):
+    datasets = pytest.importorskip("datasets")
+    folder = world["root"] / "dsone"
+    if not folder.exists():
+        datasets.Dataset.from_dict({"text": ["ok text here " * 20] * 30}).save_to_disk(str(folder))
+        capsys.readouterr()  # the library's progress bar
+    refused(fill(["tokenizer", "stats", "--data", "{root}/dsone", "--data-split", "test"], world), capsys,
+            "is one dataset, saved without splits; --data-split test does not apply to it", world["root"])

@@ -99,6 +99,24 @@ def test_store_equals_encoding_the_whole_text(bpe, tmp_path, monkeypatch):
     assert bytes(b.tokens[:]) == f.read_bytes() and b.manifest["dtype"] == "uint8"
 
 
+def test_store_equals_the_whole_where_a_line_starts_with_a_unicode_space(tmp_path, monkeypatch):
+    """A newline before a no-break, ideographic, em or NEL space is no place to cut: the
+    pre-tokenizer joins " \\n" there, which a cut before the newline would split."""
+    from phaseloop.data.tokenizer_train import train_tokenizer
+
+    _chunky(monkeypatch)
+    src = tmp_path / "train.txt"
+    src.write_text("the line ends . \n\nand the next one\n" * 300)
+    bpe = train_tokenizer(str(src), "bpe", 300, tmp_path / "tok", progress=False)
+    assert [bpe.decode([i]) for i in bpe.encode(" \n")] == [" \n"]  # one token: a cut would split it
+    assert bpe.chunk_safe
+    for ws in ("\u00a0", "\u3000", "\u2003", "\u0085"):
+        f = tmp_path / "t.txt"
+        f.write_text("".join(f"line {i} of the text . \n{ws}next part {i}\n" for i in range(200)))
+        st = ST.build(S.resolve(f), bpe, batch_bytes=3000, shard_tokens=700)
+        assert st.tokens[:].tolist() == bpe.encode(f.read_text()).tolist(), repr(ws)
+
+
 def test_store_equals_the_whole_on_real_text(bpe, words, data_dir, tmp_path, monkeypatch):
     """Shakespeare (lines start with letters) and WikiText (lines start with a space, runs
     of blank lines): cut every ~512 bytes, the tokens are those of the whole file."""

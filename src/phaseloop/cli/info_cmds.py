@@ -41,9 +41,12 @@ def add_parsers(sub) -> None:
 
     demo = sub.add_parser("demo", help="runnable explainer demos")
     demo.add_argument("which", choices=["parity"], help="parity: the hand-set prefix-parity scan")
-    demo.add_argument("--length", type=argtypes.positive_int, default=100)
+    # the traces hold every step's state of every position: 65536 positions took 46 s and 14 GB
+    demo.add_argument("--length", type=argtypes.int_in(1, 4096, " (the traces hold every step of every position)"),
+                      default=100, help="bits in the input, 1-4096 (default 100)")
     demo.add_argument("--seed", type=argtypes.seed_int, default=0)
-    demo.add_argument("--layers", type=argtypes.nonneg_int, help="fixed-stack depth (default: one layer short)")
+    demo.add_argument("--layers", type=argtypes.int_in(0, 4096, " (layers past log2(length) + 1 change nothing)"),
+                      help="fixed-stack depth, 0-4096 (default: one layer short)")
     demo.set_defaults(func=cmd_demo)
 
 

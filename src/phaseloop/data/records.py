@@ -36,7 +36,7 @@ def _as_text(v, col: str, where: str) -> str:
 def records(path: Path, col: str) -> Iterator[str]:
     """The text column of each record of a .jsonl / .parquet / .arrow file, streamed."""
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8-sig", errors="replace") as f:
             for i, line in enumerate(f, 1):
                 if line.strip():
                     try:

@@ -40,33 +40,35 @@ NAMED_SOURCES = ("stdlib", "shakespeare", "hf:NAME[:CONFIG]")
 RECORD_SUFFIXES = (".jsonl", ".parquet", ".arrow")
 BLOCK = 1 << 20  # bytes read at a time from a file
 PIECE = 1 << 16  # bytes per piece handed to the tokenizer (a batch holds many)
-_CUT = re.compile(CUT_PATTERN.encode())
+_CUT = re.compile(CUT_PATTERN)
 _WIKITEXT = re.compile(r"^wiki\.(train|valid|test)\.(raw|tokens)$")
-_HEADING = re.compile(rb"^ = [^=].* = \n?$")  # a WikiText article title (not = = section = =)
+_HEADING = re.compile(rb"^ = [^=].* = \r?\n?$")  # a WikiText article title (not = = section = =)
 
 
 def safe_pieces(stream, split_anywhere: bool) -> Iterator[bytes]:
     """Re-cut a stream of byte blocks into pieces of about ``PIECE`` bytes that a
     chunk-safe tokenizer encodes as the whole: each cut falls at ``tokenizer.CUT_PATTERN``
     (anywhere when ``split_anywhere``, e.g. for bytes). Text without such a place stays in
-    one piece."""
-    carry = b""
+    one piece (held whole: a document of one long line); it is scanned once, in O(n)."""
+    buf, scanned = bytearray(), 0  # scanned: buf[:scanned] holds no cut past the piece's start
     for block in stream:
-        buf = carry + block
+        buf += block
         start = 0
         while len(buf) - start > PIECE:
             if split_anywhere:
                 cut = start + PIECE
             else:
-                m = _CUT.search(buf, start + PIECE)
-                if m is None:
+                m = _CUT.search(buf, max(start + PIECE, scanned))
+                if m is None:  # a cut needs the 2 bytes after it: the last 2 are looked at again
+                    scanned = max(start + PIECE, len(buf) - 2)
                     break
                 cut = m.start()
-            yield buf[start:cut]
+            yield bytes(buf[start:cut])
             start = cut
-        carry = buf[start:]
-    if carry:
-        yield carry
+        del buf[:start]
+        scanned = max(0, scanned - start)
+    if buf:
+        yield bytes(buf)
 
 
 def _file_blocks(path: Path) -> Iterator[bytes]:
@@ -305,6 +307,9 @@ def _hf(spec: str, text_column: str, split: str, streaming: bool, from_disk: boo
                 if split not in ds:
                     raise DataError(f"{name} has no split {split!r} (splits: {', '.join(ds)}); pass --data-split")
                 ds = ds[split]
+            elif split != "train":  # one Dataset: no split to choose
+                raise DataError(f"{name} is one dataset, saved without splits; --data-split {split} does not "
+                                "apply to it: drop --data-split")
         else:
             ds = datasets.load_dataset(name, config or None, split=split, streaming=streaming)
     except DataError:

@@ -48,8 +48,11 @@ def dtype_for(vocab_size: int):
 
 
 def store_dir(source: Source, tok, sep: int | None = None) -> Path:
-    """The store's folder: the source's fingerprint, the tokenizer and the separator id if any."""
+    """The store's folder: the source's fingerprint, the tokenizer, how the files are cut into
+    documents (WikiText's articles by name: the same bytes named otherwise are one document;
+    the fingerprint, which a resumed run compares, is of the bytes) and the separator id if any."""
     name = f"{source.fingerprint[:24]}-{tok.sha256[:16] if tok.sha256 else tok.name}"
+    name += "-articles" if source.kind == "wikitext" else ""
     return cache_dir(create=True) / "tokens" / (name if sep is None else f"{name}-sep{sep}")
 
 
@@ -111,6 +114,13 @@ class Store:
         self.path = path
         try:
             self.manifest = json.loads((path / "manifest.json").read_text())
+            fmt = self.manifest.get("format")
+            if fmt not in (FORMAT, FORMAT.replace("v2", "v1")):
+                raise self._damaged(f"its manifest's format is {fmt!r}, not {FORMAT!r}")
+            if not isinstance(self.manifest["shards"], list) or not self.manifest["shards"]:
+                raise self._damaged("its manifest lists no shards")
+            if fmt == FORMAT and not all(isinstance(sh.get("sha256"), str) for sh in self.manifest["shards"]):
+                raise self._damaged("a shard of its manifest has no sha256")
             for key, lo in (("documents", 0), ("tokens", 0), ("bytes", 1)):
                 v = self.manifest[key]
                 if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -123,7 +133,11 @@ class Store:
                     raise self._damaged(f"{sh['file']} has {f.stat().st_size} bytes, its manifest says "
                                         f"{sh['tokens']} tokens")
                 shards.append(np.memmap(f, dtype=dtype, mode="r") if sh["tokens"] else np.zeros(0, dtype))
+            if sum(sh["tokens"] for sh in self.manifest["shards"]) != self.manifest["tokens"]:
+                raise self._damaged(f"its manifest says {self.manifest['tokens']} tokens, its shards hold "
+                                    f"{sum(sh['tokens'] for sh in self.manifest['shards'])}")
             self.docs = np.fromfile(path / "docs.i64", dtype=np.int64)
+            self.tokens = TokenView(shards)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise self._damaged(type(e).__name__) from None
         have = self.manifest.get("doc_sep_id")
@@ -134,7 +148,6 @@ class Store:
                             f"delete the folder {path} and run again to rebuild it")
         if len(self.docs) != self.manifest["documents"]:
             raise self._damaged("document index")
-        self.tokens = TokenView(shards)
         self.vocab_size = vocab_size
         if written:  # this process wrote it: its digests are the bytes just written
             self._stamp(self._stats(), max_id=None)
@@ -168,7 +181,8 @@ class Store:
             stamp = json.loads((self.path / VERIFIED).read_text())
         except (OSError, ValueError):
             stamp = None
-        if isinstance(stamp, dict) and stamp.get("files") == stats:
+        if isinstance(stamp, dict) and stamp.get("files") == stats and (
+                stamp.get("max_id") is None or type(stamp.get("max_id")) is int):  # else: no stamp
             max_id = stamp.get("max_id")
         else:
             # one pass over each shard's bytes (its memmap is the raw file): digest and largest id

@@ -31,11 +31,15 @@ PAD, EOS, SEP = 0, 1, 2
 BOS = SEP
 
 FILE = "tokenizer.json"
-# Where long text may be cut for a chunk-safe tokenizer (zero-width): before a newline
-# that precedes a non-space character, or after a newline followed by one space and a
-# non-space (WikiText's lines). GPT-2's pre-tokenizer splits a whitespace run before its
-# last character when a non-space follows, so these cuts fall on pre-token boundaries.
-CUT_PATTERN = r"(?=\n[^\s])|(?<=\n)(?= [^\s])"
+# Where long UTF-8 text may be cut for a chunk-safe tokenizer (zero-width, over bytes):
+# before a newline that precedes a non-space character, or after a newline followed by one
+# space and a non-space (WikiText's lines). GPT-2's pre-tokenizer splits a whitespace run
+# before its last character when a non-space follows, so these cuts fall on pre-token
+# boundaries. A non-space is an ASCII one or a character whose lead byte starts no Unicode
+# space (not \xc2: U+0085, U+00A0; \xe1: U+1680; \xe2: U+2000-U+205F; \xe3: U+3000), which
+# the pre-tokenizer joins to the newline before it.
+_SOLID = rb"[!-~\xc3-\xe0\xe4-\xf4]"
+CUT_PATTERN = rb"(?=\n" + _SOLID + rb")|(?<=\n)(?= " + _SOLID + rb")"
 
 
 class Tokenizer(Protocol):
@@ -180,10 +184,12 @@ class HFTokenizer:
         byte-level BPE and whitespace pre-tokenizers; a leading-space scheme such as
         Metaspace fails the probe and then gets whole documents)."""
         probe = ["First line\nsecond  one\n\n third\nx\n = T = \n \n The end", "a\nb\n'c\n-d\n\te\n\ng",
-                 "e\n\n\ng\n \n x  \n\tz\n 's\n'q x\n  \n  w"]
+                 "e\n\n\ng\n \n x  \n\tz\n 's\n'q x\n  \n  w",
+                 "é . \n\u00a0n\n\u3000i\n\u0085e\n 東京\nü\n\u2003x\n\u2009 y"]
         for text in probe:
-            cuts = [m.start() for m in re.finditer(CUT_PATTERN, text) if m.start()]
-            parts = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+            raw = text.encode()
+            cuts = [m.start() for m in re.finditer(CUT_PATTERN, raw) if m.start()]
+            parts = [raw[a:b].decode() for a, b in zip([0] + cuts, cuts + [len(raw)])]
             try:
                 if np.concatenate(self.encode_batch(parts)).tolist() != self.encode(text).tolist():
                     return False

@@ -46,7 +46,7 @@ def train_tokenizer(data: str, kind: str, vocab_size: int, out: str | Path | Non
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if kind == "bpe" and vocab_size < len(alphabet):
         raise ConfigError(f"--vocab-size {vocab_size} is below the byte alphabet ({len(alphabet)} tokens) "
-                          f"of a byte-level BPE; use >= {len(alphabet) + 1} (or --kind wordlevel)")
+                          f"of a byte-level BPE; use >= {len(alphabet)} (or --kind wordlevel)")
     if (out is None) == (name is None):
         raise ConfigError("give exactly one of --out DIR and --name NAME")
     if name == "bytes":
