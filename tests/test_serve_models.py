@@ -169,6 +169,9 @@ def test_a_damaged_or_foreign_folder_is_refused_by_name(runs, tmp_path, capsys):
          "its phaseloop.json holds no file digests"),
         (lambda d: ((d / "phaseloop.json").write_text(json.dumps(old_style)),
                     (d / "tokenizer.json").write_text('{"x": 1}')), "tokenizer.json cannot be loaded"),
+        (lambda d: (d / "tokenizer_config.json").write_text('{"cut'), "tokenizer_config.json cannot be loaded"),
+        (lambda d: ((d / "phaseloop.json").unlink(), (d / "model.safetensors").write_bytes(
+            (d / "model.safetensors").read_bytes()[:100])), "model.safetensors is damaged"),  # no digests to check
     ]
     for i, (damage, pattern) in enumerate(cases):
         copy = tmp_path / f"d{i}"

@@ -146,10 +146,13 @@ def test_a_damaged_tracker_ids_file_is_refused_before_the_run_changes(tmp_path, 
     run = tmp_path / "run"  # stopped past the checkpoint of step 5: resuming would drop the records of 6, 7
     train(CFG, tc(log_to="wandb"), text_file, run, progress=False, stop_after=7)
     (run / IDS).write_text("[")
-    before = snapshot(run)
+
+    def files():  # W&B's own service may still be closing its debug log: the run's files
+        return {k: v for k, v in snapshot(run).items() if not k.startswith("wandb/")}
+    before = files()
     with pytest.raises(Exception, match="trackers.json is damaged"):
         train(CFG, tc(log_to="wandb"), text_file, run, resume=True, progress=False)
-    assert snapshot(run) == before
+    assert files() == before and "metrics.jsonl" in before
 
 
 def test_trackers_open_in_the_process_that_writes_the_run_only(tmp_path, text_file, monkeypatch):

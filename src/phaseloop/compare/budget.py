@@ -115,9 +115,12 @@ def match_budget(cfg, target: float, kind: str, by: str, seq_len: int, tolerance
         raise RecipeError(
             f"variant {name!r}: matched {kind} unreachable by {by}: the closest, {attr}="
             f"{getattr(cands[best], attr)}, gives {got:,} vs the target {target:,} "
-            f"({rel:+.1%}, tolerance {tolerance:.0%}); try match_by = "
-            f"'{'depth' if by == 'width' else 'width'}', a larger match_tolerance, or another "
-            "variant")
+            f"({rel:+.1%}, tolerance {tolerance:.0%}); "
+            + ("match = 'depth' sets the layers to the target's applied depth, which this variant's "
+               "layers cannot give: match it to another variant (match_to) or match params instead"
+               if kind == "depth" else
+               f"try match_by = '{'depth' if by == 'width' else 'width'}', a larger match_tolerance, or "
+               "another variant"))
     return cands[best], measure(cands[best], seq_len), info
 
 
@@ -134,6 +137,10 @@ def plan_variants(recipe: Recipe, vocab_size: int | None = None,
 
     by_name = {v.name: v for v in recipe.variants}
     for v in recipe.variants:
+        if v.match_to is not None and (v.match or recipe.match) == "none":  # else silently unmatched
+            raise RecipeError(f"variant {v.name!r}: match_to={v.match_to!r} with no budget to match (match = "
+                              "'none'); add match = 'params', 'flops' or 'depth' to the variant or the recipe, "
+                              "or drop match_to")
         if not matched(v):
             continue
         kind, target_name = v.match or recipe.match, v.match_to or recipe.reference

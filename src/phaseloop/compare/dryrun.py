@@ -1,7 +1,8 @@
 """``phaseloop compare RECIPE --dry-run``: check a recipe that is too big to run here.
 
-Every variant is built at its full size on the meta device (no weights allocated) and
-counted; then each trains a few steps at a shrunk shape (the same architecture and
+Every variant is planned as the comparison plans it (budget matching included:
+``budget.plan_variants``), built at its full size on the meta device (no weights
+allocated) and counted; then each trains a few steps at a shrunk shape (the same architecture and
 options, d_model a small multiple of what its heads and phases need, at most 4 layers,
 vocabulary 256) on the built-in corpus with bytes, under the recipe's own training
 settings (optimiser, decay, schedule, init; the variant's own ones on top). With [tune],
@@ -17,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from phaseloop.analysis.params import measure
-from phaseloop.compare.budget import Planned
-from phaseloop.compare.recipe import Recipe, resolve_variant
+from phaseloop.compare.budget import Planned, plan_variants
+from phaseloop.compare.recipe import Recipe
 from phaseloop.compare.runs import tuning_corpus
 from phaseloop.compare.tune import Tune, tuning_runs
 from phaseloop.config import ModelConfig
@@ -46,18 +47,20 @@ def dry_run(recipe: Recipe, log=print, data: str = "stdlib") -> list[dict]:
     rows = []
     corpus = load_corpus(data)
     tune = Tune(**recipe.tune) if recipe.tune else None
-    cfgs = [resolve_variant(v, recipe.scale) for v in recipe.variants]  # every one refused before any line
+    plans = plan_variants(recipe)  # matched as the comparison will; every variant refused before any line
     with tempfile.TemporaryDirectory() as tmp:
-        for v, cfg in zip(recipe.variants, cfgs):
+        for v, cfg, matched in ((p.variant, p.cfg, p.matched) for p in plans):
             full = measure(cfg, min(cfg.max_seq_len, 256))
             small = shrink(cfg)
             tc = dataclasses.replace(recipe.train_config(0, v), **SHRUNK_TRAIN)
             s = train(small, tc, corpus, Path(tmp) / v.slug, progress=False)
             row = {"variant": v.name, "total": full["total"],
                    "without_input_embedding": full["total"] - cfg.vocab_size * cfg.d_model,
-                   "shrunk_total": measure(small, 16)["total"], "val_loss": s["val_loss"]}
+                   "shrunk_total": measure(small, 16)["total"], "val_loss": s["val_loss"], "matched": matched}
             if log:
-                log(f"{v.name}: {row['total']:,} parameters at full size "
+                log(f"{v.name}: {row['total']:,} parameters at full size"
+                    + (f" (budget-matched: {', '.join(f'{k} {x}' for k, x in matched.items())})" if matched else "")
+                    + " "
                     f"({row['without_input_embedding']:,} without the input embedding); "
                     f"shrunk to {row['shrunk_total']:,}: {tc.steps} steps, val loss {row['val_loss']:.3f}")
             if tune is not None:

@@ -67,19 +67,27 @@ class LaunchOptions:
         bad = o._problem()
         if bad:
             raise RecipeError(f"{where if bad[0] in table and bad[0] not in flags else 'command line'}: {bad[1]}")
-        if o.launcher != "slurm":
-            given = [k for k in SLURM_KEYS if k in flags and flags[k] not in (False, [])]
-            if given:
-                raise RecipeError(f"--{given[0].replace('_', '-')} applies to --launcher slurm (this is "
-                                  f"--launcher {o.launcher}); add --launcher slurm or drop it")
-        if o.launcher == "sequential" and "nproc_per_run" in flags:
-            raise RecipeError("--nproc-per-run applies to --launcher local or slurm (a sequential comparison "
-                              "under torchrun spreads every run over all its processes); add --launcher local")
-        if o.launcher != "local" and "jobs" in flags:
-            raise RecipeError(f"--jobs applies to --launcher local (this is --launcher {o.launcher}); "
-                              "add --launcher local" + ("; Slurm runs one array task per run, "
-                                                        "--array-parallelism caps how many at once"
-                                                        if o.launcher == "slurm" else ""))
+        defaults = cls()  # a key of the recipe's table at its default value changes nothing
+        given = [k for k, v in flags.items() if v not in (False, [])] + \
+            [k for k, v in table.items() if k not in flags and v != getattr(defaults, k)]
+
+        def refuse(k: str, applies: str, why: str = "") -> RecipeError:  # a flag, or a key of the table
+            if k in flags:
+                return RecipeError(f"--{k.replace('_', '-')} applies to --launcher {applies}{why}; add "
+                                   f"--launcher {applies.split()[0]} or drop it")
+            return RecipeError(f'{where}: {k} applies to launcher = "{applies.split()[0]}"'
+                               f"{' or ' + applies.split()[-1] if ' or ' in applies else ''}{why}; add "
+                               f'launcher = "{applies.split()[0]}" or drop {k}')
+        slurm = [k for k in SLURM_KEYS if k in given]
+        if o.launcher != "slurm" and slurm:
+            raise refuse(slurm[0], "slurm", f" (this is {o.launcher})")
+        if o.launcher == "sequential" and "nproc_per_run" in given:
+            raise refuse("nproc_per_run", "local or slurm", " (a sequential comparison under torchrun spreads "
+                         "every run over all its processes)")
+        if o.launcher != "local" and "jobs" in given:
+            raise refuse("jobs", "local", f" (this is {o.launcher}"
+                         + ("; Slurm runs one array task per run, --array-parallelism caps how many at once"
+                            if o.launcher == "slurm" else "") + ")")
         return o
 
     def _problem(self) -> tuple[str, str] | None:

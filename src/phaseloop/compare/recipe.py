@@ -378,10 +378,10 @@ def apply_overrides(recipe: Recipe, variants: list[str] | None = None,
     if steps is not None:
         if not isinstance(steps, int) or steps < 1:
             raise RecipeError(f"--steps {steps}: must be a positive integer")
-        d["train"]["steps"] = steps
+        shrunk, d["train"]["steps"] = steps < d["train"]["steps"], steps
         if d["tune"] and d["tune"].get("steps") and d["tune"]["steps"] > steps:
             d["tune"]["steps"] = steps
-        for k in ("eval_every", "ckpt_every", "warmup_steps"):
+        for k in ("eval_every", "ckpt_every", "warmup_steps") if shrunk else ():  # the recipe's own steps: as it is
             if d["train"][k] > max(1, steps // 5):
                 d["train"][k] = max(1, steps // 10) if k != "warmup_steps" else steps // 10
                 if log:

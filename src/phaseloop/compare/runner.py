@@ -29,18 +29,23 @@ from phaseloop.engine.trainer import PeerFailed
 from phaseloop.errors import PhaseloopError
 from phaseloop.files import check_out_dir, read_json, write_json
 from phaseloop.hf import downstream
-from phaseloop.hf.harness import lm_eval_run, resolved_tasks
+from phaseloop.hf.harness import lm_eval_run, resolved_tasks, settings
 from phaseloop.lm.train import ignore_id_fault
 from phaseloop.model import build_model
 from phaseloop.validation import first_difference
 
+# batch_size and grad_accum change what a new seed trains on (a resumed run keeps its
+# global batch; a seed not started yet would not): the comparison keeps them
+_RERUN_CHANGES = tuple(k for k in RESUMABLE_CHANGES if k not in ("batch_size", "grad_accum"))
+
 
 def _compared(recipe: dict) -> dict:
-    """A stored recipe without what a rerun may change: the train settings a run may change
-    on resume (device, compile...), the ``[launcher]`` (where runs go, not what they are)
-    and the ``[eval]`` tasks (scored on the finished runs, whatever trained them)."""
+    """A stored recipe without what a rerun may change: the train settings that change
+    no result (device, compile...; not the batch, which seeds still to train would take
+    anew), the ``[launcher]`` (where runs go, not what they are) and the ``[eval]`` tasks
+    (scored on the finished runs, whatever trained them)."""
 
-    train = {k: v for k, v in recipe.get("train", {}).items() if k not in RESUMABLE_CHANGES}
+    train = {k: v for k, v in recipe.get("train", {}).items() if k not in _RERUN_CHANGES}
     return {**{k: v for k, v in recipe.items() if k not in ("launcher", "eval")}, "train": train}
 
 
@@ -116,8 +121,9 @@ def _lm_eval(recipe: Recipe, run_dir: Path, device: str, log) -> None:
     """Score a finished run on the recipe's lm-eval tasks once (RUN/lm_eval/results.json)."""
     if not recipe.eval_tasks or not (run_dir / "summary.json").exists():
         return
-    done = run_dir / "lm_eval" / "results.json"
-    if done.exists() and sorted(read_json(done).get("results", {})) == sorted(recipe.eval_tasks):
+    done = run_dir / "lm_eval" / "results.json"  # reused where scored with the recipe's settings only
+    if done.exists() and read_json(done).get("phaseloop") == settings(recipe.eval_tasks, recipe.eval_limit, None,
+                                                                        None, "float32"):
         return
 
     if log:
@@ -258,9 +264,14 @@ def _prepare(recipe: Recipe, log, eval_tasks: bool = True):
         corpus = load_corpus(**recipe_data(recipe))
     plan = plan_variants(recipe, corpus.tokenizer.vocab_size, log)
     for p in plan:  # before the folder is written
-        why = ignore_id_fault(recipe.train_config(0, p.variant).loss_ignore_id, p.cfg)
+        tc = recipe.train_config(0, p.variant)
+        why = ignore_id_fault(tc.loss_ignore_id, p.cfg)
         if why is not None:
             raise RecipeError(f"variant {p.variant.name!r}: {why}")
+        if tc.seq_len is not None and tc.seq_len > p.cfg.max_seq_len:  # else every run fails in training
+            raise RecipeError(f"variant {p.variant.name!r}: seq_len {tc.seq_len} is longer than its model's "
+                              f"max_seq_len {p.cfg.max_seq_len}; lower [train] seq_len, or give the variant the "
+                              f"context in its spec (spec = \"{p.variant.spec} max_seq_len={tc.seq_len}\")")
     for p in plan if recipe.train.get("depth_sample") else ():  # training for depth: refused before any trains
         try:
             check_depth_sample(build_model(p.cfg, device="meta"), parse_depth_range(recipe.train["depth_sample"]),

@@ -85,11 +85,17 @@ def _arrow(rel: str):
     state = file_of("arrow", rel)
     try:
         meta = json.loads(state.read_text())
-        files = [str(state.parent / f["filename"]) for f in meta["_data_files"]]
+        files = [state.parent / f["filename"] for f in meta["_data_files"]]
         split = meta.get("_split") or "validation"
-        return datasets.load_dataset("arrow", data_files={split: files}, split=split)
-    except Exception as e:  # JSON, Arrow, a missing shard: the file is not what the wheel shipped
+    except Exception as e:  # JSON, or a listing of another shape
         raise _damaged(state, e) from None
+    for f in files:  # a shard state.json lists that is gone: named, not taken for state.json's damage
+        if not f.is_file():
+            raise _damaged(f, FileNotFoundError("missing"))
+    try:
+        return datasets.load_dataset("arrow", data_files={split: [str(f) for f in files]}, split=split)
+    except Exception as e:  # Arrow: a shard is not what the wheel shipped
+        raise _damaged(files[0] if len(files) == 1 else state.parent, e) from None
 
 
 def _requests(rel: str) -> list[dict]:

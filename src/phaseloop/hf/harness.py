@@ -29,7 +29,7 @@ from pathlib import Path
 from phaseloop.data.sources import _articles
 from phaseloop.engine import resolve_device
 from phaseloop.engine.checkpoint import run_folder
-from phaseloop.errors import ConfigError, PhaseloopError, first_line
+from phaseloop.errors import ConfigError, DataError, PhaseloopError, first_line
 from phaseloop.files import atomic_write_bytes, dumps, why_missing
 from phaseloop.hf import require
 from phaseloop.hf.export import from_run
@@ -105,12 +105,50 @@ def write_local_tasks(dest: Path, data: Path | None, wanted: list[str]) -> None:
                               "--data-dir DIR or set PHASELOOP_DATA_DIR to the folder holding it")
         path = data / rel
         if name == "wikitext2_local":  # one JSON line {"page": article} per article
-            with open(path, "rb") as raw:
-                lines = [json.dumps({"page": b"".join(a).decode("utf-8")}) for a in _articles(raw, False)]
+            try:
+                with open(path, "rb") as raw:
+                    lines = [json.dumps({"page": b"".join(a).decode("utf-8")}) for a in _articles(raw, False)]
+            except UnicodeDecodeError as e:
+                raise DataError(f"task {name}: {path} is not UTF-8 text (byte {e.start}): the file is damaged; "
+                                "restore it from WikiText-2's raw release") from None
             path = dest / "wikitext2_test_pages.jsonl"
             atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
             atomic_write_bytes(dest / "wikitext_local.py", _WIKITEXT_PY.encode())
+        else:  # JSON lines: checked here, where lm-eval's loader fails deep in datasets
+            _check_jsonl(name, path)
         atomic_write_bytes(dest / f"{name}.yaml", template.format(data=json.dumps(str(path.resolve()))).encode())
+
+
+def _check_jsonl(task: str, path: Path) -> None:
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"task {task}: {path} is not UTF-8 text (byte {e.start}): the file is damaged; restore it "
+                        "from its release") from None
+    for n, line in enumerate(lines, 1):
+        try:
+            ok = not line.strip() or isinstance(json.loads(line), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise DataError(f"task {task}: {path} line {n} is not a JSON object: the file is damaged; restore it "
+                            "from its release")
+
+
+def _hflm(HFLM):
+    """lm-eval's ``HFLM`` for a tokenizer that may have no EOS (a run's bytes): a
+    ``generate_until`` task then stops at its own ``until`` strings and ``max_gen_toks``
+    only (lm-eval decodes the EOS id into one more stop string, and fails on None)."""
+
+    class PhaseloopLM(HFLM):
+        def tok_decode(self, tokens, skip_special_tokens: bool = True):
+            return None if tokens is None else super().tok_decode(tokens, skip_special_tokens=skip_special_tokens)
+    return PhaseloopLM
+
+
+def settings(tasks: list[str], limit, depth, extend_loops, dtype: str) -> dict:
+    """What a results.json was scored with (``phaseloop`` key): reused only where it matches."""
+    return {"tasks": sorted(tasks), "limit": limit, "depth": depth, "extend_loops": extend_loops, "dtype": dtype}
 
 
 def _check_include_path(include_path: str | Path | None) -> None:
@@ -191,13 +229,14 @@ def lm_eval_run(run: str | Path, tasks: list[str], *, include_path: str | None =
     with resolved_tasks(tasks, include_path=include_path, data=data) as (manager, local):
 
         hf, fast, run_cfg, tok = from_run(run, dev, dtype, depth=depth, extend_loops=extend_loops)
-        lm = HFLM(pretrained=hf, tokenizer=fast, backend="causal", batch_size=batch_size,
+        lm = _hflm(HFLM)(pretrained=hf, tokenizer=fast, backend="causal", batch_size=batch_size,
                   max_length=hf.model.cfg.max_seq_len, prefix_token_id=prefix_token_id(tok, fast))
         res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                               log_samples=log_samples, bootstrap_iters=0)
     if write:
         write_local_tasks(out / "tasks", data_dir(data), tasks)  # the definitions the results used
         keep = {k: v for k, v in res.items() if k != "samples"}
+        keep["phaseloop"] = settings(tasks, limit, depth, extend_loops, dtype)
         text = dumps(keep, indent=2, default=str).replace(str(local), str(out / "tasks"))
         atomic_write_bytes(out / "results.json", text.encode())
         atomic_write_bytes(out / "results.md", (make_table(res) + "\n").encode())

@@ -8,6 +8,7 @@ records no run to check the file against, it loads the file's dequantised weight
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections import Counter
@@ -99,6 +100,17 @@ def _quantized(model, path: Path, export: Path) -> dict:
     return {"file": path.name, "sha256": sha256_file(path), "packed": False}
 
 
+def _bad_tokenizer_file(folder: Path) -> Path:
+    """The tokenizer file of an export that does not parse as JSON (tokenizer.json when all do)."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
+        try:
+            if (folder / name).is_file():
+                json.loads((folder / name).read_bytes())
+        except ValueError:
+            return folder / name
+    return folder / "tokenizer.json"
+
+
 def _hf_tokenizer(run_tok=None, folder: Path | None = None):
     from phaseloop import hf
 
@@ -111,8 +123,8 @@ def _hf_tokenizer(run_tok=None, folder: Path | None = None):
                                   "(phaseloop export)")
         try:
             return AutoTokenizer.from_pretrained(str(folder))
-        except Exception as e:  # a damaged tokenizer.json fails in many ways inside transformers
-            raise CheckpointError(f"{folder / 'tokenizer.json'} cannot be loaded ({first_line(e)}); the file is "
+        except Exception as e:  # a damaged tokenizer file fails in many ways inside transformers
+            raise CheckpointError(f"{_bad_tokenizer_file(folder)} cannot be loaded ({first_line(e)}); the file is "
                                   "damaged: export the run again (phaseloop export)") from None
     from phaseloop.hf.tokenizer import hf_tokenizer
 
@@ -137,6 +149,8 @@ def _from_export(path: Path):
     from phaseloop import hf
 
     hf.require("transformers")
+    from safetensors import SafetensorError
+
     from phaseloop.hf.export import no_progress_bar, verify_export
     from phaseloop.hf.modeling import PhaseloopForCausalLM
 
@@ -144,6 +158,9 @@ def _from_export(path: Path):
     try:
         with no_progress_bar():  # stderr is notes and, on failure, one line
             wrapped = PhaseloopForCausalLM.from_pretrained(str(path))
+    except SafetensorError as e:  # a folder without phaseloop.json (save_pretrained's) has no digests to check
+        raise CheckpointError(f"{path / 'model.safetensors'} is damaged ({first_line(e, 100)}); export the run "
+                              "again (phaseloop export)") from None
     except (OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: the exported model cannot be loaded ({str(e).splitlines()[0][:120]}); "
                               "export the run again (phaseloop export)") from None

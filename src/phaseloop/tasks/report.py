@@ -32,7 +32,7 @@ def task_title(result: dict) -> str:
     the lengths trained and tested on, seeds."""
     return (f"{result['task']} | {result.get('label', result['arch'])} | train {result['train_lengths']} | "
             f"test {result['test_lengths']} | seeds {','.join(map(str, result['seeds']))} "
-            "(mean ±std over seeds)")
+            "(mean ±population std over seeds)")
 
 
 def length_metrics(examples: Sequence[Example], preds: Sequence[str],
@@ -80,7 +80,7 @@ def format_table(summary: dict, title: str = "") -> str:
 
 
 def format_depth_table(summary: dict) -> str:
-    """--test-depth: sequence accuracy (mean ±std over seeds) per test length x depth."""
+    """--test-depth: sequence accuracy (mean ±population std over seeds) per test length x depth."""
     per_depth = summary["per_depth"]
     depths = list(per_depth)
     lines = ["sequence accuracy by test length x depth (UT steps / loop passes)",
@@ -98,7 +98,7 @@ def format_babi_table(out: dict) -> str:
     s = out["summary"]
     title = (f"bAbI tasks {','.join(map(str, out['tasks']))} | {out.get('label', out['arch'])} | "
              f"{'joint' if out['joint'] else 'one model per task'} | seeds {','.join(map(str, out['seeds']))}"
-             " (mean ±std over seeds)")
+             " (mean ±population std over seeds)")
     lines = [title, f"{'task':>4} {'error':>15} {'window':>7}  ponder by supporting facts: mean±std over questions"
              " of the per-question mean over positions; at the answer position"]
     for t in out["tasks"]:
@@ -118,7 +118,7 @@ def format_babi_table(out: dict) -> str:
 
 
 def format_babi_depth_table(out: dict) -> str:
-    """--test-depth on bAbI: error per task (mean ±std over seeds) at each depth."""
+    """--test-depth on bAbI: error per task (mean ±population std over seeds) at each depth."""
     per_depth = out["summary"]["per_depth"]
     depths = list(per_depth)
     lines = ["bAbI error by task x depth (UT steps / loop passes)",
