@@ -192,3 +192,13 @@ def test_safe_pieces_cut_a_stream_as_they_cut_the_whole(monkeypatch):
             blocks.append(text[i:i + k])
             i += k
         assert list(S.safe_pieces(blocks, False)) == want
+
+
+def test_evaluation_builds_no_autograd_graph():
+    from phaseloop import ModelConfig, build_model
+    from phaseloop.lm.train import evaluate
+
+    model, seen = build_model(ModelConfig.from_preset("rope-tiny")), []
+    model.register_forward_hook(lambda m, i, o: seen.append(torch.is_grad_enabled()))
+    evaluate(model, torch.randint(0, 256, (4, 17)))
+    assert seen == [False]

@@ -297,6 +297,9 @@ def test_launcher_keys_of_a_recipe_that_do_not_apply_are_refused_as_flags_are(ta
         LaunchOptions.resolve(table)
     assert msg in str(e.value)
     assert LaunchOptions.resolve({"nproc_per_run": 1, "time": 60, "wait": False}).launcher == "sequential"  # defaults
+    slurm = {"launcher": "slurm", "partition": "gpu", "time": 240, "gpus_per_task": 2, "nproc_per_run": 2}
+    for launcher in ("local", "sequential"):  # a flag switching the launcher: the same folder resumed elsewhere
+        assert LaunchOptions.resolve(slurm, {"launcher": launcher}).launcher == launcher
 
 
 def test_bad_launcher_table():

@@ -367,3 +367,6 @@ def test_data_split_on_a_dataset_saved_without_splits_is_refused(world, capsys):
         capsys.readouterr()  # the library's progress bar
     refused(fill(["tokenizer", "stats", "--data", "{root}/dsone", "--data-split", "test"], world), capsys,
             "is one dataset, saved without splits; --data-split test does not apply to it", world["root"])
+    from phaseloop.data.sources import resolve
+
+    assert resolve(str(folder), split="test", strict=False).kind == "hf"  # a run trained so is still read

@@ -67,9 +67,11 @@ class LaunchOptions:
         bad = o._problem()
         if bad:
             raise RecipeError(f"{where if bad[0] in table and bad[0] not in flags else 'command line'}: {bad[1]}")
-        defaults = cls()  # a key of the recipe's table at its default value changes nothing
+        # the table's keys are checked against the table's own launcher; a --launcher flag that
+        # switches it (the same folder resumed elsewhere) leaves the other launcher's keys aside
+        defaults = cls()  # a key of the table at its default value changes nothing
         given = [k for k, v in flags.items() if v not in (False, [])] + \
-            [k for k, v in table.items() if k not in flags and v != getattr(defaults, k)]
+            [k for k, v in table.items() if k not in flags and v != getattr(defaults, k) and "launcher" not in flags]
 
         def refuse(k: str, applies: str, why: str = "") -> RecipeError:  # a flag, or a key of the table
             if k in flags:

@@ -241,12 +241,11 @@ def resolve(spec: str | os.PathLike, text_column: str | None = "text", split: st
     data again) lets options that do not apply pass, as earlier versions did when the run
     was trained, so such a run can still be evaluated."""
     spec = str(spec)
-    if not strict:
-        return _resolve(spec, text_column, split, streaming, lambda *a: None)
-    return _resolve(spec, text_column, split, streaming, _refuse_options)
+    return _resolve(spec, text_column, split, streaming, _refuse_options if strict else lambda *a: None, strict)
 
 
-def _resolve(spec: str, text_column: str | None, split: str | None, streaming: bool, refuse) -> Source:
+def _resolve(spec: str, text_column: str | None, split: str | None, streaming: bool, refuse,
+             strict: bool = True) -> Source:
     text_column = "text" if text_column is None else text_column
     split = "train" if split is None else split
     if spec.startswith("hf:"):
@@ -275,7 +274,7 @@ def _resolve(spec: str, text_column: str | None, split: str | None, streaming: b
                             "then tokens); save its text to a file and pass --data with that file")
         if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
             refuse(spec, "disk", text_column, split, streaming)
-            return _hf(str(p), text_column, split, streaming, from_disk=True)
+            return _hf(str(p), text_column, split, streaming, from_disk=True, strict=strict)
         root = p if p.is_dir() else p.parent
         files = [p] if p.is_file() else sorted(
             f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
@@ -294,7 +293,8 @@ def _resolve(spec: str, text_column: str | None, split: str | None, streaming: b
     return Source(name, fp, len(files), kind, files, text_column if kind == "records" else None)
 
 
-def _hf(spec: str, text_column: str, split: str, streaming: bool, from_disk: bool = False) -> Source:
+def _hf(spec: str, text_column: str, split: str, streaming: bool, from_disk: bool = False,
+        strict: bool = True) -> Source:
     try:
         import datasets
     except ImportError:
@@ -307,7 +307,7 @@ def _hf(spec: str, text_column: str, split: str, streaming: bool, from_disk: boo
                 if split not in ds:
                     raise DataError(f"{name} has no split {split!r} (splits: {', '.join(ds)}); pass --data-split")
                 ds = ds[split]
-            elif split != "train":  # one Dataset: no split to choose
+            elif split != "train" and strict:  # one Dataset: no split to choose (a run trained so: read)
                 raise DataError(f"{name} is one dataset, saved without splits; --data-split {split} does not "
                                 "apply to it: drop --data-split")
         else:

@@ -58,13 +58,13 @@ def ignore_id_fault(ignore_id: int | None, cfg: ModelConfig) -> str | None:
     return None
 
 
-@torch.no_grad()
 def last_evaluation(run_dir: Path, step: int) -> dict:
     """``evaluate``'s figures as metrics.jsonl logged them at ``step`` ({} where none was)."""
     found = [r for r in read_metrics(run_dir) if r["step"] == step and "lr" not in r]
     return {k: v for k, v in found[-1].items() if k.startswith("val_")} if found else {}
 
 
+@torch.no_grad()
 def evaluate(model: DecoderLM, windows: torch.Tensor, tokenizer: Tokenizer | None = None,
              batch_size: int = 16, device: torch.device | str = "cpu", ignore_id: int | None = None,
              docs: dict[str, torch.Tensor] | None = None) -> dict:
