@@ -246,3 +246,19 @@ def test_a_hyper_connection_s_coefficients_cost_what_the_docs_say(form, n_res):
     assert fc.get_total_flops() == 2 * 5 * 2 * n * d * (2 * n + n_res)
     if form == "diagonal":
         assert 2 * n * d * (2 * n + n_res) == 12_288  # the docs' example at n 4, d 128
+
+
+def test_one_pass_makes_no_decision_and_reads_nothing():
+    """"The first decision follows pass 1; none follows the last": at depth 1 a rule has no
+    decision to make, so no p_0 readout is spent (or counted) on it."""
+    from phaseloop.early_exit import parse_exit, set_exit
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_preset("looped-tiny")).eval()
+    model.trunk.set_depth(1)
+    x = torch.randint(0, 256, (1, 8))
+    plain = model(x).logits
+    for rule in ("argmax:2", "kl-lens:0.1", "kl:0.1"):
+        set_exit(model, parse_exit(rule)[0])
+        out = model(x)
+        assert "exit_readouts" not in out.stats and torch.equal(out.logits, plain), rule

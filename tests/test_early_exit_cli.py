@@ -73,6 +73,8 @@ def test_generate_with_exit(runs, capsys):
     ("eval", "rope-tiny", ["--exit", "kl:1e-3"], "stack of distinct layers"),
     ("generate", "looped-tiny", ["--exit", "kl:1e-3,1e-2"], "give one value"),
     ("generate", "rope-tiny", ["--exit", "state:0.1"], "stack of distinct layers"),
+    ("generate", "looped-tiny", ["--exit", "argmax:99999999999999999999"], "K passes from 1 to 4096"),
+    ("eval", "looped-tiny", ["--exit", "argmax:1", "--exit", "argmax:1"], "--exit argmax:1: given twice"),
 ])
 def test_bad_exits_one_line(runs, capsys, cmd, run, extra, pattern):
     code, err = run_cli([cmd, runs[run], "--device", "cpu", *extra], capsys)

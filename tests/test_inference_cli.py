@@ -49,6 +49,8 @@ def test_eval_kv_share_sweep(runs, capsys):
     assert rows[2]["val_loss"] == pytest.approx(plain["val_loss"], abs=1e-5)  # token by token = full pass
     assert rows[2]["bytes_ratio"] == 1 and rows[0]["kv_cache_bytes"] <= rows[1]["kv_cache_bytes"]
     assert rows[0]["val_loss"] != rows[2]["val_loss"]
+    without = cli_json([*common, "--kv-share", "1,2"], capsys)  # the reference row is always there
+    assert [r["kv_share"] for r in without] == [1, 2, "full"] and without[0]["bytes_ratio"] == rows[0]["bytes_ratio"]
 
 
 def test_eval_kv_share_plot_against_the_slots(runs, capsys, tmp_path, monkeypatch):

@@ -192,3 +192,27 @@ def test_eos_stops_where_plain_decoding_stops(preset, over):
         assert len(spec.passes) == spec.tokens.shape[1]
     none = generate(m, idx, Options(max_new_tokens=0, speculative=1))
     assert torch.equal(none.ids, idx) and none.kv_cache_bytes == 0 and none.rounds == 0
+
+
+@pytest.mark.parametrize("preset", ["universal-act-tiny", "looped-tiny"])
+def test_passes_are_those_each_forward_ran(preset):
+    """mean_passes of a speculative generation: the passes every drafted and verified
+    position ran (ACT halts early: its step limit overstated them 2.5x), per token kept; a
+    trunk without ACT runs its draft depth and full depth."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_preset(preset)).eval()
+    seen = []
+    model.register_forward_hook(lambda m, i, o: seen.append((i[0].shape[1], o.stats.get("exit_passes"))))
+    g = generate(model, torch.tensor([[104, 101, 108, 108, 111]]), Options(max_new_tokens=8, speculative=1,
+                                                                          draft_tokens=3))
+    full = model.trunk.passes
+    want = 0.0
+    for k, (T, s) in enumerate(seen):
+        last = k == 0  # the prompt: its last position's token
+        if s is not None:
+            want += float((s[:, -1:] if last else s).sum())
+        else:
+            want += (1 if last else T) * (full if last or T > 1 else 1)
+    assert g.mean_passes == pytest.approx(want / len(g.passes))
+    if preset == "universal-act-tiny":
+        assert g.mean_passes < full  # halted before the step limit

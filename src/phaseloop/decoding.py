@@ -224,23 +224,31 @@ def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draf
     cache = KVCache(capacity=prompt_BT.shape[1] + max_new_tokens + draft_tokens + 1)
     if max_new_tokens <= 0:  # as ``decode``: the model never runs
         return prompt_BT, {"cache": cache, "acceptance": None, "rounds": 0, "passes": 0}
-    logits = model(prompt_BT, cache=cache).logits[:, -1]
+    ran = []  # passes behind each forward's positions, per row: read once at the end (no host read a forward)
+
+    def forward(x_BT, passes: int, last: bool = False):
+        o = model(x_BT, cache=cache)
+        s = o.stats.get("exit_passes")  # what ran (ACT halts, a rule exits), else the depth set
+        ran.append(passes * (1 if last else x_BT.shape[1]) if s is None else (s[:, -1:] if last else s).sum(1))
+        return o.logits
+
+    logits = forward(prompt_BT, full, last=True)[:, -1]
     nxt_B = pick(logits, dist(logits))
-    out, new, drafted, placed, rounds, passes = [nxt_B[:, None]], 1, 0, [], 0, full
+    out, new, drafted, placed, rounds = [nxt_B[:, None]], 1, 0, [], 0
     try:
         while new < max_new_tokens and not (eos_id is not None and bool((torch.cat(out, 1) == eos_id).any(1).all())):
             K, n = min(draft_tokens, max_new_tokens - new), cache.pos
             set_model_depth(model, draft_passes, "last")
             d, q, inp = [], [], nxt_B[:, None]
             for _ in range(K):
-                lg = model(inp, cache=cache).logits[:, -1]
+                lg = forward(inp, draft_passes)[:, -1]
                 q.append(dist(lg))
                 d.append(pick(lg, q[-1]))
                 inp = d[-1][:, None]
             cache.truncate(n)
             set_model_depth(model, full, "last")
             d_BK = torch.stack(d, 1)
-            logits_BKV = model(torch.cat([nxt_B[:, None], d_BK], 1), cache=cache).logits.float()
+            logits_BKV = forward(torch.cat([nxt_B[:, None], d_BK], 1), full).float()
             p_BKV = logits_BKV if greedy else sampling_probs(
                 logits_BKV.flatten(0, 1), temperature, top_k).view_as(logits_BKV)
             j_B, after_B = verify(p_BKV, None if greedy else torch.stack(q, 1), d_BK, generator)
@@ -252,7 +260,6 @@ def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draf
             # (its next token); counted once the output's length is known (an eos may cut it)
             placed.append((new, m, int((j_B > m).sum())))
             drafted, rounds = drafted + K * len(j_B), rounds + 1
-            passes += K * draft_passes + (K + 1) * full
             new += m + 1
     finally:
         set_model_depth(model, full, "last")
@@ -263,5 +270,6 @@ def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draf
             new_BN = new_BN[:, :int(hit_BN.int().argmax(1).max()) + 1]
     ids, L, B = torch.cat([prompt_BT, new_BN], 1), new_BN.shape[1], new_BN.shape[0]
     kept = sum(B * max(0, min(m, L - at)) + (extra if at + m < L else 0) for at, m, extra in placed)
+    passes = sum(float(r) if not isinstance(r, torch.Tensor) else float(r.float().mean()) for r in ran)
     return ids, {"cache": cache, "acceptance": kept / drafted if drafted else None, "rounds": rounds,
                  "passes": passes}

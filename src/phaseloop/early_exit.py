@@ -54,11 +54,13 @@ from phaseloop import registry
 from phaseloop.errors import ConfigError
 from phaseloop.layers import apply_rope, compute_dtype
 from phaseloop.passes import FILLS, Running, deepest_kv
+from phaseloop.validation import MAX_DEPTH
 
 PASS_RULES = ("kl", "kl-lens", "entropy", "argmax", "state", "accel")  # any weight-tied trunk without ACT
 END_READ = ("kl", "entropy")  # read p_t through the trunk's end block (``Trunk.exit_readout``)
 LENS_READ = ("kl-lens", "argmax")  # read p_t from the state, p_0 included
-RULES = {"kl": "EPS >= 0", "kl-lens": "EPS >= 0", "entropy": "EPS >= 0", "argmax": "K >= 1 passes",
+RULES = {"kl": "EPS >= 0", "kl-lens": "EPS >= 0", "entropy": "EPS >= 0",
+         "argmax": f"K passes from 1 to {MAX_DEPTH} (config.MAX_DEPTH)",
          "state": "EPS >= 0", "accel": "EPS >= 0", "act": "THRESHOLD in (0, 1]"}
 _SYNTAX = ("write RULE:V[,V...] with RULE kl:EPS, kl-lens:EPS, entropy:EPS, argmax:K, state:EPS, "
            "accel:EPS or act:THRESHOLD, e.g. kl:5e-4")
@@ -81,7 +83,7 @@ def _value(kind: str, text: str) -> float:
         v = int(text) if kind == "argmax" else float(text)
     except ValueError:
         raise ConfigError(f"exit rule {kind}: {text!r} is not a number; {kind} takes {RULES[kind]}") from None
-    if kind == "argmax" and v >= 1:
+    if kind == "argmax" and 1 <= v <= MAX_DEPTH:  # K >= the depth never exits; no loop is longer
         return v
     if kind == "act" and 0 < v <= 1:
         return v
@@ -169,7 +171,7 @@ def set_kv_share(model, k: int | None) -> None:
 def monitor(trunk, x0, ctx, n_passes: int, merge=None) -> Monitor | None:
     """The hook a trunk calls before its loop (None when no pass rule is set)."""
     exits = trunk.exits
-    if exits is None or exits.rule.kind not in PASS_RULES:
+    if exits is None or exits.rule.kind not in PASS_RULES or n_passes < 2:  # one pass: no decision to make
         return None
     if ctx.cache is not None and ctx.cache.static:
         raise ConfigError(f"early exit ({exits.rule.label}) on a static KV cache: which positions run a pass "

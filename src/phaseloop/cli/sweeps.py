@@ -16,6 +16,7 @@ from phaseloop.analysis.params import flops_per_token
 from phaseloop.depth import set_model_depth
 from phaseloop.early_exit import set_exit, set_kv_share
 from phaseloop.engine.checkpoint import run_folder
+from phaseloop.errors import ConfigError
 from phaseloop.inference import TokenByToken
 from phaseloop.lm.train import evaluate
 
@@ -86,6 +87,9 @@ def eval_exits(args, model, run_cfg, corpus, windows, seq_len, device, docs=None
     if args.depth is not None:
         set_model_depth(model, args.depth[0], args.extend_loops)
     rules = [None] + [r for group in args.exit for r in group]
+    if len(set(rules)) != len(rules):  # within one --exit, parse_exit refuses it
+        twice = next(r for r in rules if rules.count(r) > 1)
+        raise ConfigError(f"--exit {twice.label}: given twice; name each rule and value once")
     fill = lambda rule: args.kv_fill if rule is not None else "recompute"
     for r in rules:  # refuse a rule the model cannot apply before evaluating
         set_exit(model, r, fill(r))
@@ -125,7 +129,8 @@ def eval_kv_share(args, model, run_cfg, corpus, windows, seq_len, device, docs=N
     the cache holds for one window of ``seq_len``."""
     if args.depth is not None:
         set_model_depth(model, args.depth[0], args.extend_loops)
-    for k in args.kv_share:  # refuse a stack before evaluating
+    shares = list(args.kv_share) + ([None] if None not in args.kv_share else [])  # full: the reference row
+    for k in shares:  # refuse a stack before evaluating
         set_kv_share(model, k)
     wrapper = TokenByToken(model)
 
@@ -138,10 +143,10 @@ def eval_kv_share(args, model, run_cfg, corpus, windows, seq_len, device, docs=N
                     "kv_cache_bytes": one.last_cache.nbytes}
         return (lambda: set_kv_share(model, k)), fields
 
-    rows = _sweep(args, model, run_cfg, corpus, windows, seq_len, device, [point(k) for k in args.kv_share],
+    rows = _sweep(args, model, run_cfg, corpus, windows, seq_len, device, [point(k) for k in shares],
                   docs, evaluated=wrapper)
     set_kv_share(model, None)
-    ref = next((r for r in rows if r["kv_share"] == "full"), rows[0])
+    ref = next(r for r in rows if r["kv_share"] == "full")
     for r in rows:
         r["loss_change"] = r["val_loss"] / ref["val_loss"] - 1
         r["bytes_ratio"] = r["kv_cache_bytes"] / ref["kv_cache_bytes"]
