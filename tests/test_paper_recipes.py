@@ -54,3 +54,13 @@ def test_shrink_keeps_the_architecture():
 def test_cli_dry_run(capsys):
     assert main(["compare", str(PAPER[0]), "--dry-run", "--variants", "rope (paper baseline)"]) == 0
     assert "123,489,024 parameters at full size" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, sequences", [("3pt_123m_wikitext103", 32), ("hyperloop_240m_fourway", 64)])
+def test_the_launch_line_gives_the_papers_batch(name, sequences):
+    """batch_size is per process: under the header's `torchrun --nproc-per-node 8` the global
+    batch is the paper's (spec three-phase.md: 32 x 1024; the hyperloop recipe's 64 x 2048)."""
+    path = next(p for p in PAPER if p.stem == name)
+    assert "--nproc-per-node 8" in path.read_text()
+    r = load_recipe(path)
+    assert r.train["batch_size"] * r.train.get("grad_accum", 1) * 8 == sequences
