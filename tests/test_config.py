@@ -204,3 +204,33 @@ def test_a_second_registration_of_a_name_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="preset 'looped-tiny' is 'looped''s already"):
         registry.register_arch(registry.ArchSpec(name="evil", trunk=Stack, presets={"looped-tiny": {}}))
     assert registry.PRESETS["looped-tiny"]["arch"] == "looped" and "evil" not in registry.ARCHS
+
+
+def test_option_fields_written_with_typing_optional_are_checked(monkeypatch):
+    """``Optional[int]`` is not a ``types.UnionType``: its field was never type-checked
+    ('abc' reached a comparison as a traceback; true and 1.5 were taken)."""
+    from dataclasses import make_dataclass
+    from typing import Optional, Union
+
+    from phaseloop.model import Stack
+
+    monkeypatch.setattr(registry, "ARCHS", dict(registry.ARCHS))
+    group = make_dataclass("OptOptions", [("opt_every", Optional[int], None), ("opt_width", Union[int, None], None)])  # noqa: UP007, UP045
+    registry.register_arch(registry.ArchSpec(name="optarch", trunk=Stack, options=(group,)), replace=True)
+    assert ModelConfig(arch="optarch", opt_every=None).opt_every is None
+    assert ModelConfig(arch="optarch", opt_every=3).opt_every == 3
+    for bad in ("abc", True, 1.5):
+        with pytest.raises(ConfigError, match="opt_every"):
+            ModelConfig(arch="optarch", opt_every=bad)
+    with pytest.raises(ConfigError, match="opt_width"):
+        ModelConfig(arch="optarch", opt_width="x")
+
+
+def test_a_layer_count_named_like_a_field_is_refused(monkeypatch):
+    from phaseloop.model import Stack
+
+    monkeypatch.setattr(registry, "ARCHS", dict(registry.ARCHS))
+    for name in ("d_model", "n_loops", "not an identifier"):
+        with pytest.raises(ValueError, match="layers_name"):
+            registry.register_arch(registry.ArchSpec(name="bad1", trunk=Stack, layers_name=name))
+    assert ModelConfig(arch="rope", d_model=64).d_model == 64

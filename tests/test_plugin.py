@@ -208,3 +208,65 @@ def test_messages_are_never_cut_inside_a_word():
         assert cut.endswith(" …") and text.startswith(cut[:-2]) and len(cut) <= limit + 2
         assert text[len(cut) - 2] in " ,;:("  # ends where a word ended
     assert first_line(ValueError("")) == "ValueError" and first_line(ValueError("one\ntwo")) == "one"
+
+
+def _site(tmp_path, plugins: dict[str, tuple[str, str]]):
+    """A folder of fake installed plugins: name -> (entry point value, module source)."""
+    site = tmp_path / "site"
+    for name, (value, source) in plugins.items():
+        info = site / f"{name}-0.1.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[phaseloop.architectures]\n{name} = {value}\n")
+        (site / f"{value.split(':')[0]}.py").write_text(source)
+    return {**os.environ, "PYTHONPATH": str(site)}
+
+
+FUNCTION_PLUGIN = """
+from phaseloop import registry
+from phaseloop.model import Stack
+
+def register():
+    registry.register_arch(registry.ArchSpec(name="fnarch", trunk=Stack, commands=COMMANDS))
+COMMANDS = None
+"""
+
+
+def test_a_plugin_that_fails_is_named_and_never_a_healthy_one(tmp_path):
+    """A commands hook that raises (or adds a command phaseloop has) is one line naming the
+    plugin; after another plugin failed to load, asking again names that one, not a
+    function entry point that loaded already."""
+    bad_hook = FUNCTION_PLUGIN.replace("COMMANDS = None", "COMMANDS = 'fn_plugin:nowhere'")
+    r = phaseloop(_site(tmp_path / "a", {"fn": ("fn_plugin:register", bad_hook)}), "params")
+    assert r.returncode == 2 and r.stderr.count("\n") <= 1 and "providing 'fnarch' failed to add its commands" \
+        in r.stderr, r.stderr
+    clash = FUNCTION_PLUGIN.replace("COMMANDS = None", "COMMANDS = 'fn_plugin:add'\n"
+                                    "def add(sub):\n    sub.add_parser('train')")
+    r = phaseloop(_site(tmp_path / "b", {"fn": ("fn_plugin:register", clash)}), "params")
+    assert r.returncode == 2 and "conflicting subparser: train" in r.stderr, r.stderr
+    env = _site(tmp_path / "c", {"fn": ("fn_plugin:register", FUNCTION_PLUGIN),
+                                 "zbroken": ("zbroken_arch", "raise ImportError('needs torch 9')\n")})
+    code = ("from phaseloop import registry\nfor _ in range(2):\n    try:\n        registry.get_arch('nope')\n"
+            "    except Exception as e:\n        print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("plugin 'zbroken'" in line for line in lines), r.stdout + r.stderr
+
+
+def test_a_plugin_not_installed_is_said_before_its_keys(tmp_path, capsys):
+    from conftest import run_cli
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\narch = "sandwich"\nsandwich_every = 2\n')
+    code, err = run_cli(["train", "--config", cfg, "--print-config"], capsys)
+    assert code == 2 and "arch='sandwich': unknown architecture" in err, err
+    from phaseloop.compare import Recipe, RecipeError
+
+    with pytest.raises(RecipeError, match="variant 's': invalid config: arch='sandwich': unknown architecture"):
+        Recipe.from_dict({"variants": [{"name": "s", "spec": "sandwich sandwich_every=2"}]})
+
+
+def test_info_commands_into_a_closed_pipe_end_quietly():
+    r = subprocess.run(f"{sys.executable} -m phaseloop params --all | head -1", shell=True, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.startswith("preset") and r.stderr == "", r.stderr

@@ -108,8 +108,10 @@ BAD = [
     (["compare", "--steps", "0", "--out", "{root}/c3"], "--steps: 0 is out of range"),
     (["compare", "{root}/ignore-recipe.toml", "--data", "{text}", "--out", "{root}/c4"],
      "variant 'rope-tiny': loss_ignore_id=100000: no token has it (the vocabulary holds ids 0 .. 255)"),
-    (["compare", "--out", "{root}/afile", "--steps", "2", "--data", "{text}", "--variants", "rope-tiny"],
-     "is a file"),
+    (["compare", "--out", "{root}/afile", "--steps", "2", "--data", "{text}", "--variants",
+      "rope-tiny max_seq_len=128"], "is a file"),
+    (["compare", "--out", "{root}/c5", "--steps", "2", "--data", "{text}", "--variants", "rope-tiny"],
+     "variant 'rope-tiny': seq_len 128 is longer than its model's max_seq_len 64"),
     # quantize
     (["quantize", "{run}", "--bits", "8", "--out", "{root}/afile"], "is a file"),
     (["quantize", "{run}", "--bits", "8", "--group-size", "0"], "--group-size 0"),

@@ -19,7 +19,16 @@ from typing import Any
 
 from phaseloop import registry
 from phaseloop.errors import ConfigError
-from phaseloop.validation import MAX_DEPTH, MAX_INT, MAX_LAYERS, MAX_SEED, MAX_SEQ_LEN, check_ints, check_types  # noqa: F401
+from phaseloop.validation import (  # noqa: F401
+    MAX_DEPTH,
+    MAX_INT,
+    MAX_LAYERS,
+    MAX_SEED,
+    MAX_SEQ_LEN,
+    check_ints,
+    check_types,
+    union_args,
+)
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -37,11 +46,9 @@ def _defaults(cls) -> dict:
 
 def _nullable(cls) -> set[str]:
     """The fields of a dataclass whose annotation allows None (None means "derived")."""
-    import types
     import typing
 
-    return {n for n, tp in typing.get_type_hints(cls).items()
-            if isinstance(tp, types.UnionType) and type(None) in typing.get_args(tp)}
+    return {n for n, tp in typing.get_type_hints(cls).items() if type(None) in union_args(tp)}
 
 
 def merged(*layers: dict) -> dict:

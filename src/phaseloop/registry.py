@@ -82,6 +82,7 @@ PRESETS: dict[str, dict] = {}
 RESERVED: set[str] = set()
 CORE_FIELDS: set[str] = set()
 _loaded_entry_points = False
+_loaded_eps: set[str] = set()  # entry points loaded (a retry after another one failed skips them)
 PROVIDERS: dict[str, str] = {}  # arch -> "distribution version" of the plugin whose entry point registered it
 
 
@@ -152,6 +153,12 @@ def register_arch(spec: ArchSpec, replace: bool = False) -> ArchSpec:
         old = ARCHS[spec.name]
         raise ValueError(f"arch {spec.name!r} is registered already (by {old.trunk.__module__}); pick "
                          "another name, or pass replace=True to register_arch to replace it")
+    if spec.layers_name != "n_layers":  # its own count's name: no field of the config or of any group
+        fields_ = {f.name for g in (*COMPOSABLE, *(g for s in ARCHS.values() for g in s.options), *spec.options)
+                   for f in dataclasses.fields(g)}
+        if not spec.layers_name.isidentifier() or spec.layers_name in RESERVED | fields_:
+            raise ValueError(f"arch {spec.name!r}: layers_name {spec.layers_name!r} names a field of ModelConfig or "
+                             "of an option group (or is no identifier); name the layer count otherwise")
     for group in spec.options:
         _check_group(group, replacing=ARCHS.get(spec.name))
     known = {*CORE_FIELDS, *(f.name for g in (*COMPOSABLE, *spec.options) for f in dataclasses.fields(g))}
@@ -178,6 +185,8 @@ def _load_entry_points() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.value in _loaded_eps:  # loaded before another one failed: registering again would fail
+            continue
         before = set(ARCHS)
         try:  # a module registers on import; an ArchSpec or a function may be given instead
             obj = ep.load()
@@ -192,6 +201,7 @@ def _load_entry_points() -> None:
             _loaded_entry_points = False  # asked again, it fails again (never half-loaded quietly)
             raise ConfigError(f"the architecture plugin {ep.name!r} ({ep.value}) failed to load: "
                               f"{type(e).__name__}: {e}; reinstall or uninstall it") from None
+        _loaded_eps.add(ep.value)
         dist = getattr(ep, "dist", None)
         for name in set(ARCHS) - before if dist is not None else ():
             PROVIDERS[name] = f"{dist.metadata['Name']} {dist.version}"
@@ -202,10 +212,15 @@ def get_arch(name: str) -> ArchSpec:
     if name not in ARCHS:
         _load_entry_points()
     if name not in ARCHS:
-        raise UnknownArch(f"invalid config: arch={name!r}: unknown architecture; registered: "
-                          f"{', '.join(arch_names())} (a plugin registers through the entry-point "
-                          f"group {ENTRY_POINT_GROUP!r}: pip install it)", name)
+        raise unknown_arch(name)
     return ARCHS[name]
+
+
+def unknown_arch(name: str) -> UnknownArch:
+    """The refusal of an arch no installed package registers, naming the registered ones."""
+    return UnknownArch(f"invalid config: arch={name!r}: unknown architecture; registered: "
+                       f"{', '.join(arch_names())} (a plugin registers through the entry-point "
+                       f"group {ENTRY_POINT_GROUP!r}: pip install it)", name)
 
 
 def arch_names() -> list[str]:

@@ -84,20 +84,28 @@ def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | N
     return path, show(a), show(b)
 
 
+def union_args(tp) -> tuple:
+    """The types of an annotation: the members of ``int | None`` and of ``typing.Optional[int]``
+    / ``Union[...]`` (not a ``types.UnionType``) alike, else ``(tp,)``."""
+    import types
+    import typing
+
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+
+
 def check_types(obj: Any, what: str) -> None:
     """Every field holds its annotated type (``int``, ``float`` (an int will do, finite),
     ``bool``, ``str``, ``... | None``), an integer at most its limit in size
     (``int_limit``: MAX_INT unless the field's metadata says otherwise);
     ``object``/``list``/``dict`` fields are the caller's. Runs before any field is used,
     so a wrong type is one ConfigError."""
-    import types
     import typing
 
     for name, tp in typing.get_type_hints(type(obj)).items():
         if name.startswith("_"):
             continue
         v = getattr(obj, name)
-        opts = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+        opts = union_args(tp)
         if v is None and type(None) in opts:
             continue
         base = next((t for t in opts if t is not type(None)), None)

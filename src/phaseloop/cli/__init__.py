@@ -24,7 +24,7 @@ from phaseloop.cli.exits import fail, interrupted
 from phaseloop.cli.options import Parser, on_a_run  # noqa: F401  (on_a_run: plugins' commands use it)
 from phaseloop.engine import dist
 from phaseloop.engine.trainer import DivergedError, PeerFailed
-from phaseloop.errors import PhaseloopError, raise_terminated, was_terminated
+from phaseloop.errors import ConfigError, PhaseloopError, first_line, raise_terminated, was_terminated
 from phaseloop.files import as_os_error
 
 DISTRIBUTED = ("train", "compare")  # the commands that run across torchrun's processes
@@ -38,9 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMANDS:
         module.add_parsers(sub)
     for spec in registry.all_archs():  # an architecture's own commands (3PT: angles, zero-sum)
-        add = registry.commands_of(spec)
-        if add is not None:
-            add(sub)
+        try:
+            add = registry.commands_of(spec)
+            if add is not None:
+                add(sub)
+        except Exception as e:  # a plugin's hook (or a command name phaseloop has: argparse's conflict)
+            raise ConfigError(f"the architecture plugin providing {spec.name!r} failed to add its commands "
+                              f"({type(e).__name__}: {first_line(e, 120)}); reinstall or uninstall it") from None
     return p
 
 
@@ -67,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"phaseloop: error: {e}", 4)
     except PhaseloopError as e:
         return fail(f"phaseloop: error: {e}", 2)
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): no error of the input, no message
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush goes nowhere
+        return 141  # as a process killed by SIGPIPE
     except (OSError, SafetensorError) as e:  # the file system said no: name the file, no traceback
         if not isinstance(e, OSError):  # safetensors' own error, not turned into an OSError where
             e = as_os_error(e, None, "safetensors failed")  # phaseloop wrote or read the file

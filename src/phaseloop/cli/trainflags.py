@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
 import typing
 
 from phaseloop.cli.argtypes import MAX_SEED, int_in
 from phaseloop.engine import TrainConfig
 from phaseloop.engine.config import choices
+from phaseloop.validation import union_args
 
 # ints bounded above (a step count of 2**70 is a typo, not a run); TrainConfig checks the lower bounds
 _TYPES = {int: int_in(None)}  # floats: TrainConfig refuses non-finite ones by field name
@@ -27,7 +27,7 @@ def flags(name: str) -> tuple[str, ...]:
 
 def _base(tp) -> type:
     """int for ``int | None``, and so on."""
-    opts = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    opts = union_args(tp)
     return next(t for t in opts if t is not type(None))
 
 

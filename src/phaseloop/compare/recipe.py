@@ -119,7 +119,10 @@ def _variant_train(table, where: str) -> dict:
 def _check_spec_keys(v: Variant) -> None:
     """Refuse a variant whose KEY=VALUE or set keys are no ModelConfig field."""
     known = ModelConfig.field_names()
-    for k in [*parse_spec(v.spec)[2], *v.set]:
+    base, _, overrides = parse_spec(v.spec)
+    for k in [*overrides, *v.set]:
+        if k not in known and base not in PRESETS and registry.by_alias(base) is None:  # a plugin not here
+            raise RecipeError(f"variant {v.name!r}: {registry.unknown_arch(base)}")  # said first: not its keys
         if k not in known:
             raise RecipeError(f"variant {v.name!r}: unknown field {k!r}{suggest(k, known)}; "
                               f"fields: {', '.join(known)} (or {', '.join(KEY_ALIASES)})")

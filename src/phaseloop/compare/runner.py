@@ -34,18 +34,13 @@ from phaseloop.lm.train import ignore_id_fault
 from phaseloop.model import build_model
 from phaseloop.validation import first_difference
 
-# batch_size and grad_accum change what a new seed trains on (a resumed run keeps its
-# global batch; a seed not started yet would not): the comparison keeps them
-_RERUN_CHANGES = tuple(k for k in RESUMABLE_CHANGES if k not in ("batch_size", "grad_accum"))
-
 
 def _compared(recipe: dict) -> dict:
-    """A stored recipe without what a rerun may change: the train settings that change
-    no result (device, compile...; not the batch, which seeds still to train would take
-    anew), the ``[launcher]`` (where runs go, not what they are) and the ``[eval]`` tasks
-    (scored on the finished runs, whatever trained them)."""
-
-    train = {k: v for k, v in recipe.get("train", {}).items() if k not in _RERUN_CHANGES}
+    """A stored recipe without what a rerun may change: the train settings that change no
+    result (device, compile...; not the batch, which seeds still to train would take), the
+    ``[launcher]`` (where runs go) and the ``[eval]`` tasks (scored on the finished runs)."""
+    keep = ("batch_size", "grad_accum")
+    train = {k: v for k, v in recipe.get("train", {}).items() if k not in RESUMABLE_CHANGES or k in keep}
     return {**{k: v for k, v in recipe.items() if k not in ("launcher", "eval")}, "train": train}
 
 
@@ -110,7 +105,6 @@ def check_eval_tasks(recipe: Recipe) -> None:
     a task unknown or its data absent) before anything trains or is written. (A --dry-run does not: it
     checks the variants where lm-eval and the data may be absent, as in CI.)"""
     if recipe.eval_tasks:
-
         with resolved_tasks(recipe.eval_tasks):
             pass
     if recipe.eval:
@@ -122,10 +116,9 @@ def _lm_eval(recipe: Recipe, run_dir: Path, device: str, log) -> None:
     if not recipe.eval_tasks or not (run_dir / "summary.json").exists():
         return
     done = run_dir / "lm_eval" / "results.json"  # reused where scored with the recipe's settings only
-    if done.exists() and read_json(done).get("phaseloop") == settings(recipe.eval_tasks, recipe.eval_limit, None,
-                                                                        None, "float32"):
+    if done.exists() and read_json(done).get("phaseloop") == settings(recipe.eval_tasks, recipe.eval_limit,
+                                                                        None, None, "float32"):
         return
-
     if log:
         log(f"lm-eval {','.join(recipe.eval_tasks)} on {run_dir.name}")
     lm_eval_run(run_dir, recipe.eval_tasks, limit=recipe.eval_limit, device=device)
@@ -269,9 +262,8 @@ def _prepare(recipe: Recipe, log, eval_tasks: bool = True):
         if why is not None:
             raise RecipeError(f"variant {p.variant.name!r}: {why}")
         if tc.seq_len is not None and tc.seq_len > p.cfg.max_seq_len:  # else every run fails in training
-            raise RecipeError(f"variant {p.variant.name!r}: seq_len {tc.seq_len} is longer than its model's "
-                              f"max_seq_len {p.cfg.max_seq_len}; lower [train] seq_len, or give the variant the "
-                              f"context in its spec (spec = \"{p.variant.spec} max_seq_len={tc.seq_len}\")")
+            raise RecipeError(f"variant {p.name!r}: seq_len {tc.seq_len} is longer than its model's max_seq_len "
+                              f"{p.cfg.max_seq_len}; lower [train] seq_len or add max_seq_len={tc.seq_len} to its spec")
     for p in plan if recipe.train.get("depth_sample") else ():  # training for depth: refused before any trains
         try:
             check_depth_sample(build_model(p.cfg, device="meta"), parse_depth_range(recipe.train["depth_sample"]),

@@ -128,6 +128,9 @@ def read_config(path: str | os.PathLike) -> dict[str, dict]:
 def check_config(d: dict, where: str = "config") -> dict[str, dict]:
     """{section: {key: value}} with only known sections and keys, each a plain value."""
     out = {s: {} for s in SECTIONS}
+    model = d.get("model")
+    if isinstance(model, dict) and isinstance(model.get("arch"), str) and registry.by_alias(model["arch"]) is None:
+        registry.get_arch(model["arch"])  # a plugin not installed here: said first, not as its options' keys
     for name, section in d.items():
         if not isinstance(section, dict):
             raise ConfigError(f"{where}: {name} = {section!r} is outside any section; put it under "
