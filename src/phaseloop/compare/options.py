@@ -73,21 +73,21 @@ class LaunchOptions:
         given = [k for k, v in flags.items() if v not in (False, [])] + \
             [k for k, v in table.items() if k not in flags and v != getattr(defaults, k) and "launcher" not in flags]
 
-        def refuse(k: str, applies: str, why: str = "") -> RecipeError:  # a flag, or a key of the table
+        def refuse(k: str, launchers: tuple, why: str) -> RecipeError:  # a flag, or a key of the table
+            first, rest = launchers[0], "".join(f" or {x}" for x in launchers[1:])
             if k in flags:
-                return RecipeError(f"--{k.replace('_', '-')} applies to --launcher {applies}{why}; add "
-                                   f"--launcher {applies.split()[0]} or drop it")
-            return RecipeError(f'{where}: {k} applies to launcher = "{applies.split()[0]}"'
-                               f"{' or ' + applies.split()[-1] if ' or ' in applies else ''}{why}; add "
-                               f'launcher = "{applies.split()[0]}" or drop {k}')
+                return RecipeError(f"--{k.replace('_', '-')} applies to --launcher {first}{rest}{why}; add "
+                                   f"--launcher {first} or drop it")
+            return RecipeError(f'{where}: {k} applies to launcher = "{first}"{rest}{why}; add launcher = "{first}" '
+                               f"or drop {k}")
         slurm = [k for k in SLURM_KEYS if k in given]
         if o.launcher != "slurm" and slurm:
-            raise refuse(slurm[0], "slurm", f" (this is {o.launcher})")
+            raise refuse(slurm[0], ("slurm",), f" (this is {o.launcher})")
         if o.launcher == "sequential" and "nproc_per_run" in given:
-            raise refuse("nproc_per_run", "local or slurm", " (a sequential comparison under torchrun spreads "
+            raise refuse("nproc_per_run", ("local", "slurm"), " (a sequential comparison under torchrun spreads "
                          "every run over all its processes)")
         if o.launcher != "local" and "jobs" in given:
-            raise refuse("jobs", "local", f" (this is {o.launcher}"
+            raise refuse("jobs", ("local",), f" (this is {o.launcher}"
                          + ("; Slurm runs one array task per run, --array-parallelism caps how many at once"
                             if o.launcher == "slurm" else "") + ")")
         return o

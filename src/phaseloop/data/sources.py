@@ -241,11 +241,11 @@ def resolve(spec: str | os.PathLike, text_column: str | None = "text", split: st
     data again) lets options that do not apply pass, as earlier versions did when the run
     was trained, so such a run can still be evaluated."""
     spec = str(spec)
-    return _resolve(spec, text_column, split, streaming, _refuse_options if strict else lambda *a: None, strict)
+    return _resolve(spec, text_column, split, streaming, strict)
 
 
-def _resolve(spec: str, text_column: str | None, split: str | None, streaming: bool, refuse,
-             strict: bool = True) -> Source:
+def _resolve(spec: str, text_column: str | None, split: str | None, streaming: bool, strict: bool) -> Source:
+    refuse = _refuse_options if strict else lambda *a: None
     text_column = "text" if text_column is None else text_column
     split = "train" if split is None else split
     if spec.startswith("hf:"):

@@ -67,6 +67,10 @@ class Sequence:
     _sent: int = 0
     _running: Callable[[int], str] | None = None  # ``Vocab.running``: the text so far, token by token
 
+    def __post_init__(self):
+        running = getattr(self.decode, "running", None)  # needed where a stream or a stop string reads the text
+        self._running = running() if running is not None and (self.stop or self.stream) else None
+
     def seed_on(self, device) -> None:
         """The sequence's generator on ``device``: seeded ``seed + index`` (choice 0 draws as
         ``phaseloop generate --seed SEED``), or from the OS when no seed is given."""
@@ -89,9 +93,6 @@ class Sequence:
         if token == self.eos_id:
             return self.end("stop", token, logprob)
         if self.stop or self.stream:
-            if len(self.tokens) == 1:
-                running = getattr(self.decode, "running", None)
-                self._running = running() if running is not None else None
             text = self._running(token) if self._running is not None else self.decode(self.tokens)
             self.text = self._cut(text)
             if len(self.text) < len(text):
