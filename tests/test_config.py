@@ -234,3 +234,23 @@ def test_a_layer_count_named_like_a_field_is_refused(monkeypatch):
         with pytest.raises(ValueError, match="layers_name"):
             registry.register_arch(registry.ArchSpec(name="bad1", trunk=Stack, layers_name=name))
     assert ModelConfig(arch="rope", d_model=64).d_model == 64
+
+
+def test_an_odd_head_dim_is_refused_only_with_rope():
+    """RoPE rotates pairs of a head's dims; without it (sinusoids, the UT paper's models) any
+    head dim builds, and a cached decode equals the full pass."""
+    import torch
+
+    from phaseloop import build_model
+    from phaseloop.layers import KVCache
+
+    with pytest.raises(ConfigError, match="head dim d_model/n_heads=3 must be even for RoPE"):
+        ModelConfig(arch="rope", d_model=6, n_heads=2, n_kv_heads=2, d_ff=12)
+    for arch in ("rope", "universal"):
+        torch.manual_seed(0)
+        m = build_model(ModelConfig(arch=arch, vocab_size=32, d_model=6, n_heads=2, n_kv_heads=2, d_ff=12,
+                                    max_seq_len=16, use_rope=False)).eval().double()
+        x = torch.randint(0, 32, (1, 8))
+        cache = KVCache()
+        parts = [m(x[:, :5], cache=cache).logits, m(x[:, 5:], cache=cache).logits]
+        torch.testing.assert_close(torch.cat(parts, 1), m(x).logits, rtol=0, atol=1e-12)

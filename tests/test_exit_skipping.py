@@ -232,3 +232,12 @@ def test_kl_reads_looped_models_through_the_end_block():
         calls.clear()
         m(idx)
         assert len(calls) == reads + 1  # readouts after every pass but the last, + the output
+
+
+@pytest.mark.parametrize("preset", ["rope-tiny", "universal-tiny"])
+def test_a_bad_fill_is_named_on_any_model(preset):
+    """A stack would otherwise say it cannot exit early, leaving the bad --kv-fill unnamed."""
+    from phaseloop.errors import ConfigError
+    m = build_model(ModelConfig.from_preset(preset))
+    with pytest.raises(ConfigError, match="--kv-fill 'bogus': choose recompute or latest"):
+        set_exit(m, None, "bogus")

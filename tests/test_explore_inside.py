@@ -227,6 +227,7 @@ def test_generation_is_the_library_s(client, served, q, name, extra):
     ("/api/inside/generate", dict(path="act/run", exit="foo:1"), "unknown exit rule"),
     ("/api/inside/generate", dict(exit="kl:1"), "stack of distinct layers"),
     ("/api/inside/generate", dict(path="act/run", exit="act:0.5,0.6"), "give one value"),
+    ("/api/inside/generate", dict(kv_fill="bogus"), "kv_fill 'bogus': choose recompute or latest"),
     ("/api/inside/generate", dict(path="act/run", max_new_tokens=65), "max_new_tokens must be between 1 and 64"),
     ("/api/inside/generate", dict(path="hyper3pt/run", speculative=9), "the draft runs 1 .. 1 passes"),
     ("/api/inside/depth", dict(path="act/run", max_depth=17), "max_depth must be between 1 and 16"),

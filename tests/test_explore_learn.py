@@ -51,6 +51,10 @@ def test_calculator_counts_equal_accounting_and_the_built_models(client):
     spec = accounting.EncDecSpec("custom", 256, 4, 3, 3, steps=3, vocab_size=1000, ffn_dim=1000)
     assert b["model"] == accounting.count(spec, 64)
     assert b["built"]["built_total"] == b["model"]["total"]
+    # an odd head dim: the published models take sinusoids, not RoPE, so it builds and counts
+    odd = get(client, "/api/learn/accounting", preset="transformer-base", d=510, heads=170)
+    assert odd["built"]["built_total"] == odd["model"]["total"] == accounting.count(
+        accounting.EncDecSpec("custom", 510, 170, 6, 6, steps=6, ffn_dim=2040))["total"]
     shared = get(client, "/api/learn/accounting", preset="transformer-base", shared="true", layers=8)
     assert shared["model"]["total"] == 26_302_464 and shared["model"]["steps"] == 8
 

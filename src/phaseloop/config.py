@@ -215,7 +215,7 @@ class ModelConfig:
                   "attention scores of a longer context overflow torch's tensor sizes; use fewer")
         if self.d_model % self.n_heads:
             _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model}")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.use_rope:  # rotations act on pairs of dims; without RoPE any head dim works
             _fail("n_heads", self.n_heads,
                   f"head dim d_model/n_heads={self.head_dim} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:

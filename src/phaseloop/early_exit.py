@@ -142,10 +142,10 @@ def set_exit(model, rule: ExitRule | None, fill: str = "recompute") -> None:
     """Apply ``rule`` to ``model``'s trunk from now on (None: no early exit, ACT at its
     trained threshold), the skipped passes' keys/values filled by ``fill``; one-line
     ConfigError where the trunk cannot."""
+    if fill not in FILLS:  # before the model's own refusals: a bad value is named on any model
+        raise ConfigError(f"--kv-fill {fill!r}: choose recompute or latest")
     refuse_stack(model, "exit early per position", "--exit")
     trunk = model.trunk
-    if fill not in FILLS:
-        raise ConfigError(f"--kv-fill {fill!r}: choose recompute or latest")
     if rule is not None and rule.kind not in trunk.exit_rules:
         if rule.kind == "act":
             raise ConfigError(f"exit rule {rule.label} sets an ACT halting threshold, but this "
