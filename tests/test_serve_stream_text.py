@@ -108,3 +108,17 @@ def test_sequence_events_equal_decoding_every_prefix(bpe):
                     assert b.finish == "stop" and len(b.tokens) < 80
                 assert fast.calls <= 1  # the final text only
                 assert plain.calls >= len(a.tokens) if stream or stop else plain.calls <= 1
+
+
+def test_a_stop_string_waits_for_unfinished_characters():
+    """The bytes of "€" decode as U+FFFD until the last one: a stop string holding U+FFFD
+    must not end the sequence there; an invalid byte (a U+FFFD that stays) still stops it."""
+    byte = ByteTokenizer()
+    vocab = Vocab(byte.decode, byte.token_bytes, True)
+    for decode in (vocab, Counting(vocab, False)):
+        s, _ = _run(decode, [*"a€b".encode()], ["\ufffd"], False, 5)
+        assert (s.text, s.finish, len(s.tokens)) == ("a€b", "length", 5)
+        s, _ = _run(decode, [*b"a\xffbcd"], ["\ufffd"], True, 10)
+        assert (s.text, s.finish, s.tokens) == ("a", "stop", [*b"a\xffb"])
+        s, _ = _run(decode, [*b"a\xff"], ["\ufffd"], False, 2)  # at the end: cut, though no token followed
+        assert (s.text, s.finish) == ("a", "length")

@@ -94,9 +94,12 @@ class Sequence:
             return self.end("stop", token, logprob)
         if self.stop or self.stream:
             text = self._running(token) if self._running is not None else self.decode(self.tokens)
-            self.text = self._cut(text)
-            if len(self.text) < len(text):
+            settled = text.rstrip("\ufffd")  # a trailing U+FFFD may still become a character: no stop on it yet
+            cut = self._cut(settled)
+            if len(cut) < len(settled):
+                self.text = cut
                 return self.end("stop", token, logprob)
+            self.text = text
         if len(self.tokens) >= self.max_new:
             return self.end("length", token, logprob)
         if self.stream:
