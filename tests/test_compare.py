@@ -210,6 +210,9 @@ def test_paired_t_test_verdicts():
     assert paired_t_test([1.0], [0.5])["verdict"] == "n/a"
     same = paired_t_test([1.0, 2.0], [0.5, 1.5])  # identical differences: no noise estimate
     assert same["verdict"] == "n/a" and same["p"] is None and same["t"] is None and "-0.5" in same["note"]
+    for ref, var in (([0.1, 0.2], [0.4, 0.5]), ([0.1, 0.2, 0.7], [0.4, 0.5, 1.0])):  # the same up to rounding
+        same = paired_t_test(ref, var)  # (was t = 7.6e15, p = 0, "worse")
+        assert same["verdict"] == "n/a" and same["p"] is None and "+0.3" in same["note"], same
     tie = paired_t_test([1.0, 2.0], [1.0, 2.0])
     assert tie["verdict"] == "indistinguishable" and tie["p"] == 1.0 and tie["t"] is None
     assert "2 seeds" in paired_t_test([1.0, 1.1], [0.5, 0.7])["note"]

@@ -75,3 +75,31 @@ def test_home_in_a_real_browser(explore_server, browser):
     assert "phaseloop explore" in browser.title
     assert browser.execute_script("return typeof Plotly") == "object"
     assert external_urls(browser) == []
+
+
+def test_a_long_api_call_does_not_hold_up_the_others():
+    """An endpoint runs in a worker thread: while one waits (a model evaluation, say),
+    another is answered. On the event loop itself the first would wait out its timeout."""
+    import asyncio
+    import threading
+
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from phaseloop.explore.web import api
+
+    released = threading.Event()
+    app = Starlette(routes=[Route("/api/wait", api(lambda ctx, p: {"released": released.wait(5)})),
+                            Route("/api/release", api(lambda ctx, p: {"ok": released.set() is None}))])
+    app.state.ctx = ServerContext()
+
+    async def both():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            waiting = asyncio.ensure_future(client.get("/api/wait"))
+            await asyncio.sleep(0.05)
+            second = (await client.get("/api/release")).json()
+            return (await waiting).json(), second
+
+    first, second = asyncio.run(both())
+    assert first == {"released": True} and second == {"ok": True}

@@ -228,6 +228,7 @@ def test_generation_is_the_library_s(client, served, q, name, extra):
     ("/api/inside/generate", dict(exit="kl:1"), "stack of distinct layers"),
     ("/api/inside/generate", dict(path="act/run", exit="act:0.5,0.6"), "give one value"),
     ("/api/inside/generate", dict(kv_fill="bogus"), "kv_fill 'bogus': choose recompute or latest"),
+    ("/api/inside/generate", dict(path="act/run", kv_fill="latest"), "kv_fill latest applies to the pass rules"),
     ("/api/inside/generate", dict(path="act/run", max_new_tokens=65), "max_new_tokens must be between 1 and 64"),
     ("/api/inside/generate", dict(path="hyper3pt/run", speculative=9), "the draft runs 1 .. 1 passes"),
     ("/api/inside/depth", dict(path="act/run", max_depth=17), "max_depth must be between 1 and 16"),
@@ -235,6 +236,7 @@ def test_generation_is_the_library_s(client, served, q, name, extra):
 def test_inside_bad_input_is_a_400_with_the_message(client, q, url, over, message):
     r = client.get(url, params={**q("rope"), **over})
     assert r.status_code == 400 and message in r.json()["error"], r.text
+    assert "--" not in r.json()["error"]  # the query's field names, not the CLI's flags
 
 
 def test_model_cache_is_bounded(served):

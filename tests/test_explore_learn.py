@@ -76,6 +76,8 @@ def test_calculator_equals_phaseloop_params(client, capsys):
     ("/api/learn/accounting", {"preset": "gpt"}, "preset must be one of"),
     ("/api/learn/coordinates", {"d": "x"}, "d must be an integer"),
     ("/api/learn/parity", {"bits": "0120"}, "bits must be"),
+    ("/api/learn/parity", {"bits": " "}, "bits must be 1 to 1024 characters"),  # said "length" before
+    ("/api/learn/coordinates", {"t": "5000"}, r"t must be below span \(2048"),  # its "peak" was not the peak
     ("/api/learn/parity", {"length": "0"}, "length must be between"),
     ("/api/learn/act", {"p": "0.5, 2"}, r"\[0, 1\]"),
     ("/api/learn/act", {"p": "0.5, 0.2; 0.3"}, "same number of positions"),
@@ -181,6 +183,9 @@ def test_results_read_from_claim_files(tmp_path):
     (out / "broken-s9.json").write_text("{")  # not a result: skipped
     (out / "act_w0.01_b1.0-s7.json").write_text(json.dumps(  # a record of another shape: skipped too
         {"name": "act_w0.01_b1.0", "seed": 7, "per_length": {"4": {"acc": "high"}}}))
+    for seed, per in ((5, {"4": {"acc": 0.5, "ponder": "x"}}), (6, {"\u00b2": {"acc": 0.5}})):  # a 500 before
+        (out / f"act_w0.01_b1.0-s{seed}.json").write_text(json.dumps(
+            {"name": "act_w0.01_b1.0", "seed": seed, "final_loss": 1.0, "per_length": per}))
     b = TestClient(create_app(ServerContext.from_paths([tmp_path]))).get("/api/learn/results").json()
     v = b["measured"]["variants"][0]
     assert b["measured"]["found"] and v["seeds"] == [0, 1]
@@ -204,6 +209,11 @@ def test_results_read_from_task_runs(tmp_path):
             "errors": {"1": [0.1, 0.0]}, "mean_error": [0.1, 0.0], "ponder": {"1": {"1": [[2.3, 0.0], [0.8, 0.0]]}}}}))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "metrics.json").write_text("{")  # damaged / not a task run: skipped
+    for name, rec in (("list", {"task": "copy", "summary": [1, 2]}),  # other shapes: skipped (a 500 before)
+                      ("per", {"task": "copy", "summary": {"per_length": [1]}}),
+                      ("err", {"tasks": [1], "summary": {"errors": {"1": "x"}}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps(rec))
     t = TestClient(create_app(ServerContext.from_paths([tmp_path]))).get("/api/learn/results").json()["tasks"]
     assert t["found"] and [r["kind"] for r in t["runs"]] == ["babi", "algorithmic"]
     babi, copy = t["runs"]

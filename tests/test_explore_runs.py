@@ -71,6 +71,11 @@ def test_metrics_tail_is_incremental_and_takes_a_torn_line_for_pending(tmp_path)
         f.write(half[20:] + "\n" + "not json\n")
     tail.update()
     assert tail.train["loss"] == [3.0, 2.5, 2.0] and not tail.torn and tail.damaged == 1
+    with open(run / "metrics.jsonl", "a") as f:  # a step of true or 4.0 is no step; a loss of true no loss
+        f.write("\n".join(json.dumps(r) for r in ({**_rec(4, 1.0), "step": True}, {**_rec(4, 1.0), "step": 4.0},
+                                                   {**_rec(4, 1.0), "loss": True})) + "\n")
+    tail.update()
+    assert tail.train["step"] == [1, 2, 3, 4] and tail.train["loss"][-1] is None and tail.damaged == 3
     # a resumed run rewrites the file shorter: read again from the start
     (run / "metrics.jsonl").write_text(json.dumps(_rec(1, 9.0)) + "\n")
     assert rundata.MetricsTail(run / "metrics.jsonl").update().train["loss"] == tail.update().train["loss"] == [9.0]
@@ -149,6 +154,8 @@ def test_runs_endpoints(comparison):
     ("/api/runs/plot", {"root": "ci", "name": "../ci/summary.json"}, "is not a plot"),
     ("/api/runs/curves", {"root": "ci", "path": "a" * 300}, "cannot be read"),  # a name too long
     ("/api/runs/curves", {"root": "ci", "path": "a/" * 2100}, "cannot be read"),
+    ("/api/runs/curves", {"root": "ci", "path": "a\0b"}, "holds a NUL character"),
+    ("/api/runs/plot", {"root": "ci", "path": "a\0b", "name": "x.png"}, "holds a NUL character"),  # a 500 before
 ])
 def test_runs_bad_input_is_a_400_with_the_message(comparison, url, params, message):
     client = TestClient(create_app(ServerContext.from_paths([comparison])))
@@ -168,6 +175,30 @@ def test_a_damaged_comparison_file_is_a_400_naming_it(comparison, tmp_path, file
     for url, extra in (("/api/runs/comparison", {}), ("/api/runs/plot", {"name": "x.png"})):
         r = client.get(url, params={"root": "ci", **extra})
         assert r.status_code == 400 and "is damaged" in r.json()["error"], r.text
+
+
+def test_a_summary_of_text_numbers_or_foreign_plots(comparison, tmp_path):
+    """A number written as text is damage (it was a bare format error, and a 500 for a plot);
+    a plot name outside the folder (absolute, '..') is not listed, so not served."""
+    import shutil
+
+    copy = tmp_path / "ci"
+    shutil.copytree(comparison, copy, symlinks=True)
+    summary = json.loads((copy / "summary.json").read_text())
+    plot = summary["plots"][0]
+    (tmp_path / "outside.png").write_bytes(b"x")
+    bad = {**summary, "plots": summary["plots"] + ["/etc/passwd", "../outside.png", str(tmp_path / "outside.png")]}
+    (copy / "summary.json").write_text(json.dumps(bad))
+    client = TestClient(create_app(ServerContext.from_paths([copy])))
+    assert client.get("/api/runs/comparison", params={"root": "ci"}).json()["plots"] == summary["plots"]
+    for name in bad["plots"][-3:]:
+        r = client.get("/api/runs/plot", params={"root": "ci", "name": name})
+        assert r.status_code == 400 and "is not a plot" in r.json()["error"], r.text
+    bad["variants"][0]["step_speedup"] = "fast"
+    (copy / "summary.json").write_text(json.dumps(bad))
+    for url, extra in (("/api/runs/comparison", {}), ("/api/runs/plot", {"name": plot})):
+        r = client.get(url, params={"root": "ci", **extra})
+        assert r.status_code == 400 and "summary.json is damaged" in r.json()["error"], r.text
 
 
 def test_symlinked_run_is_refused(tmp_path):

@@ -67,6 +67,8 @@ class ServerContext:
     _models: OrderedDict = field(default_factory=OrderedDict, repr=False)
     # one model evaluation at a time: a CPU server must not run two forward passes at once
     model_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # the endpoints run in worker threads (``web.api``): the caches change under this lock
+    cache_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @classmethod
     def from_paths(cls, paths: list[str | Path]) -> ServerContext:
@@ -91,6 +93,8 @@ class ServerContext:
         rel_path = PurePosixPath(rel or ".")
         if rel_path.is_absolute() or "\\" in rel or ".." in rel_path.parts:
             raise BadInput(f"path {rel!r} must be relative to {root!r}, without '..'")
+        if "\0" in rel:  # no file name holds one (os calls raise ValueError)
+            raise BadInput(f"path {rel[:200]!r} holds a NUL character; no file is named so")
         path = base.joinpath(*rel_path.parts)
         try:
             # no symlink anywhere below the served root (a link could lead outside it)
@@ -108,12 +112,13 @@ class ServerContext:
         return path
 
     def model(self, key: Any, load: Callable[[], Any]) -> Any:
-        """A loaded model from the bounded LRU cache (``load()`` on a miss)."""
-        if key in self._models:
-            self._models.move_to_end(key)
-            return self._models[key]
-        value = load()
-        self._models[key] = value
-        while len(self._models) > self.model_cache_size:
-            self._models.popitem(last=False)
-        return value
+        """A loaded model from the bounded LRU cache (``load()`` on a miss; one load at a time)."""
+        with self.cache_lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            value = load()
+            self._models[key] = value
+            while len(self._models) > self.model_cache_size:
+                self._models.popitem(last=False)
+            return value

@@ -17,12 +17,14 @@ from phaseloop.analysis import probe
 from phaseloop.data.corpus import Documents, eval_starts, eval_windows
 from phaseloop.early_exit import parse_exit
 from phaseloop.engine.checkpoint import checkpoint_dir, load_run, run_corpus, run_tokenizer
+from phaseloop.errors import ConfigError
 from phaseloop.explore import rundata
 from phaseloop.explore.context import BadInput, ServerContext, number
 from phaseloop.explore.runs import target
 from phaseloop.explore.web import Route, api, page
 from phaseloop.inference import Options, generate
 from phaseloop.passes import FILLS
+from phaseloop.serve.options import as_fields
 
 PAGES = [{"group": "Inside a trained model", "title": "Inside a run", "url": "/inside"}]
 ANALYSES = 4  # analyses kept (a page asks several endpoints about the same prompt)
@@ -76,14 +78,16 @@ class Inside:
         L = model.cfg.max_seq_len
         if params.get("window") not in (None, ""):
             k = number(params, "window", int, lo=0, hi=7)
-            if key not in self.windows:  # the corpus is read once per loaded run
-                self.windows[key] = validation_windows(run, run_cfg, L - 1)  # L tokens each
-                while len(self.windows) > ANALYSES:
-                    self.windows.popitem(last=False)
-            self.windows.move_to_end(key)
-            if k >= len(self.windows[key]):
-                raise BadInput(f"window must be between 0 and {len(self.windows[key]) - 1}, got {k}")
-            return self.windows[key][k]
+            with self.ctx.cache_lock:
+                if key not in self.windows:  # the corpus is read once per loaded run
+                    self.windows[key] = validation_windows(run, run_cfg, L - 1)  # L tokens each
+                    while len(self.windows) > ANALYSES:
+                        self.windows.popitem(last=False)
+                self.windows.move_to_end(key)
+                windows = self.windows[key]
+            if k >= len(windows):
+                raise BadInput(f"window must be between 0 and {len(windows) - 1}, got {k}")
+            return windows[k]
         return probe.encode_prompt(tok, params.get("prompt"), L), {}
 
     def analysis(self, params: dict):
@@ -91,14 +95,18 @@ class Inside:
         model, run_cfg, tok, loaded = self.loaded(run)
         ids, docs = self.ids(run, params)
         key = (loaded, tuple(ids.tolist()), tuple((k, tuple(v.tolist())) for k, v in sorted(docs.items())))
-        if key in self.analyses:
-            self.analyses.move_to_end(key)
-        else:
+        with self.ctx.cache_lock:
+            a = self.analyses.get(key)
+            if a is not None:
+                self.analyses.move_to_end(key)
+        if a is None:
             with self.ctx.model_lock:
-                self.analyses[key] = probe.analyze(model, ids, docs=docs)
-            while len(self.analyses) > ANALYSES:
-                self.analyses.popitem(last=False)
-        return run, model, tok, ids, docs, self.analyses[key]
+                a = probe.analyze(model, ids, docs=docs)
+            with self.ctx.cache_lock:
+                self.analyses[key] = a
+                while len(self.analyses) > ANALYSES:
+                    self.analyses.popitem(last=False)
+        return run, model, tok, ids, docs, a
 
 
 def _tokens(tok, ids) -> list[str]:
@@ -177,7 +185,10 @@ def routes(ctx: ServerContext) -> list:
                        kv_share=number(params, "kv_share", int, default=0, lo=0, hi=4096) or None,
                        speculative=number(params, "speculative", int, default=0, lo=0, hi=4096) or None)
         with ctx.model_lock:
-            g = generate(model, ids[None], opts)
+            try:
+                g = generate(model, ids[None], opts)
+            except ConfigError as e:  # the CLI's refusal, worded for this query's fields
+                raise BadInput(as_fields(e)) from None
         new = g.tokens[0].tolist()
         return {"prompt": _tokens(tok, ids.tolist()), "tokens": _tokens(tok, new), "ids": new, "passes": g.passes,
                 "depth": model.trunk.passes, "mean_passes": g.mean_passes, "tokens_per_s": g.tokens_per_s,

@@ -67,12 +67,43 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _length(k) -> bool:
+    return isinstance(k, str) and k.isascii() and k.isdigit()  # "²" is a digit to str.isdigit
+
+
 def _fits(rec) -> bool:
     """A claim run's record as ``claim-act`` writes it (what ``measured`` reads of it)."""
     per = rec.get("per_length") if isinstance(rec, dict) else None
     return (isinstance(rec.get("name") if per is not None else None, str) and isinstance(per, dict)
-            and isinstance(rec.get("seed"), int) and _number(rec.get("final_loss"))
-            and all(str(k).isdigit() and isinstance(v, dict) and _number(v.get("acc")) for k, v in per.items()))
+            and isinstance(rec.get("seed"), int) and not isinstance(rec["seed"], bool)
+            and _number(rec.get("final_loss")) and (_number(rec.get("spearman")) or "spearman" not in rec)
+            and all(_length(k) and isinstance(v, dict) and _number(v.get("acc"))
+                    and all(_number(v[key]) for key in ("ponder", "halt1") if key in v) for k, v in per.items()))
+
+
+def _stat(v) -> bool:
+    """None, a number or [mean, std] (``mean_std``)."""
+    return v is None or _number(v) or (isinstance(v, list) and len(v) == 2 and all(map(_number, v)))
+
+
+def _optional_numbers(d: dict, keys) -> bool:
+    return all(_stat(d.get(k)) for k in keys)
+
+
+def _task_fits(rec) -> bool:
+    """A ``task`` / ``babi`` metrics.json as their reports write it (what ``task_runs`` reads)."""
+    s = rec.get("summary")
+    if not isinstance(s, dict):
+        return False
+    if "task" in rec:
+        per = s.get("per_length", {})
+        return (isinstance(rec["task"], str) and _optional_numbers(s, ("char_acc", "seq_acc"))
+                and isinstance(per, dict) and all(_length(k) and isinstance(r, dict) and
+                                                  _optional_numbers(r, ("char_acc", "seq_acc", "ponder_mean"))
+                                                  for k, r in per.items()))
+    errors, ponder = s.get("errors") or {}, s.get("ponder") or {}
+    return (_optional_numbers(s, ("mean_error",)) and isinstance(errors, dict) and all(map(_stat, errors.values()))
+            and isinstance(ponder, dict) and all(isinstance(v, dict) for v in ponder.values()))
 
 
 def measured(ctx) -> dict:
@@ -115,7 +146,7 @@ def _task_metrics(ctx) -> list[tuple[str, dict]]:
                 rec = json.loads(path.read_text()) if path.is_file() else None
             except (BadInput, OSError, ValueError):
                 continue
-            if isinstance(rec, dict) and ("task" in rec or "tasks" in rec) and "summary" in rec:
+            if isinstance(rec, dict) and ("task" in rec or "tasks" in rec) and _task_fits(rec):  # else: left out
                 found.append((f"{root}/{rel + '/' if rel else ''}metrics.json", rec))
     return found
 

@@ -132,6 +132,8 @@ def coordinates(ctx, params) -> dict:
     t = number(params, "t", default=10, lo=0, hi=10_000)
     n = number(params, "positions", default=64, lo=1, hi=512)
     span = number(params, "span", default=2048, lo=2, hi=8192)
+    if t >= span:  # the curve's peak lies at i = t
+        raise BadInput(f"t must be below span ({span}, the positions the curve draws), got {t}; raise span")
     part = choice(params, "part", ["position", "step", "sum"], "sum")
     conv = choice(params, "convention", list(SIGNALS), "t2t")
     heat = coordinate_signal(torch.arange(n), t, d, part, conv)
@@ -158,8 +160,8 @@ def _trace(tr: pd.ScanTrace) -> dict:
 def parity(ctx, params) -> dict:
     if params.get("bits"):
         bits = str(params["bits"]).strip()
-        if len(bits) > 1024 or set(bits) - {"0", "1"}:
-            raise BadInput("bits must be up to 1024 characters 0 or 1")
+        if not 1 <= len(bits) <= 1024 or set(bits) - {"0", "1"}:
+            raise BadInput("bits must be 1 to 1024 characters 0 or 1")
     else:
         bits = pd.random_bits(number(params, "length", default=40, lo=1, hi=1024),
                               number(params, "seed", default=0, lo=0, hi=2**31 - 1))

@@ -74,7 +74,8 @@ class MetricsTail:
                 except ValueError:
                     self.damaged += 1
         for r in records:
-            if not isinstance(r, dict) or not isinstance(r.get("step"), (int, float)):
+            step = r.get("step") if isinstance(r, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool):  # a whole step, as the engine writes
                 self.damaged += 1
                 continue
             self.records += 1
@@ -84,7 +85,7 @@ class MetricsTail:
                 cols["step"].append(r["step"])
                 for k in keys:
                     v = r.get(k)
-                    cols[k].append(v if isinstance(v, (int, float)) else None)
+                    cols[k].append(v if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
 
     def curves(self, max_points: int) -> dict:
         """The downsampled columns (computed again only when records came in)."""
@@ -185,10 +186,20 @@ def comparison(path: Path) -> dict:
     A recipe.json or summary.json of another shape is refused by name (a 400)."""
     try:
         return _comparison(path)
-    except (KeyError, TypeError, AttributeError, IndexError) as e:
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:  # ValueError: a format of text
         raise DataError(f"the comparison {path.name}'s recipe.json or summary.json is damaged "
                         f"({type(e).__name__}: {str(e)[:60]}); write its report again: phaseloop compare "
                         f"--out {path.name} --report") from None
+
+
+def _own_file(folder: Path, name) -> bool:
+    """``name`` is a relative path to a file inside ``folder`` (a plot the report wrote), not
+    an absolute one, a way out or a link."""
+    if not isinstance(name, str) or not name or "\0" in name or name.startswith(("/", "\\")):
+        return False
+    p = folder / name
+    return ".." not in Path(name).parts and not p.is_symlink() and p.is_file() and \
+        p.resolve().is_relative_to(folder.resolve())
 
 
 def _comparison(path: Path) -> dict:
@@ -201,7 +212,7 @@ def _comparison(path: Path) -> dict:
         return out
     s = read_json(path / "summary.json")
     out.update(target_val_loss=s.get("target_val_loss"), train_time_s=s.get("train_time_s"),
-               plots=[p for p in s.get("plots", []) if isinstance(p, str) and (path / p).is_file()])
+               plots=[p for p in s.get("plots", []) if _own_file(path, p)])
     for v in s["variants"]:
         row = {"name": v["name"], "spec": v.get("spec"), "seeds": v["finished_seeds"]}
         if v["finished_seeds"]:

@@ -46,11 +46,13 @@ def routes(ctx: ServerContext) -> list:
     def curves(ctx: ServerContext, params: dict) -> dict:
         path = target(ctx, params, "run")
         max_points = number(params, "max_points", int, default=1000, lo=10, hi=100_000)
-        tail = tails.pop(path, None) or rundata.MetricsTail(path / "metrics.jsonl")
-        tails[path] = tail
-        while len(tails) > MAX_TAILS:
-            tails.popitem(last=False)
-        return {**tail.update().curves(max_points), **rundata.run_info(path)}
+        with ctx.cache_lock:  # a tail reads on from where its last poll stopped: one reader at a time
+            tail = tails.pop(path, None) or rundata.MetricsTail(path / "metrics.jsonl")
+            tails[path] = tail
+            while len(tails) > MAX_TAILS:
+                tails.popitem(last=False)
+            curves = tail.update().curves(max_points)
+        return {**curves, **rundata.run_info(path)}
 
     def comparison(ctx: ServerContext, params: dict) -> dict:
         return rundata.comparison(target(ctx, params, "comparison"))
@@ -66,7 +68,7 @@ def routes(ctx: ServerContext) -> list:
                 raise BadInput(f"{name!r} is not a plot of this comparison")
             rel = "/".join(p for p in (params.get("path", ""), name) if p)
             return FileResponse(ctx.resolve(params["root"], rel), media_type="image/png")
-        except PhaseloopError as e:  # BadInput, a damaged summary.json: a 400 with the message
+        except (PhaseloopError, ValueError) as e:  # BadInput, a damaged summary.json: a 400 with the message
             return json_response({"error": str(e).splitlines()[0] or type(e).__name__}, 400)
 
     return [

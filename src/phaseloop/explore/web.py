@@ -25,6 +25,7 @@ def missing_extra(e: ImportError):
 
 try:  # the app (app.py) is built from these too
     from starlette.applications import Starlette  # noqa: F401
+    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
     from starlette.responses import FileResponse, PlainTextResponse, Response  # noqa: F401
     from starlette.routing import Mount, Route  # noqa: F401
@@ -56,14 +57,15 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 def api(fn: Callable[[ServerContext, dict], Any]):
     """A GET endpoint from ``fn(ctx, params) -> JSON-able`` (params: the query and path
-    parameters); bad input is a 400 with the message."""
+    parameters); bad input is a 400 with the message. ``fn`` runs in a worker thread, so a
+    long model evaluation does not hold up the other requests (the runs' curves polling)."""
 
     @functools.wraps(fn)
     async def endpoint(request: Request) -> Response:
         ctx: ServerContext = request.app.state.ctx
         params = {**request.query_params, **request.path_params}
         try:
-            return json_response(fn(ctx, params))
+            return json_response(await run_in_threadpool(fn, ctx, params))
         except (BadInput, PhaseloopError, ValueError) as e:
             return json_response({"error": str(e).splitlines()[0] if str(e) else type(e).__name__},
                                  400)

@@ -94,10 +94,11 @@ def speculative_options(settings: Settings, **kw) -> inference.Options:
                              **extra, **kw)
 
 
-def _one_line(e: Exception) -> str:
-    """A CLI refusal worded for the body field (``--kv-share`` -> ``kv_share``)."""
+def as_fields(e: Exception) -> str:
+    """A CLI refusal worded for the request's field (``--kv-share`` -> ``kv_share``): serve's
+    body and explore's query take these options by field name."""
     text = str(e)
-    for flag in ("extend-loops", "depth", "exit", "kv-share", "speculative", "draft-tokens"):
+    for flag in ("extend-loops", "depth", "exit", "kv-share", "kv-fill", "speculative", "draft-tokens"):
         text = text.replace(f"--{flag}", flag.replace("-", "_"))
     return text
 
@@ -125,7 +126,7 @@ def check(twin, settings: Settings) -> None:
     except PhaseloopError as e:
         if param == "phaseloop.speculative" and "draft-tokens" in str(e):
             param = "phaseloop.draft_tokens"
-        raise bad(param, _one_line(e)) from None
+        raise bad(param, as_fields(e)) from None
     finally:
         if settings.depth is not None:
             trunk.reset_depth()
