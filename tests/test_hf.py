@@ -264,8 +264,15 @@ def test_export_quantized_equals_the_quantized_model(trained, tmp_path, capsys):
     assert main(["quantize", str(trained), "--bits", "4", "--group-size", "32", "--windows", "2",
                  "--out", str(tmp_path / "q")]) == 0
     qfile = next((tmp_path / "q").glob("quant-*.safetensors"))
+    # the report beside it, edited (or not JSON of an object): what the export records comes from the
+    # file's own digested header (it took the report's word, or failed with a traceback)
+    qfile.with_suffix(".json").write_text('{"bits": 8, "group_size": 128, "method": "gptq"}')
     out = tmp_path / "exported"
     assert main(["export", str(trained), "--out", str(out), "--quantized", str(qfile)]) == 0
+    record = json.loads((out / "config.json").read_text())["phaseloop_quantization"]
+    assert {k: record[k] for k in ("bits", "group_size", "method")} == {"bits": 4, "group_size": 32, "method": "rtn"}
+    qfile.with_suffix(".json").write_text('"bits group_size method"')
+    assert main(["export", str(trained), "--out", str(tmp_path / "again"), "--quantized", str(qfile)]) == 0
     model, _ = load_run(trained)
     x = _ids(T=12)
     with torch.no_grad():
@@ -449,3 +456,18 @@ def test_compare_lm_eval_column_mean_std_over_seeds(tmp_path, text_file, data_di
     assert json.loads(run.read_text())["phaseloop"]["limit"] == 3
     with pytest.raises(Exception, match="eval_tasks"):
         tiny_recipe(text_file, eval_tasks="lambada_local")
+
+
+def test_a_failed_export_leaves_no_folder_it_made(tmp_path):
+    """An error (an interrupt) while an export's folder is written: neither the folder nor the
+    parents it made stay (an empty `sub/` stayed); a parent that was there stays."""
+    from phaseloop.hf.export import atomic_folder
+
+    for error in (KeyboardInterrupt, OSError):
+        with pytest.raises(error), atomic_folder(tmp_path / "a" / "b" / "out") as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise error()
+        assert list(tmp_path.iterdir()) == []
+    with atomic_folder(tmp_path / "a" / "out") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert (tmp_path / "a" / "out" / "config.json").is_file()

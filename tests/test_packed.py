@@ -35,9 +35,10 @@ def _qw(N, K, bits, group, sym=False, seed=0):
 
 # (N, K, bits, group): per group, per row (kernel group < row), a group the int4 kernel
 # takes as repeats (96 = 3 x 32), a row no kernel group divides (padded to 192), int8
-# stacked groups, an N the int4 kernel refuses
+# stacked groups, an N the int4 kernel refuses, int8 rows of a length not a multiple of 16
+# (3PT's d_model 120; padded: the kernel's bf16 path crashed on them)
 SHAPES = [(64, 128, 4, 32), (64, 96, 4, -1), (48, 192, 4, 96), (32, 176, 4, -1), (64, 128, 8, 32),
-          (64, 96, 8, -1), (40, 64, 4, 32), (32, 64, 8, 64)]
+          (64, 96, 8, -1), (40, 64, 4, 32), (32, 64, 8, 64), (64, 72, 8, -1), (64, 120, 8, 40), (48, 200, 8, -1)]
 
 
 @pytest.mark.parametrize("N,K,bits,group", SHAPES)
@@ -307,6 +308,11 @@ def test_edited_headers_and_damaged_values_are_refused(world, tmp_path, capsys):
     moved = _edited(qfile, tmp_path / "moved.safetensors", redigest=False, meta=lambda m: {**m, **theirs})
     code, err = run_cli(["eval", world["other"], "--windows", "2", "--quantized", moved], capsys)
     assert_one_line(code, err, "is damaged or was edited: its metadata")
+    # the same with the header's digest deleted too: there was nothing to check, and it loaded
+    stripped = _edited(qfile, tmp_path / "stripped.safetensors", redigest=False,
+                       meta=lambda m: {**{k: v for k, v in m.items() if k != HEADER}, **theirs})
+    code, err = run_cli(["eval", world["other"], "--windows", "2", "--quantized", stripped], capsys)
+    assert_one_line(code, err, "holds no header_sha256")
     # run packed (eval), a plain entry in another dtype and a bias the layer does not have (nor the file
     # a bias it has) were taken as they were: an fp16 embedding failed in the forward, the bias was added
     linear = prefix[: -len(".weight")]  # a quantised Linear without a bias (bias=False, the default)
@@ -382,3 +388,30 @@ def test_the_hf_model_runs_packed(world, tmp_path):
     with pytest.raises(PhaseloopError, match="save_pretrained on packed --quantized weights .* export RUN --quantized"):
         hf.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
+
+
+@pytest.mark.parametrize("at", [0, 1])  # the weights' rename, the report's
+def test_an_interrupted_quantize_leaves_nothing(world, tmp_path, monkeypatch, at):
+    """An interrupt as the files come in: no report without its weights (one was left beside
+    no weights, or beside an older file's) and no --out folder it made; a file there before stays."""
+    import os
+
+    from phaseloop.quant import run as qrun
+
+    out = tmp_path / "made" / "q"
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        if str(src).endswith((".quant-w8-g32-rtn.safetensors.tmp", ".quant-w8-g32-rtn.json.tmp")):
+            calls.append(dst)  # quantize's own renames (write_json renames its own temporary file too)
+            if len(calls) == at + 1:
+                raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(qrun.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        qrun.quantize_run(world["run"], 8, 32, windows=2, out=out)
+    if at == 0:
+        assert not (tmp_path / "made").exists()
+    else:  # the weights came in: they stay, the report's temporary file does not
+        assert sorted(p.name for p in out.iterdir()) == ["quant-w8-g32-rtn.safetensors"]

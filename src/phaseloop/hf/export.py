@@ -54,11 +54,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def _quantized_weights(model, path: Path, run, run_cfg: dict) -> dict:
     """Load a ``phaseloop quantize`` output into ``model`` (dequantised: the function the
     quantised model computes; checked against the run) and return what to record about it."""
-    load_dequantized(model, path, run, run_cfg)
-    report = path.with_suffix(".json")
-    info = read_json(report) if report.is_file() else {}
-    return {"file": path.name, "sha256": file_sha256(path),
-            **{k: info[k] for k in ("bits", "group_size", "method") if k in info}}
+    meta = load_dequantized(model, path, run, run_cfg)
+    # how it was quantised, from the header its digest covers (not the report beside it, which
+    # nothing checks; a file written before the header held it records none)
+    recipe = {k: meta[k] if k == "method" else int(meta[k]) for k in ("bits", "group_size", "method") if k in meta}
+    return {"file": path.name, "sha256": file_sha256(path), **recipe}
 
 
 def from_run(run: str | Path, device: str | torch.device = "cpu", dtype: str = "float32",
@@ -171,11 +171,14 @@ def new_folder(out: Path) -> Path:
 def atomic_folder(out: Path):
     """A temporary folder beside ``out`` (``.NAME.tmp-PID-*``) to write into; renamed to
     ``out`` (absent or empty) when the block ends without an error, removed otherwise, so
-    ``out`` is never half-written. Files get the documented modes (0644, folders 0755)."""
+    ``out`` is never half-written, nor a parent folder it made left behind. Files get the
+    documented modes (0644, folders 0755)."""
     out = Path(out)
+    made = [p for p in out.parents if not p.exists()]  # deepest first
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_export_orphans(out)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{_tmp_prefix(out)}{os.getpid()}-"))
+    done = False
     try:
         yield tmp
         for p in tmp.rglob("*"):  # not mkdtemp's 0700 or a writer's 0600
@@ -184,9 +187,13 @@ def atomic_folder(out: Path):
         if out.is_dir():
             out.rmdir()  # empty (new_folder checked)
         os.replace(tmp, out)
+        done = True
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        for p in made if not done else ():  # as GGUF and .pte exports leave none
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 DIGESTED = ("model.safetensors", "config.json", "tokenizer.json")  # an export's files phaseloop.json digests

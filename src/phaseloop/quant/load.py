@@ -32,7 +32,15 @@ from phaseloop.engine.checkpoint import (
 from phaseloop.errors import CheckpointError, PhaseloopError, state_dict_error
 from phaseloop.files import read_json, sha256_file, why_missing
 from phaseloop.model import build_model
-from phaseloop.quant.io import DIGEST, FORMAT, check_digest, check_header, load_quantized_state_dict, split_quantized
+from phaseloop.quant.io import (
+    DIGEST,
+    FORMAT,
+    HEADER,
+    check_digest,
+    check_header,
+    load_quantized_state_dict,
+    split_quantized,
+)
 from phaseloop.quant.packed import PackedLinear
 
 QUANTIZE_AGAIN = "run `phaseloop quantize` on this run and pass the file it writes"
@@ -107,6 +115,9 @@ def read_quantized(path: str | Path, run: str | Path | None, run_cfg: dict,
         raise CheckpointError(f"--quantized {path} holds no {DIGEST} (the digest of its tensors; files "
                               f"written before `quantize` recorded it have none), so damage cannot be told; "
                               f"{QUANTIZE_AGAIN}")
+    if HEADER not in meta:  # without it an edited provenance would pass: another run's file would load
+        raise CheckpointError(f"--quantized {path} holds no {HEADER} (the digest of its metadata; files written "
+                              f"before `quantize` recorded it have none), so an edit cannot be told; {QUANTIZE_AGAIN}")
     check_header(meta, f"--quantized {path}", QUANTIZE_AGAIN)  # before its provenance is trusted
     want = provenance(run, run_cfg) if run is not None else {"model_config_sha256": config_digest(run_cfg["model"]),
                                                              "run": "this export's run"}

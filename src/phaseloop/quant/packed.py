@@ -17,7 +17,8 @@ The weight is exactly ``quant.core.dequantize``'s ``w = (q - zero) * scale`` per
   (a row of 768 columns, 96, ...) is its largest kernel group dividing it, the scale
   repeated; a row of a length no kernel group divides (176) is padded with zero
   activations to a multiple of 32.
-* int8: codes ``c = q - 128`` (int8), ``w = c * scale + (128 - zero) * scale``, so
+* int8: codes ``c = q - 128`` (int8; a row padded with zero codes to a multiple of 16, which
+  the kernel's bf16 path needs), ``w = c * scale + (128 - zero) * scale``, so
   ``y = x @ (c * scale)^T + sum_g (sum_{k in g} x_k) * (128 - zero_g) * scale_g``. One
   group per row is one kernel call; with G groups the kernel (whose scale is per row)
   gets the activations stacked G times, each zero outside its group, and the G partial
@@ -38,6 +39,7 @@ from phaseloop.quant.core import QuantizedWeight
 
 ACT_DTYPE = torch.bfloat16  # the kernels' fast path on AVX2 CPUs (module docstring)
 INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu takes
+INT8_ROW = 16  # _weight_int8pack_mm with bf16 activations: rows of a multiple of 16 (K = 72 crashed, torch 2.13)
 
 
 def int4_layout(group_size: int, out_features: int, in_features: int) -> tuple[int, int] | None:
@@ -71,8 +73,11 @@ class PackedLinear(nn.Module):
         layout = int4_layout(G, N, K) if qw.bits == 4 else None
         self.padded = K
         if qw.bits == 8:
-            self.kernel = "int8"
-            self.register_buffer("codes", (qw.codes().to(torch.int16) - 128).to(torch.int8).contiguous())
+            # the kernel's bf16 path reads rows of a multiple of 16 (others crashed or read past them):
+            # the codes padded with zeros, the activations with zeros where they are multiplied
+            self.kernel, self.padded = "int8", -(-K // INT8_ROW) * INT8_ROW
+            codes = (qw.codes().to(torch.int16) - 128).to(torch.int8)
+            self.register_buffer("codes", torch.nn.functional.pad(codes, (0, self.padded - K)).contiguous())
             self.register_buffer("scale", scale.t().contiguous().to(act_dtype))  # [n_groups, N]
             offset = (128 - zero) * scale  # [N, n_groups]: the weight's per-group constant
             self.register_buffer("offset", None if bool((offset == 0).all()) else offset.t().contiguous())
@@ -124,8 +129,10 @@ class PackedLinear(nn.Module):
     def _int8(self, x2: torch.Tensor) -> torch.Tensor:
         M, K, ng = x2.shape[0], self.in_features, self.n_groups
         xa = x2.to(self.scale.dtype)
+        pad = self.padded - K
         if ng == 1:
-            y = torch._weight_int8pack_mm(xa, self.codes, self.scale[0])
+            y = torch._weight_int8pack_mm(torch.nn.functional.pad(xa, (0, pad)) if pad else xa, self.codes,
+                                          self.scale[0])
             if self.offset is None:
                 return y
             return torch.addcmul(y.float(), x2.float().sum(-1, keepdim=True), self.offset)
@@ -133,7 +140,9 @@ class PackedLinear(nn.Module):
         stacked = xa.new_zeros(ng, M, ng, G)
         idx = torch.arange(ng, device=x2.device)
         stacked[idx, :, idx] = xa.view(M, ng, G).transpose(0, 1)
-        part = torch._weight_int8pack_mm(stacked.view(ng * M, K), self.codes, self.ones)
+        flat = stacked.view(ng * M, K)
+        part = torch._weight_int8pack_mm(torch.nn.functional.pad(flat, (0, pad)) if pad else flat, self.codes,
+                                         self.ones)
         y = (part.view(ng, M, -1).float() * self.scale.float()[:, None, :]).sum(0)
         if self.offset is not None:
             y = y + x2.float().view(M, ng, G).sum(-1) @ self.offset

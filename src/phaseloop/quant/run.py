@@ -71,13 +71,18 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
                    "fingerprint": corpus.fingerprint, "head": head, "windows": len(val), "seq_len": seq_len,
                    "calib": None if calib is None else {"batches": len(calib),
                                                         "batch_size": calib_batch_size, "seed": seed}})
-    try:  # the weights under a temporary name, the report, then the weights renamed in
-        save_quantized(model, tmp, provenance(run, run_cfg), target=weights)
+    # how it was quantised, in the header its digest covers (an export records it from there)
+    recipe = {"bits": bits, "group_size": group_size, "method": method, "head": head}
+    report_tmp = out_dir / f".{stem}.json.tmp"
+    try:  # both under temporary names, then renamed in: the weights, at once their report
+        save_quantized(model, tmp, {**provenance(run, run_cfg), **recipe}, target=weights)
         tmp.chmod(0o644)  # safetensors writes 0600; as the JSON beside it
-        write_json(out_dir / f"{stem}.json", report)
+        write_json(report_tmp, report)
         os.replace(tmp, weights)
-    except BaseException:  # a full disk: nothing half-written, no folder left that we made
+        os.replace(report_tmp, out_dir / f"{stem}.json")
+    except BaseException:  # a full disk, an interrupt: nothing half-written, no folder left that we made
         tmp.unlink(missing_ok=True)
+        report_tmp.unlink(missing_ok=True)
         for p in made:
             with contextlib.suppress(OSError):
                 p.rmdir()
