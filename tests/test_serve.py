@@ -138,6 +138,8 @@ BAD = [({}, "prompt"), ({"prompt": 3}, "prompt"), ({"prompt": []}, "prompt"), ({
        ({"prompt": "x", "echo": 1}, "echo"), ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
        ({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": "x", "best_of": 3}, "best_of"),
        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"), ({"prompt": "x", "model": 5}, "model"),
+       ({"prompt": "x", "user": 5}, "user"), ({"prompt": "x", "user": {"a": 1}}, "user"),  # taken before
+       ({"prompt": "x", "presence_penalty": False}, "presence_penalty"),  # false == 0: taken as neutral before
        ({"prompt": "x", "phaseloop": "deep"}, "phaseloop"),
        ({"prompt": "x", "phaseloop": {"depth": 0}}, "phaseloop.depth"),
        ({"prompt": "x", "phaseloop": {"depth": 2}}, "phaseloop.depth"),

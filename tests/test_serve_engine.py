@@ -78,3 +78,20 @@ def test_text_a_tokenizer_keeps_nothing_of_is_a_400():
         with pytest.raises(schema.APIError) as e:
             call()
         assert e.value.status == 400 and e.value.param == param and "encodes to no token" in e.value.message
+
+
+def test_a_request_keeps_the_default_it_leaves_out():
+    """depth and extend_loops: the one a request leaves out keeps the server's (or export's)
+    default. A Hyperloop served at --depth 3 --extend-loops last refused {"depth": 3}, and
+    {"extend_loops": "last"} alone (its depth the default's)."""
+    from phaseloop import ModelConfig, build_model
+    from phaseloop.serve.options import parse, resolve
+
+    twin = build_model(ModelConfig.from_preset("hyperloop-tiny"), device="meta").eval()
+    server = Settings(depth=3, extend_loops="last")
+    for given in ({"depth": 3}, {"extend_loops": "last"}, {"depth": 3, "extend_loops": "last"}):
+        assert resolve(twin, given, server) == server
+    assert parse({"depth": 2}, server) == Settings(depth=2, extend_loops="last")
+    assert parse({"depth": None}, server) == Settings()  # the trained depth: nothing to extend
+    assert parse({"extend_loops": None}, server) == Settings(depth=3)
+    assert parse({"extend_loops": "last"}, Settings()) == Settings(extend_loops="last")  # check() refuses it

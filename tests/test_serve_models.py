@@ -22,9 +22,11 @@ from serve_fixtures import fake_run  # noqa: E402
 
 from phaseloop import PRESETS, CheckpointError  # noqa: E402
 from phaseloop.cli import main  # noqa: E402
+from phaseloop.early_exit import parse_exit  # noqa: E402
 from phaseloop.engine.checkpoint import load_run  # noqa: E402
 from phaseloop.quant.io import load_quantized_state_dict  # noqa: E402
 from phaseloop.serve.loading import load  # noqa: E402
+from phaseloop.serve.options import Settings  # noqa: E402
 from phaseloop.serve.runner import Background, Config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,6 +85,13 @@ def test_export_serves_as_its_run(runs, tmp_path):
         for p in PROMPTS:
             assert complete(b, p) == complete(a, p, {"depth": 3})
             assert complete(b, p, {"depth": 2}) == complete(a, p, {"depth": 2})
+    # --exit over an export keeps the export's depth (it ran at the trained depth, advertising 3)
+    with Background(load(run), Config(port=0)) as a, \
+            Background(load(out, defaults=Settings(exit=parse_exit("argmax:1")[0])), Config(port=0)) as b:
+        card = httpx.get(f"{b.url}/v1/models").json()["data"][0]["phaseloop"]
+        assert card["defaults"] == {"depth": 3, "exit": "argmax:1"} and card["depth"] == 3
+        for p in PROMPTS[:2]:
+            assert complete(b, p) == complete(a, p, {"depth": 3, "exit": "argmax:1"})
 
 
 def test_quantized_export_serves_the_dequantised_weights(runs, text_file, tmp_path):
@@ -198,3 +207,6 @@ def test_a_damaged_or_foreign_folder_is_refused_by_name(runs, tmp_path, capsys):
         assert_one_line(code, err, pattern)
     code, err = run_cli(["serve", run, "--port", "0", "--exit", "kl:0.1", "--exit", "argmax:2"], capsys)
     assert_one_line(code, err, "--exit: given twice")
+    # the server's own flags refused in the words `generate` uses (they came out as "--depth: extend-loops ...")
+    code, err = run_cli(["serve", runs["hyperloop-tiny"], "--port", "0", "--extend-loops", "last"], capsys)
+    assert_one_line(code, err, "--extend-loops applies with --depth; add --depth K")

@@ -421,3 +421,18 @@ def test_jsonl_task_with_a_tokenizer(bpe, tmp_path, capsys):
     assert m["per_seed"][0]["model"]["vocab_size"] == 512 + 3
     assert main(["task", "--task", "copy", "--tokenizer", str(bpe.path), "--out", str(tmp_path / "q")]) == 2
     assert "applies to jsonl" in capsys.readouterr().err
+
+
+def test_a_prompt_of_no_token_is_refused_in_one_line(words, tmp_path, capsys):
+    """A word-level tokenizer has no token for a newline, which an empty prompt is fed as:
+    `generate` failed with a TypeError traceback deep in the KV cache."""
+    from conftest import assert_one_line, run_cli
+
+    f = tmp_path / "w.txt"
+    f.write_text("the cat sat on the mat . the dog sat on the log .\n" * 300)
+    assert main(["train", "--preset", "rope-tiny", "--data", str(f), "--tokenizer", str(words.path), "--out",
+                 str(tmp_path / "run"), "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--quiet"]) == 0
+    for prompt, what in (("", "an empty --prompt (fed as a newline)"), ("  ", "--prompt '  '")):
+        code, err = run_cli(["generate", tmp_path / "run", "--prompt", prompt, "--max-new-tokens", "2"], capsys)
+        assert_one_line(code, err, f"{what} encodes to no token with this model's tokenizer")
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "the cat", "--max-new-tokens", "2"]) == 0

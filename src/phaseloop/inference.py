@@ -101,6 +101,8 @@ def configured(model, options: Options):
 
 def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
     """Refuse, in one line, what ``model`` cannot decode with ``options``."""
+    if prompt_BT is not None and (prompt_BT.dim() != 2 or prompt_BT.shape[1] < 1):
+        raise ConfigError(f"the prompt must be [batch, tokens] with at least one token, not {list(prompt_BT.shape)}")
     if options.temperature < 0:
         raise ConfigError(f"temperature {options.temperature}: must be >= 0 (0 = greedy)")
     if options.kv_share is not None and not options.use_cache:

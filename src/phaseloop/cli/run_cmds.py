@@ -151,6 +151,16 @@ def _decode_options(args) -> Options:
                    kv_fill=args.kv_fill, kv_share=args.kv_share, speculative=args.speculative, **drafts)
 
 
+def _prompt_ids(tok, prompt: str | None, device) -> torch.Tensor:
+    """[1, T] ids of ``--prompt`` (an empty one is a newline); one that encodes to no token
+    (a word-level tokenizer without "\\n") is refused in one line."""
+    idx = torch.as_tensor(tok.encode(prompt or "\n"), dtype=torch.long, device=device)[None]
+    if idx.shape[1] == 0:
+        what = f"--prompt {prompt!r}" if prompt else "an empty --prompt (fed as a newline)"
+        raise PhaseloopError(f"{what} encodes to no token with this model's tokenizer; give text it knows")
+    return idx
+
+
 def cmd_generate(args) -> int:
     if args.temperature < 0:  # the parser's types check the rest (finite, counts in range)
         raise PhaseloopError(f"--temperature {args.temperature}: must be a finite number >= 0 "
@@ -163,7 +173,7 @@ def cmd_generate(args) -> int:
     decode_layout(model, prepack=not (args.no_prepack or args.compile))
     opts = _options(args, model)
     tok = run_tokenizer(args.run, run_cfg)
-    idx = torch.as_tensor(tok.encode(args.prompt or "\n"), dtype=torch.long, device=device)[None]
+    idx = _prompt_ids(tok, args.prompt, device)
     if args.compile:
         check_compiled(model, opts, idx)  # before the note below (a refusal is one line)
     if idx.shape[1] + args.max_new_tokens > model.cfg.max_seq_len:
@@ -207,7 +217,7 @@ def generate_pte(args) -> int:
         raise PhaseloopError("--compile with a .pte: the program is compiled already (ExecuTorch); drop --compile")
     opts = _decode_options(args)  # deploy.generate.check refuses what a program cannot decode with
     exp = open_pte(args.run)
-    idx = torch.as_tensor(exp.tokenizer.encode(args.prompt or "\n"), dtype=torch.long)[None]
+    idx = _prompt_ids(exp.tokenizer, args.prompt, "cpu")
     g = generate_program(exp, idx, opts)
     new = g.tokens[0].tolist()
     if args.json:

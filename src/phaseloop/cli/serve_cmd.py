@@ -58,8 +58,8 @@ def cmd_serve(args) -> int:
     served = load(args.run, device=args.device, dtype=args.dtype, quantized=args.quantized, prepack=not args.no_prepack,
                   name=args.model_name, chat_template=args.chat_template, defaults=defaults)
     try:  # --depth / --exit the model cannot take: one line, before listening
-        check(served.twin, served.defaults)
-    except APIError as e:
+        check(served.twin, served.defaults, flags=True)
+    except APIError as e:  # a model that cannot be checked
         raise PhaseloopError(e.message.replace("phaseloop.", "--").replace("_", "-", 1)) from None
     limit = served.model.cfg.max_seq_len
     if args.max_context is not None and args.max_context > limit:  # as generate says of a long request

@@ -13,7 +13,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -194,7 +194,9 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "float32", quan
     info: dict = {"source": path.name, "created": int(time.time())}
     if is_export(path):
         model, exported = _from_export(path)
-        defaults = defaults if defaults not in (None, Settings()) else exported
+        # the command line's defaults over the export's own, field by field (its depth stays under --exit)
+        given = {k: v for k, v in vars(defaults or Settings()).items() if v is not None}
+        defaults = replace(exported, **given)
         fast = _hf_tokenizer(folder=path)
         def encode(text: str) -> list[int]:
             return fast(text, add_special_tokens=False)["input_ids"]

@@ -57,11 +57,14 @@ def parse(given: dict, defaults: Settings | None = None) -> Settings:
     if unknown:
         raise bad(f"phaseloop.{unknown[0]}", f"unknown option; the options are {', '.join(FIELDS)}")
     out = defaults = defaults or Settings()
-    if "depth" in given or "extend_loops" in given:
-        ext = given.get("extend_loops")
+    if "depth" in given or "extend_loops" in given:  # the one left out keeps its default
+        ext = given["extend_loops"] if "extend_loops" in given else defaults.extend_loops
         if ext not in (None, "last"):
             raise bad("phaseloop.extend_loops", f"{ext!r}: the only choice is \"last\"")
-        out = replace(out, depth=_positive(given, "depth"), extend_loops=ext)
+        depth = _positive(given, "depth") if "depth" in given else defaults.depth
+        if depth is None and "extend_loops" not in given:  # back at the trained depth: nothing to extend
+            ext = None
+        out = replace(out, depth=depth, extend_loops=ext)
     if "exit" in given:
         text = given["exit"]
         if text is None:
@@ -103,9 +106,10 @@ def as_fields(e: Exception) -> str:
     return text
 
 
-def check(twin, settings: Settings) -> None:
+def check(twin, settings: Settings, flags: bool = False) -> None:
     """Refuse (400, one line naming the option) what the served model cannot do; ``twin``
-    is a meta-device copy of it, so the live model the decode loop runs is never touched."""
+    is a meta-device copy of it, so the live model the decode loop runs is never touched.
+    ``flags``: the server's own defaults, refused as the command line's error (its flags' words)."""
     if settings == Settings():
         return
     if twin is None:
@@ -124,6 +128,8 @@ def check(twin, settings: Settings) -> None:
             param = "phaseloop.speculative"
             inference.check(twin, speculative_options(settings), None)
     except PhaseloopError as e:
+        if flags:
+            raise
         if param == "phaseloop.speculative" and "draft-tokens" in str(e):
             param = "phaseloop.draft_tokens"
         raise bad(param, as_fields(e)) from None

@@ -111,8 +111,8 @@ def _stop(body: dict) -> list[str]:
 
 def _unsupported(body: dict, defaults: dict) -> None:
     """OpenAI fields phaseloop does not implement: accepted at their neutral value only."""
-    for key, neutral in defaults.items():
-        if key in body and body[key] not in neutral:
+    for key, neutral in defaults.items():  # by type too: false == 0, but is no number
+        if key in body and not any(body[key] == v and type(body[key]) is type(v) for v in neutral):
             raise bad(key, f"{body[key]!r} is not supported by phaseloop serve (leave it out)")
 
 
@@ -129,9 +129,9 @@ def _common(body: dict, known: set, limits: Limits, chat: bool) -> dict:
     unknown = sorted(set(body) - known)
     if unknown:
         raise bad(unknown[0], "unrecognized request argument")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model", f"{model!r} is not a string")
+    for key in ("model", "user"):  # user: an end-user id, kept by OpenAI for abuse checks; unused here
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise bad(key, f"{body[key]!r} is not a string")
     stream = _bool(body, "stream")
     so = body.get("stream_options")
     if so is not None and (not stream or not isinstance(so, dict) or set(so) - {"include_usage"}
