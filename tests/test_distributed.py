@@ -71,6 +71,16 @@ def test_two_processes_equal_one_at_the_same_global_batch(tmp_path, text_file, p
     assert abs(val - _records(two)[-1]["val_loss"]) <= 1e-5 * val
 
 
+def test_ignored_targets_under_torchrun_equal_one_process(tmp_path, text_file):
+    """--loss-ignore-id: each rank's micro-batch weighs by its counted targets over the
+    world's (all-reduced), so 2 processes train on the loss one process computes."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    ignore = ["--preset", "rope-tiny", "--loss-ignore-id", "32", "--seq-len", "16"]
+    _run(one, text_file, 4, *ignore)
+    _run(two, text_file, 2, *ignore, "--parallel", "ddp", nproc=2)
+    _assert_close(_records(one), _records(two))
+
+
 DEPTH_CASES = [("hyperloop-tiny", "ddp"), ("universal-act-tiny", "fsdp")]
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from phaseloop import ConfigError
 from phaseloop.engine import RunFolder, TrainConfig, Trainer, lr_at, read_metrics
-from phaseloop.engine.trainer import ignore_targets
+from phaseloop.engine.weighting import ignore_targets
 from phaseloop.model import ModelOutput
 from phaseloop.tasks import TaskSpec
 from phaseloop.tasks.runner import algorithmic_data, run_examples, task_model_config
@@ -320,3 +320,33 @@ def test_the_constructor_stores_and_setup_builds(tmp_path):
     assert t.setup().model is model and t.optimizer is opt
     t.fit()
     assert t.model is model and t.step == 3
+
+
+def test_ignored_targets_weigh_per_token_across_micro_batches(tmp_path):
+    """With --loss-ignore-id the loss is the mean over the global batch's counted targets,
+    however the batch is split: batch 4 = 2 micro-batches of 2 (was 1.5 % apart by step 6:
+    a mean of the micro-batches' means). A micro-batch whose targets are all ignored adds
+    no cross-entropy (its mean was 0 / 0: the step stopped as "diverged")."""
+    from phaseloop.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat, a dog lay in the fog; " * 400)
+    common = ["train", "--preset", "rope-tiny", "--data", str(text), "--steps", "6", "--eval-every", "3",
+              "--eval-windows", "2", "--log-every", "1", "--warmup", "2", "--quiet", "--seq-len", "8",
+              "--loss-ignore-id", "32", "--compile", "off"]
+    assert main([*common, "--batch-size", "4", "--out", str(tmp_path / "one")]) == 0
+    assert main([*common, "--batch-size", "2", "--grad-accum", "2", "--out", str(tmp_path / "two")]) == 0
+    rec = [[json.loads(line) for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+           for r in ("one", "two")]
+    for a, b in zip(*rec):
+        for k in ("loss", "grad_norm", "val_loss"):
+            if k in a:
+                assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (k, a, b)
+    # one target a window (seq_len 1), " " every other byte: some micro-batches count none
+    text.write_text("a " * 2000)
+    one = ["--seq-len", "1", "--steps", "8", "--out"]
+    assert main([*common[:-6], "--loss-ignore-id", "32", "--compile", "off", "--batch-size", "1",
+                 "--grad-accum", "2", *one, str(tmp_path / "lone")]) == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "lone" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert losses and all(math.isfinite(v) for v in losses)

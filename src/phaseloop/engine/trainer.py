@@ -39,7 +39,8 @@ from phaseloop.engine.optim import autocast, check_memory, lr_at, make_optimizer
 from phaseloop.engine.run import RunFolder
 from phaseloop.engine.trackers import Trackers
 from phaseloop.engine.trackers import check as check_trackers
-from phaseloop.errors import ConfigError, PhaseloopError
+from phaseloop.engine.weighting import step_batches, step_loss
+from phaseloop.errors import PhaseloopError
 
 
 class DivergedError(PhaseloopError):
@@ -67,20 +68,6 @@ class Batches(Protocol):
     def state(self) -> dict[str, torch.Tensor]: ...
 
     def set_state(self, state: dict[str, torch.Tensor]) -> None: ...
-
-
-def ignore_targets(batch, ignore_id: int | None):
-    """An (inputs, targets) batch with the targets equal to ``ignore_id`` set to -100, which
-    the loss leaves out (``TrainConfig.loss_ignore_id``); None: the batch unchanged."""
-    if ignore_id is None:
-        return batch
-    if not (isinstance(batch, (tuple, list)) and len(batch) in (2, 3)
-            and all(isinstance(t, torch.Tensor) for t in batch[:2])):
-        raise ConfigError.invalid(f"loss_ignore_id={ignore_id}: applies to the (inputs, "
-                          "targets) batches of LM runs, not this run's; drop it (task runs mark "
-                          "padding -100 already)", "train config")
-    x, y, *rest = batch  # rest: an LM batch's document inputs (data.Documents)
-    return (x, y.masked_fill(y == ignore_id, -100), *rest)
 
 
 class Trainer:
@@ -281,13 +268,15 @@ class Trainer:
         loss: torch.Tensor | float = 0.0
         aux: dict[str, torch.Tensor] = {}
         tokens = self.tokens
+        drawn, weights = step_batches(self.batches, tc, self.world.size)  # weighting.py
         with sampled_depth(self.model, tc, self.step) as depth:  # the step's depth (tc.depth_sample), if any
-            for i in range(tc.grad_accum):
+            for i, batch in enumerate(drawn):
                 with dist.no_sync(fwd, sync=i == tc.grad_accum - 1), autocast(dev):
-                    out = self.loss_fn(fwd, ignore_targets(self.batches.next(), tc.loss_ignore_id), dev)
+                    out = self.loss_fn(fwd, batch, dev)
+                scaled, ce = step_loss(out, None if weights is None else weights[i], tc.grad_accum)
                 with dist.no_sync(fwd, sync=i == tc.grad_accum - 1):
-                    (out.loss / tc.grad_accum).backward()
-                loss = loss + out.ce_loss.detach() / tc.grad_accum  # no host sync until a log step
+                    scaled.backward()
+                loss = loss + ce  # no host sync until a log step
                 for k, v in out.aux_losses.items():
                     aux[k] = aux.get(k, 0.0) + v.detach() / tc.grad_accum
                 self.tokens += out.logits.shape[0] * out.logits.shape[1] * self.world.size

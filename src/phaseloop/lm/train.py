@@ -19,7 +19,7 @@ from phaseloop.engine import RunFolder, TrainConfig, Trainer, autocast, dist, so
 from phaseloop.engine.checkpoint import TOKENIZER_COPY, checkpoint_dir
 from phaseloop.engine.initfrom import check_tokenizer, provenance
 from phaseloop.engine.run import read_metrics
-from phaseloop.engine.trainer import ignore_targets
+from phaseloop.engine.weighting import ignore_targets
 from phaseloop.errors import ConfigError
 from phaseloop.files import atomic_write_bytes, read_json
 from phaseloop.model import DecoderLM, build_model
