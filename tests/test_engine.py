@@ -350,3 +350,20 @@ def test_ignored_targets_weigh_per_token_across_micro_batches(tmp_path):
     losses = [json.loads(line)["loss"] for line in (tmp_path / "lone" / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     assert losses and all(math.isfinite(v) for v in losses)
+
+
+def test_an_evaluation_between_logged_steps_has_its_training_time(tmp_path):
+    """elapsed_s grew only at logged steps: an evaluation (or checkpoint) between them
+    recorded the time of the last log (0 before the first one), so compare's wall-clock
+    speedup read a variant that reached the target as "not reached"."""
+    from phaseloop.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat, a dog lay in the fog; " * 400)
+    assert main(["train", "--preset", "rope-tiny", "--data", str(text), "--steps", "4", "--eval-every", "1",
+                 "--eval-windows", "2", "--log-every", "4", "--ckpt-every", "2", "--quiet", "--seq-len", "8",
+                 "--batch-size", "2", "--compile", "off", "--out", str(tmp_path / "r")]) == 0
+    recs = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["elapsed_s"] for r in recs if "val_loss" in r]
+    train = [r["elapsed_s"] for r in recs if "loss" in r]
+    assert len(evals) == 4 and 0 < evals[0] < evals[1] < evals[2] <= train[-1] == evals[3]

@@ -77,10 +77,11 @@ def exit_options(p, sweep: bool = False) -> None:
     """--exit: early exit per position at inference (early_exit.py)."""
     p.add_argument("--exit", type=argtypes.exit_rules, action="append" if sweep else _OneRule,
                    metavar="RULE:V[,V...]" if sweep else "RULE:V",
-                   help="stop a position early: kl:EPS (next-token KL between passes), argmax:K "
-                   "(argmax kept K passes), state:EPS (relative state change), act:THRESHOLD "
-                   "(UT+ACT)" + ("; values separated by commas sweep, repeat for more rules"
-                                 if sweep else ""))
+                   help="stop a position early: kl:EPS (next-token KL between passes, Huginn's), kl-lens:EPS "
+                   "(the same read by the head alone), entropy:EPS (entropy change), argmax:K (argmax kept K "
+                   "passes), state:EPS (relative state change), accel:EPS (second-order, two hits), "
+                   "act:THRESHOLD (UT+ACT); docs/early_exit.md"
+                   + ("; values separated by commas sweep, repeat for more rules" if sweep else ""))
 
 
 def inference_options(p, sweep: bool = False) -> None:

@@ -108,7 +108,7 @@ class Trainer:
         self.run, self.progress, self.desc, self.on_step = run, progress, desc, on_step
         self.world = dist.world()
         self.device = resolve_device(dist.local_device(tc.device, self.world))
-        self.step, self.elapsed, self.tokens, self.skipped = 0, 0.0, 0, 0
+        self.step, self.elapsed, self.tokens, self.skipped, self.unlogged = 0, 0.0, 0, 0, 0.0
         self.saved: int | None = None  # step of the checkpoint on disk
         self.ran = 0  # steps run by this process (0 when resuming a finished run)
         self.records, self.last_eval = [], {}  # the logged records; the last evaluation
@@ -223,7 +223,7 @@ class Trainer:
         if self.world.main:
             self.trackers.flush()  # what the checkpoint covers is in the trackers' files first
             save_checkpoint(self.run.path, model_state, optim_state, self.step, self.batches.state(),
-                            {"elapsed": self.elapsed, "tokens": self.tokens, "skipped": self.skipped,
+                            {"elapsed": self.elapsed + self.unlogged, "tokens": self.tokens, "skipped": self.skipped,
                              **({"flops": self.flops.total} if self.flops.total is not None else {}),
                              "world_size": self.world.size,
                              **({"compile": self.compiler.chosen} if self.compiler.chosen else {})},
@@ -343,10 +343,13 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                 t0 = time.perf_counter()  # evaluation and checkpoints are not training time
+                # training time since the last logged step: an evaluation or checkpoint between logs counts it
+                self.unlogged = 0.0 if self.step % tc.log_every == 0 or last else t0 - t_last
                 best = False
                 if self.evaluate is not None and (self.step % tc.eval_every == 0 or last):
                     self.last_eval = self.evaluate(self.model)
-                    self._log({"step": self.step, **self.last_eval, **self._diagnostics(), "elapsed_s": self.elapsed})
+                    self._log({"step": self.step, **self.last_eval, **self._diagnostics(),
+                               "elapsed_s": self.elapsed + self.unlogged})
                     if bar is not None and bar.disable:  # no terminal: one line an evaluation, not frames
                         dist.say(progress.eval_line(self.desc, self.step, tc.steps, self.records, self.last_eval))
                     best = self.keeper.evaluated(self.step, self.last_eval)  # checkpointed below
