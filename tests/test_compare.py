@@ -213,6 +213,9 @@ def test_paired_t_test_verdicts():
     for ref, var in (([0.1, 0.2], [0.4, 0.5]), ([0.1, 0.2, 0.7], [0.4, 0.5, 1.0])):  # the same up to rounding
         same = paired_t_test(ref, var)  # (was t = 7.6e15, p = 0, "worse")
         assert same["verdict"] == "n/a" and same["p"] is None and "+0.3" in same["note"], same
+    for ref, var in (([1.0, 2.0], [1.0000000000000002, 2.0]), ([3.0, 3.5, 4.0], [3.0, 3.5000000000000004, 4.0])):
+        near = paired_t_test(ref, var)  # equal up to one ulp: identical, not "the same difference"
+        assert near["verdict"] == "indistinguishable" and near["p"] == 1.0, near
     tie = paired_t_test([1.0, 2.0], [1.0, 2.0])
     assert tie["verdict"] == "indistinguishable" and tie["p"] == 1.0 and tie["t"] is None
     assert "2 seeds" in paired_t_test([1.0, 1.1], [0.5, 0.7])["note"]

@@ -415,3 +415,11 @@ def test_an_interrupted_quantize_leaves_nothing(world, tmp_path, monkeypatch, at
         assert not (tmp_path / "made").exists()
     else:  # the weights came in: they stay, the report's temporary file does not
         assert sorted(p.name for p in out.iterdir()) == ["quant-w8-g32-rtn.safetensors"]
+        # again over a finished pair: the older report never stays beside the new weights
+        calls.clear()
+        monkeypatch.setattr(qrun.os, "replace", real)
+        qrun.quantize_run(world["run"], 8, 32, windows=2, out=out)
+        monkeypatch.setattr(qrun.os, "replace", replace)
+        with pytest.raises(KeyboardInterrupt):
+            qrun.quantize_run(world["run"], 8, 32, windows=3, out=out)
+        assert sorted(p.name for p in out.iterdir()) == ["quant-w8-g32-rtn.safetensors"]

@@ -63,10 +63,11 @@ def paired_t_test(ref: list[float], var: list[float], alpha: float = 0.05) -> di
     if n < 2:
         return {**out, "verdict": "n/a", "note": "one seed: no noise estimate"}
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
-    # a spread within the rounding of the subtraction (0.4 - 0.1 vs 0.5 - 0.2) is none
-    if sd <= 64 * sys.float_info.epsilon * max(abs(x) for x in (*ref, *var)):
+    # a spread (and a mean) within the rounding of the subtraction (0.4 - 0.1 vs 0.5 - 0.2) is none
+    rounding = 64 * sys.float_info.epsilon * max(abs(x) for x in (*ref, *var))
+    if sd <= rounding:
         # identical differences: t is undefined (0/0 or x/0), and so is p
-        if mean == 0:
+        if abs(mean) <= rounding:
             return {**out, "p": 1.0, "verdict": "indistinguishable", "note": "identical results"}
         return {**out, "verdict": "n/a", "note": f"the same difference on every seed ({mean:+.4g}): no noise "
                 "estimate, the t-test is undefined"}

@@ -7,9 +7,10 @@ Each micro-batch's loss is the mean over its own counted targets (``ModelOutput.
 so ``1 / grad_accum`` per micro-batch and the mean over processes weight them alike whatever
 their counts: a mean of means. Micro-batch i of n_i counted targets, of N over the world,
 instead takes ``n_i * world / N`` (the processes' gradients are averaged: x world), and one
-with none takes no cross-entropy (its mean was 0 / 0, NaN: a step "diverged" where one
-batch trains). Auxiliary losses (ACT's ponder cost) stay a mean over micro-batches. Where
-every target counts (no ``loss_ignore_id``) the weights are the plain ``1 / grad_accum``.
+with none takes no cross-entropy (its mean was 0 / 0, NaN: the step "diverged"), however
+the batch is split: a global batch with no counted target trains on no cross-entropy (its
+logged loss 0) and its auxiliary losses alone. Auxiliary losses (ACT's ponder cost) stay a
+mean over micro-batches. Where every target counts (no ``loss_ignore_id``) the weights are the plain ``1 / grad_accum``.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ def ignore_targets(batch, ignore_id: int | None):
 def step_batches(batches, tc, world_size: int) -> tuple[list, list[float] | None]:
     """The step's ``grad_accum`` micro-batches (``ignore_targets`` applied) and each one's
     weight ``n_i * world / N``; None where every micro-batch counts ``1 / grad_accum`` (no
-    ``loss_ignore_id``, or one batch in one process: nothing to weigh against)."""
+    ``loss_ignore_id``: every target counts)."""
     drawn = [ignore_targets(batches.next(), tc.loss_ignore_id) for _ in range(tc.grad_accum)]
-    if tc.loss_ignore_id is None or (tc.grad_accum == 1 and world_size == 1):
+    if tc.loss_ignore_id is None:
         return drawn, None
     counts = [int((b[1] != -100).sum()) for b in drawn]  # the batches' CPU targets: no device sync
     total = int(dist.all_sum(float(sum(counts)))[0]) if world_size > 1 else sum(counts)
-    return drawn, [n * world_size / max(total, 1) for n in counts]
+    return drawn, [n * world_size / max(total, 1) for n in counts]  # one batch in one process: 1 (or 0)
 
 
 def step_loss(out, weight: float | None, grad_accum: int) -> tuple:

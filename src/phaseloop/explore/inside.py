@@ -189,9 +189,10 @@ def routes(ctx: ServerContext) -> list:
                 g = generate(model, ids[None], opts)
             except ConfigError as e:  # the CLI's refusal, worded for this query's fields
                 raise BadInput(as_fields(e)) from None
+            depth = model.trunk.passes  # under the lock: a speculative request sets the draft's depth
         new = g.tokens[0].tolist()
         return {"prompt": _tokens(tok, ids.tolist()), "tokens": _tokens(tok, new), "ids": new, "passes": g.passes,
-                "depth": model.trunk.passes, "mean_passes": g.mean_passes, "tokens_per_s": g.tokens_per_s,
+                "depth": depth, "mean_passes": g.mean_passes, "tokens_per_s": g.tokens_per_s,
                 "kv_cache_bytes": g.kv_cache_bytes, "acceptance": g.acceptance}
 
     return [

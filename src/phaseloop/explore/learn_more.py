@@ -6,6 +6,7 @@ Hyperloop (Zeitoun et al. 2026, arXiv 2604.21254): every number from ``three_pha
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -83,6 +84,7 @@ def costs(ctx, params) -> dict:
 
 
 # --------------------------------------------------------------------------- Hyperloop
+_GLOBAL_RNG = threading.Lock()
 HYPERLOOP_PRESETS = ["hyperloop-135m", "hyperloop-579m", "hyperloop-990m", "hyperloop-small"]
 
 
@@ -116,7 +118,8 @@ def mixing(ctx, params) -> dict:
     cfg = ModelConfig(arch="hyperloop", vocab_size=16, d_model=8, n_layers=3, n_heads=2,
                       n_kv_heads=2, d_ff=16, max_seq_len=8, n_streams=n, hc_res=form,
                       hc_alpha_init=alpha, init_std=0.5)
-    with torch.random.fork_rng(devices=[]):  # W's init draws from the global generator
+    # W's init draws from the global generator: one seeded draw at a time (endpoints run in threads)
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hc = HyperConnection(cfg, loop_embedding=True, residual_f=True).double()
     g = torch.Generator().manual_seed(seed + 1)

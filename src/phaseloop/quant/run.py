@@ -78,6 +78,7 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
         save_quantized(model, tmp, {**provenance(run, run_cfg), **recipe}, target=weights)
         tmp.chmod(0o644)  # safetensors writes 0600; as the JSON beside it
         write_json(report_tmp, report)
+        (out_dir / f"{stem}.json").unlink(missing_ok=True)  # an older report never lies beside the new weights
         os.replace(tmp, weights)
         os.replace(report_tmp, out_dir / f"{stem}.json")
     except BaseException:  # a full disk, an interrupt: nothing half-written, no folder left that we made
