@@ -77,7 +77,10 @@ def quantize_run(run: str | Path, bits: int, group_size: int = 128, method: str 
     try:  # both under temporary names, then renamed in: the weights, at once their report
         save_quantized(model, tmp, {**provenance(run, run_cfg), **recipe}, target=weights)
         tmp.chmod(0o644)  # safetensors writes 0600; as the JSON beside it
-        write_json(report_tmp, report)
+        try:
+            write_json(report_tmp, report)
+        except OSError as e:  # a full disk: named as the report it was for
+            raise OSError(e.errno, e.strerror, str(out_dir / f"{stem}.json")) from None
         (out_dir / f"{stem}.json").unlink(missing_ok=True)  # an older report never lies beside the new weights
         os.replace(tmp, weights)
         os.replace(report_tmp, out_dir / f"{stem}.json")
