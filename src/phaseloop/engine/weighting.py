@@ -10,7 +10,8 @@ instead takes ``n_i * world / N`` (the processes' gradients are averaged: x worl
 with none takes no cross-entropy (its mean was 0 / 0, NaN: the step "diverged"), however
 the batch is split: a global batch with no counted target trains on no cross-entropy (its
 logged loss 0) and its auxiliary losses alone. Auxiliary losses (ACT's ponder cost) stay a
-mean over micro-batches. Where every target counts (no ``loss_ignore_id``) the weights are the plain ``1 / grad_accum``.
+mean over micro-batches. Where every target counts (no ``loss_ignore_id``) the weights are
+the plain ``1 / grad_accum``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from phaseloop.explore.context import BadInput, ServerContext, number
 from phaseloop.explore.runs import target
 from phaseloop.explore.web import Route, api, page
 from phaseloop.inference import Options, generate
-from phaseloop.passes import FILLS
 from phaseloop.serve.options import as_fields
 
 PAGES = [{"group": "Inside a trained model", "title": "Inside a run", "url": "/inside"}]
@@ -176,10 +175,7 @@ def routes(ctx: ServerContext) -> list:
         rules = parse_exit(rule) if rule else [None]
         if len(rules) > 1:
             raise BadInput(f"exit {rule!r}: give one value")
-        fill = params.get("kv_fill") or "recompute"
-        if fill not in FILLS:
-            raise BadInput(f"kv_fill {fill!r}: choose recompute or latest")
-        opts = Options(max_new_tokens=n, exit=rules[0], kv_fill=fill,
+        opts = Options(max_new_tokens=n, exit=rules[0], kv_fill=params.get("kv_fill") or "recompute",
                        temperature=number(params, "temperature", float, default=0.0, lo=0.0, hi=100.0),
                        seed=number(params, "seed", int, default=0, lo=0, hi=2**31),
                        kv_share=number(params, "kv_share", int, default=0, lo=0, hi=4096) or None,

@@ -113,11 +113,8 @@ class PackedLinear(nn.Module):
         lead, K = x.shape[:-1], self.in_features
         x2 = x.reshape(-1, K)
         if self.kernel == "int4":
-            xa = x2.to(self.scale_zero.dtype)
-            if self.padded != K:
-                xa = torch.nn.functional.pad(xa, (0, self.padded - K))
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.codes, self.kernel_group,
-                                                           self.scale_zero).to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._padded(x2.to(self.scale_zero.dtype)), self.codes,
+                                                           self.kernel_group, self.scale_zero).to(x.dtype)
         elif self.kernel == "int8":
             y = self._int8(x2).to(x.dtype)
         else:
@@ -126,13 +123,16 @@ class PackedLinear(nn.Module):
             y = y + self.bias
         return y.view(*lead, self.out_features)
 
+    def _padded(self, x_MK: torch.Tensor) -> torch.Tensor:
+        """[M, K] activations with zero columns up to the codes' padded row length."""
+        pad = self.padded - x_MK.shape[-1]
+        return torch.nn.functional.pad(x_MK, (0, pad)) if pad else x_MK
+
     def _int8(self, x2: torch.Tensor) -> torch.Tensor:
         M, K, ng = x2.shape[0], self.in_features, self.n_groups
         xa = x2.to(self.scale.dtype)
-        pad = self.padded - K
         if ng == 1:
-            y = torch._weight_int8pack_mm(torch.nn.functional.pad(xa, (0, pad)) if pad else xa, self.codes,
-                                          self.scale[0])
+            y = torch._weight_int8pack_mm(self._padded(xa), self.codes, self.scale[0])
             if self.offset is None:
                 return y
             return torch.addcmul(y.float(), x2.float().sum(-1, keepdim=True), self.offset)
@@ -140,9 +140,7 @@ class PackedLinear(nn.Module):
         stacked = xa.new_zeros(ng, M, ng, G)
         idx = torch.arange(ng, device=x2.device)
         stacked[idx, :, idx] = xa.view(M, ng, G).transpose(0, 1)
-        flat = stacked.view(ng * M, K)
-        part = torch._weight_int8pack_mm(torch.nn.functional.pad(flat, (0, pad)) if pad else flat, self.codes,
-                                         self.ones)
+        part = torch._weight_int8pack_mm(self._padded(stacked.view(ng * M, K)), self.codes, self.ones)
         y = (part.view(ng, M, -1).float() * self.scale.float()[:, None, :]).sum(0)
         if self.offset is not None:
             y = y + x2.float().view(M, ng, G).sum(-1) @ self.offset
