@@ -9,6 +9,7 @@ import torch
 from phaseloop import ConfigError, ModelConfig, build_model
 from phaseloop.early_exit import parse_exit, set_exit, set_kv_share
 from phaseloop.inference import Options, TokenByToken, generate
+from phaseloop.kvcache import OWED
 from phaseloop.layers import KVCache
 
 torch.set_num_threads(1)
@@ -104,6 +105,42 @@ def test_nbytes_counts_what_is_held():
     grown = KVCache()
     grown.update("a", k, k)
     assert grown.nbytes == 2 * k.nbytes
+
+
+@pytest.mark.parametrize("capacity", [None, 4])
+def test_owed_rows_are_what_update_would_have_written(capacity):
+    """``owe`` copies nothing until the slot's next write or a read of ``entries``; then
+    the cache holds, bit for bit, what ``update`` writes (appended in order; a second
+    write in the same forward replaces; truncate, select_rows and nbytes see them)."""
+    rows = [torch.randn(2, 3, t, 4, generator=torch.Generator().manual_seed(t)) for t in (3, 1, 1, 1)]
+    eager, lazy = KVCache(capacity=capacity), KVCache(capacity=capacity)
+    for i, r in enumerate(rows):
+        eager.update("a", r, -r)
+        (lazy.update if i == 2 else lazy.owe)("a", r, -r)
+        if i == 1:
+            assert len(lazy.owed["a"]) == 2 and "a" not in lazy._entries  # nothing copied yet
+        eager.pos += r.shape[2]
+        lazy.pos += r.shape[2]
+    for c in (eager, lazy):  # a shared slot written twice in one forward: the second replaces
+        for r in (rows[1], rows[3]):
+            c.owe("a", r, -r) if c is lazy else c.update("a", r, -r)
+        c.pos += 1
+    assert lazy.nbytes == eager.nbytes and not lazy.owed
+    for got, want in zip(lazy.entries["a"], eager.entries["a"]):
+        assert torch.equal(got, want) and got.shape[2] == 7
+    assert torch.equal(lazy.entries["a"][0][:, :, -1:], rows[3])
+    for c in (eager, lazy):
+        c.owe("a", rows[2], rows[2]) if c is lazy else c.update("a", rows[2], rows[2])
+        c.pos += 1
+        c.select_rows(torch.tensor([1]))
+        c.truncate(7)
+    assert [tuple(t.shape) for t in lazy.entries["a"]] == [(1, 3, 7, 4)] * 2
+    assert all(torch.equal(g, w) for g, w in zip(lazy.entries["a"], eager.entries["a"]))
+    many = KVCache()
+    for _ in range(OWED):
+        many.owe("b", rows[1], rows[1])
+        many.pos += 1
+    assert not many.owed and many._entries["b"][0].shape[2] == OWED  # at most OWED forwards owed
 
 
 @pytest.mark.parametrize("share,capacity", [(None, 12), (1, 12), (None, 2)])  # 2: buffers outgrown, copied

@@ -154,6 +154,17 @@ def test_learned_step_signal_clamps_past_trained_steps():
     assert build_model(ut(n_steps=2, act=True, step_signal="learned")).trunk.signal.step_table.shape[0] == 4
 
 
+@pytest.mark.parametrize("signal", ["sinusoid", "learned"])
+def test_signal_over_several_steps_is_each_step_bit_for_bit(signal):
+    """``CoordinateSignal.over`` (the UT's exited passes projected together, early_exit.Monitor.rest)."""
+    sig = build_model(ut(n_steps=3, step_signal=signal)).trunk.signal
+    x = torch.randn(2, 5, 32)
+    for pos in (sig.position(4, 5, "cpu"), sig.position(0, 5, "cpu", torch.arange(10).view(2, 5))):
+        for steps in ([0, 1, 2], [1, 2], [2, 3, 4], [0, 2]):  # in the table, past it, not consecutive
+            want = torch.stack([sig(x, pos, t) for t in steps])
+            assert torch.equal(sig.over(x, pos, steps), want)
+
+
 # ---------------------------------------------------------------------------- depth extrapolation
 @pytest.mark.parametrize("kw", [dict(), dict(step_signal="learned"), dict(act=True)])
 def test_depth_extrapolation_runs(kw):

@@ -129,7 +129,7 @@ def join_rows(caches: list[KVCache], capacity: int = 0) -> KVCache:
     columns. Each cache must be joinable (``not_joinable``) and hold the same slots."""
     S, slots = max(c.pos for c in caches), list(caches[0].entries)
     for c in caches:
-        why = not_joinable(c) or (None if list(c.entries) == slots and slots else "it holds other slots")
+        why = not_joinable(c) or (None if set(c.entries) == set(slots) and slots else "it holds other slots")
         if why:
             raise ValueError(f"rows cannot join a batch: {why}")
     pads = []

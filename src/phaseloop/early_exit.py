@@ -42,7 +42,6 @@ those of the same pass: the output depends on how the sequence is fed (``inferen
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -197,8 +196,12 @@ class Monitor:
         self.trunk, self.rule, self.exits, self.n, self.merge = trunk, exits.rule, exits, n_passes, merge
         B, T = x0.shape[:2]
         self.done = torch.zeros(B, T, dtype=torch.bool, device=x0.device)
-        self.passes = ctx.stats["exit_passes"] = torch.zeros(B, T, dtype=torch.long, device=x0.device)
-        self.readouts = ctx.stats["exit_readouts"] = torch.zeros_like(self.passes)
+        # passes and readouts of a position that runs to the end; those that stop after pass t
+        # get t (``step``); a read (``_read``) at each decision, and p_0 from the input
+        self.p0 = int(self.rule.kind in LENS_READ)
+        reads = n_passes - 1 + self.p0 if self.rule.kind in END_READ + LENS_READ else 0
+        self.passes = ctx.stats["exit_passes"] = torch.full((B, T), n_passes, dtype=torch.long, device=x0.device)
+        self.readouts = ctx.stats["exit_readouts"] = torch.full((B, T), reads, dtype=torch.long, device=x0.device)
         self.t, self.base, self.exited = 0, ctx, False  # exited: some position of ``done`` stopped
         self.latest, self.read_latest, self.deepest = {}, {}, {}  # deepest: idle_pass's keys/values
         self._set_running(Running.uniform(~self.done, exits.fill, self.latest, True))
@@ -221,8 +224,8 @@ class Monitor:
 
     def _with(self, run: Running):
         """The forward's context with ``run`` (dataclasses.replace without its __init__)."""
-        ctx = copy.copy(self.base)
-        ctx.running = run
+        ctx = object.__new__(type(self.base))
+        ctx.__dict__.update(self.base.__dict__, running=run)
         return ctx
 
     @property
@@ -246,7 +249,7 @@ class Monitor:
                 kv = self.deepest.get(id(layer.attn))
                 if kv is None:  # idle from now on: ``latest`` no longer changes in this forward
                     kv = self.deepest[id(layer.attn)] = deepest_kv(layer.attn, self.run)
-                cache.update(slot, *kv)
+                cache.owe(slot, *kv)  # no query reads them before the slot's next write
         return self.step(x, x)
 
     @property
@@ -254,14 +257,14 @@ class Monitor:
         """No position runs (in this pass or any later one) and the cache takes each pass's keys/values."""
         return not self.run.any and self.base.cache is not None
 
-    def rest(self, x, block, slots: dict, pass_input) -> torch.Tensor:
+    def rest(self, x, block, slots: dict, pass_inputs) -> torch.Tensor:
         """The passes left while ``at_rest``, for a trunk of one block (UT): pass s writes the
         block's keys/values into ``slots[s]`` and runs nothing else, then its ``step``. Under
         ``latest`` the deepest ones (``idle_pass``); under ``recompute`` those projected from
-        ``pass_input(x, s)`` (the block's input at pass s, of the frozen state), the passes'
-        in batches: one norm, projection and rotation for a batch instead of one a pass, a
-        batch holding at most ``REST_BATCH`` input elements (one pass a batch for a long
-        prefill, all of them at decode)."""
+        ``pass_inputs(x, [s, ...])`` ([R, B, T, D]: the block's inputs at passes s, ..., of the
+        frozen state), the passes' in batches: one norm, projection and rotation for a batch
+        instead of one a pass, a batch holding at most ``REST_BATCH`` input elements (one pass
+        a batch for a long prefill, all of them at decode). Either is owed to the cache."""
         if self.run.fill == "latest":
             for slot in slots.values():
                 x = self.idle_pass(x, [(block, slot)])
@@ -269,14 +272,14 @@ class Monitor:
         left, attn = list(slots.items()), block.attn
         group = max(1, REST_BATCH // x.numel())
         for chunk in (left[i:i + group] for i in range(0, len(left), group)):
-            h_RBTD = torch.stack([pass_input(x, s) for s, _ in chunk])
+            h_RBTD = pass_inputs(x, [s for s, _ in chunk])
             R, B = h_RBTD.shape[:2]
             k_NKTE, v_NKTE = attn.project_kv(block.attn_norm(h_RBTD.flatten(0, 1)))
             if attn.use_rope:  # tables [T, E], or per row [B, 1, T, E] (row r * B + b: row b's)
                 cos, sin = (t if t.dim() == 2 else t.repeat(R, 1, 1, 1) for t in (self.base.cos, self.base.sin))
                 k_NKTE = apply_rope(k_NKTE, cos, sin)
             for i, (_, slot) in enumerate(chunk):
-                self.base.cache.update(slot, k_NKTE[i * B:(i + 1) * B], v_NKTE[i * B:(i + 1) * B])
+                self.base.cache.owe(slot, k_NKTE[i * B:(i + 1) * B], v_NKTE[i * B:(i + 1) * B])
                 x = self.step(x, x)
         return x
 
@@ -300,7 +303,6 @@ class Monitor:
                 self._end_readout(before)  # the readout's cache slot still gets every position's keys
             return before
         x = self.hold(before, after)
-        self.passes += run.mask
         if self.t < self.n:  # nothing to decide after the last pass
             rows = None if run.all else run.flat_N
             stop_N = self._stop(before, x, rows)
@@ -309,7 +311,13 @@ class Monitor:
             if stopped:
                 if rows is not None:
                     stop_N = torch.zeros_like(self.done).view(-1).index_copy(0, rows, stop_N)
-                self.done, self.exited = self.done | stop_N.view_as(self.done), True
+                stop_BT = stop_N.view_as(self.done)
+                if rows is None and self.exited:  # a pass that ran the exited positions too (dense)
+                    stop_BT = stop_BT & ~self.done
+                self.done, self.exited = self.done | stop_BT, True
+                self.passes.masked_fill_(stop_BT, self.t)
+                if self.rule.kind in END_READ + LENS_READ:
+                    self.readouts.masked_fill_(stop_BT, self.t + self.p0)
                 none_left = stopped == run.n  # every running position stopped: no new reduction
                 self._set_running(Running.uniform(~self.done, self.exits.fill, self.latest, False) if none_left
                                   else None)
@@ -324,8 +332,6 @@ class Monitor:
     def _read(self, x, rows, end: bool = False):
         """log p [N, V] of the next token for ``rows``, read from state ``x`` (fp32 at least)."""
         h = self._end_readout(x) if end else x if self.merge is None else self.merge(x)
-        counted = self.readouts.view(-1)
-        counted.index_add_(0, rows, torch.ones_like(rows)) if rows is not None else counted.add_(1)
         h_N = self._rows(h, rows)
         return F.log_softmax(self.exits.readout(h_N).to(compute_dtype(h_N.dtype)), dim=-1)
 

@@ -10,6 +10,8 @@ Contracts the trunks rely on:
 * ``truncate(n)`` drops every position >= n (speculative decoding rolls back rejected
   drafts); an entry that is not a (keys, values) pair rolls back through its own
   ``truncate(n)`` or is refused by name.
+* ``owe(slot, k, v)``: rows no query reads before the slot is next written, copied in only
+  then or when ``entries`` is read (a skipped pass's keys/values: ``early_exit``).
 * ``nbytes``: the bytes of the keys/values and other entries the cache holds (preallocated
   buffers counted whole), what ``generate --json`` reports as ``kv_cache_bytes``; its
   position tables (``position_table``, derived from positions alone) are not counted.
@@ -26,73 +28,116 @@ input_pos)``); eager phaseloop runs with it too, and equals ``KVCache``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 from phaseloop.errors import ConfigError
+
+OWED = 64  # forwards a slot's owed rows wait at most (they hold their own tensors meanwhile)
 
 
 def _pair(entry) -> bool:
     return isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(t, torch.Tensor) for t in entry)
 
 
-@dataclass
 class KVCache:
     """``pos``: absolute position of the next token, or with ``pad`` (rows of a continuous
     batch, ``decoding.join_rows``) the next column: row b's first ``pad[b]`` columns are
-    padding, column j holds its position j - pad[b]."""
+    padding, column j holds its position j - pad[b].
 
-    entries: dict = field(default_factory=dict)
-    pos: int = 0
-    pad: torch.Tensor | None = None  # [B] leading padding columns per row; None: no padding
-    # positions to preallocate per slot: keys/values are then written in place into one
-    # buffer (``entries`` holds views of its filled part) instead of grown by torch.cat;
-    # None: grown. A slot that outgrows it doubles its buffer.
-    capacity: int | None = None
-    buffers: dict = field(default_factory=dict)
-    # slot -> pos at its latest write: written again at the same pos = in the same forward
-    # (whoever moves pos back, truncate or decoding.keep_rows, clears it)
-    written: dict = field(default_factory=dict)
-    static = False  # (class attribute) keys of the tokens so far only, no mask needed
-    # position tables (RoPE's cos/sin, UT's timing signal) over positions 0 .. n - 1, made
-    # once per decode and sliced by each forward (``position_table``)
-    tables: dict = field(default_factory=dict)
+    ``owe(slot, k, v)`` takes rows no query reads before the slot is written again: the
+    keys/values of a pass every position skipped (``--kv-fill``, ``Monitor.idle_pass``).
+    They are written when ``update`` next writes that slot, or when ``entries`` is read
+    (then every slot's), so a decode whose tokens exit after one pass copies nothing into
+    the later passes' slots; what the cache holds once read is what ``update`` would have
+    written, bit for bit."""
+
+    static = False  # keys of the tokens so far only, no mask needed
+
+    def __init__(self, entries: dict | None = None, pos: int = 0, pad: torch.Tensor | None = None,
+                 capacity: int | None = None):
+        self._entries = {} if entries is None else entries
+        self.pos, self.pad = pos, pad  # pad: [B] leading padding columns per row; None: no padding
+        # positions to preallocate per slot: keys/values are then written in place into one
+        # buffer (``entries`` holds views of its filled part) instead of grown by torch.cat;
+        # None: grown. A slot that outgrows it doubles its buffer.
+        self.capacity = capacity
+        self.buffers: dict = {}
+        # slot -> pos at its latest write: written again at the same pos = in the same forward
+        # (whoever moves pos back, truncate or decoding.keep_rows, clears it)
+        self.written: dict = {}
+        # position tables (RoPE's cos/sin, UT's timing signal) over positions 0 .. n - 1, made
+        # once per decode and sliced by each forward (``position_table``)
+        self.tables: dict = {}
+        self.owed: dict = {}  # slot -> [(k_BKTE, v_BKTE), ...] rows taken by ``owe``, not yet written
+
+    @property
+    def entries(self) -> dict:
+        """slot -> (keys, values) [B, K, S, E], or a trunk's own state; every owed row written."""
+        for slot in list(self.owed):
+            self._settle(slot)
+        return self._entries
 
     def update(self, slot, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor):
         """Write the new rows of ``slot`` (appended, or replacing its last rows when the
         slot was written already in this forward) and return its whole (keys, values)."""
+        self._settle(slot)
         T = k_BKTE.shape[2]
-        n = self.entries[slot][0].shape[2] if slot in self.entries else 0
+        n = self._entries[slot][0].shape[2] if slot in self._entries else 0
         start = n - T if self.written.get(slot) == self.pos else n
         if start < 0:
             raise ValueError(f"KV slot {slot!r}: {T} rows replace more than the {n} it holds")
         self.written[slot] = self.pos
+        return self._write(slot, k_BKTE, v_BKTE, start, n)
+
+    def owe(self, slot, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor) -> None:
+        """``update`` without the copy: the rows are written when the slot is next updated
+        or ``entries`` read (at most ``OWED`` forwards later). Only for rows no query reads
+        before then, and tensors nobody changes in place."""
+        if self.written.get(slot) == self.pos:  # replacing rows of this forward: at once
+            self.update(slot, k_BKTE, v_BKTE)
+            return
+        self.written[slot] = self.pos
+        rows = self.owed.setdefault(slot, [])
+        rows.append((k_BKTE, v_BKTE))
+        if len(rows) >= OWED:
+            self._settle(slot)
+
+    def _settle(self, slot) -> None:
+        """Append the rows owed to ``slot`` (in the order they were owed)."""
+        rows = self.owed.pop(slot, None)
+        if rows:
+            k_BKTE, v_BKTE = (t[0] if len(t) == 1 else torch.cat(t, dim=2) for t in zip(*rows))
+            n = self._entries[slot][0].shape[2] if slot in self._entries else 0
+            self._write(slot, k_BKTE, v_BKTE, n, n)
+
+    def _write(self, slot, k_BKTE, v_BKTE, start: int, n: int):
+        """Rows [start, start + T) of ``slot``, which holds ``n``; returns its whole (keys, values)."""
+        T = k_BKTE.shape[2]
         end = max(n, start + T)
         if self.capacity is None:
             self.buffers.pop(slot, None)  # grown from now on: a buffer would go stale
             if n and start < n:  # replace rows [start, start + T), keep any after them
-                k_old, v_old = self.entries[slot]
+                k_old, v_old = self._entries[slot]
                 k_BKTE = torch.cat([k_old[:, :, :start], k_BKTE, k_old[:, :, start + T:]], dim=2)
                 v_BKTE = torch.cat([v_old[:, :, :start], v_BKTE, v_old[:, :, start + T:]], dim=2)
             elif n:
-                k_old, v_old = self.entries[slot]
+                k_old, v_old = self._entries[slot]
                 k_BKTE, v_BKTE = torch.cat([k_old, k_BKTE], dim=2), torch.cat([v_old, v_BKTE], dim=2)
-            self.entries[slot] = (k_BKTE, v_BKTE)
-            return self.entries[slot]
+            self._entries[slot] = (k_BKTE, v_BKTE)
+            return self._entries[slot]
         buf = self.buffers.get(slot)
         if buf is None or end > buf[0].shape[2]:
             size = max(self.capacity, 2 * end) if buf is not None else max(self.capacity, end)
             B, K, _, E = k_BKTE.shape
             new = (k_BKTE.new_empty(B, K, size, E), v_BKTE.new_empty(B, K, size, E))
             if n:
-                new[0][:, :, :n], new[1][:, :, :n] = self.entries[slot]
+                new[0][:, :, :n], new[1][:, :, :n] = self._entries[slot]
             buf = self.buffers[slot] = new
         buf[0].narrow(2, start, T).copy_(k_BKTE)  # narrow: one op where [:, :, a:b] is three
         buf[1].narrow(2, start, T).copy_(v_BKTE)
-        self.entries[slot] = (buf[0].narrow(2, 0, end), buf[1].narrow(2, 0, end))
-        return self.entries[slot]
+        self._entries[slot] = (buf[0].narrow(2, 0, end), buf[1].narrow(2, 0, end))
+        return self._entries[slot]
 
     @property
     def origin(self) -> int:
@@ -124,9 +169,10 @@ class KVCache:
 
     def select_rows(self, idx_R: torch.Tensor) -> None:
         """Keep rows ``idx_R`` of every entry, in that order (beam search reorders)."""
+        entries = self.entries  # every owed row written into the buffers first
         self.pad = None if self.pad is None else self.pad.index_select(0, idx_R)
         self.buffers = {s: tuple(t.index_select(0, idx_R) for t in buf) for s, buf in self.buffers.items()}
-        for slot, entry in self.entries.items():
+        for slot, entry in entries.items():
             if slot in self.buffers:
                 n = entry[0].shape[2]
                 self.entries[slot] = tuple(t[:, :, :n] for t in self.buffers[slot])
@@ -138,9 +184,10 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of every entry's tensors: a slot's whole buffer where preallocated (the
-        position ``tables`` not counted)."""
+        position ``tables`` not counted; owed rows written first)."""
+        entries = self.entries
         total = sum(t.nbytes for buf in self.buffers.values() for t in buf)
-        for slot, entry in self.entries.items():
+        for slot, entry in entries.items():
             if slot in self.buffers:
                 continue
             if hasattr(entry, "nbytes"):

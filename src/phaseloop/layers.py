@@ -279,10 +279,10 @@ class Attention(nn.Module):
             if fresh:
                 merged_kv(self, run, fresh)
             k_BKTE, v_BKTE = deepest_kv(self, run)
+        if not run.any:  # no query reads this pass's keys/values in this forward: owed (None)
+            return None if ctx.cache is None else ctx.cache.owe(slot, k_BKTE, v_BKTE)
         if ctx.cache is not None:
             k_BKTE, v_BKTE = ctx.cache.update(slot, k_BKTE, v_BKTE)
-        if not run.any:
-            return None
         q_NHE = self.q_proj(h_ND).view(len(h_ND), self.n_heads, self.head_dim)
         q_BHQE = run.pad(apply_rope(q_NHE, cos, sin) if self.use_rope else q_NHE).transpose(1, 2)
         S = k_BKTE.shape[2]

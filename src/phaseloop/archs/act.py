@@ -25,7 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from phaseloop.layers import compute_dtype
 
 MODES = ("basic", "accumulated", "t2t_literal")
 
@@ -294,3 +296,21 @@ def ponder_diagnostics(model, stats: dict) -> dict[str, float]:
                             f"act/{side}ponder_std": p.std(correction=0).item(),
                             f"act/{side}ponder_max": p.max().item()})
     return out
+
+
+class HaltingUnit(nn.Module):
+    """p = sigmoid(w . h + b) per position (UT §2.2), b initialised to act_halting_bias_init.
+
+    Not an ``nn.Linear``, so the shared init leaves the bias alone. Computed in float64
+    for a float64 model (its cached decoding then equals the full pass to float64
+    rounding) and in fp32 otherwise (bf16/half weights, autocast), because the ACT
+    accumulators compare sums to 1 - eps; the ACT state takes the dtype of p."""
+
+    def __init__(self, cfg):  # a ModelConfig
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(cfg.d_model) * cfg.init_std)
+        self.bias = nn.Parameter(torch.full((1,), float(cfg.act_halting_bias_init)))  # 1-D: FSDP2 shards no scalars
+
+    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(torch.promote_types(h_BTD.dtype, self.weight.dtype))
+        return torch.sigmoid((h_BTD.to(dtype) * self.weight.to(dtype)).sum(-1) + self.bias.to(dtype))

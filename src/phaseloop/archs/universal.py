@@ -50,13 +50,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from phaseloop.archs import act
 from phaseloop.archs.act import ACTState, PendingInputs, combine, ponder_cost, ponder_diagnostics, ponder_loss
 from phaseloop.archs.seq2seq import EncoderDecoder
 from phaseloop.config import ModelConfig, fail
 from phaseloop.data.tokenizer import PAD
 from phaseloop.early_exit import PASS_RULES, monitor
 from phaseloop.errors import ConfigError
-from phaseloop.layers import Block, ForwardContext, compute_dtype, position_table, timing_signal
+from phaseloop.layers import Block, ForwardContext, position_table, timing_signal
 from phaseloop.registry import ArchSpec, register_arch
 from phaseloop.trunk import DerivedBuffers, Trunk
 from phaseloop.validation import check_ints
@@ -145,23 +146,16 @@ class CoordinateSignal(DerivedBuffers, nn.Module):
     def forward(self, x_BTD: torch.Tensor, pos_TD: torch.Tensor, t: int) -> torch.Tensor:
         return x_BTD + (pos_TD + self.step(t, x_BTD.device)).to(x_BTD.dtype)
 
-
-class HaltingUnit(nn.Module):
-    """p = sigmoid(w . h + b) per position (UT §2.2), b initialised to act_halting_bias_init.
-
-    Not an ``nn.Linear``, so the shared init leaves the bias alone. Computed in float64
-    for a float64 model (its cached decoding then equals the full pass to float64
-    rounding) and in fp32 otherwise (bf16/half weights, autocast), because the ACT
-    accumulators compare sums to 1 - eps; the ACT state takes the dtype of p."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(cfg.d_model) * cfg.init_std)
-        self.bias = nn.Parameter(torch.full((1,), float(cfg.act_halting_bias_init)))  # 1-D: FSDP2 shards no scalars
-
-    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        dtype = compute_dtype(torch.promote_types(h_BTD.dtype, self.weight.dtype))
-        return torch.sigmoid((h_BTD.to(dtype) * self.weight.to(dtype)).sum(-1) + self.bias.to(dtype))
+    def over(self, x_BTD: torch.Tensor, pos_TD: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        """[R, B, T, D]: ``forward(x, pos, t)`` for each t of ``steps``, bit for bit, in
+        two ops (a slice of the step table where the steps are consecutive rows of it)."""
+        table = self.step_table if self.step_table is not None else self.step_sinusoid
+        if steps[-1] < table.shape[0] and steps == list(range(steps[0], steps[-1] + 1)):
+            step_RD = table[steps[0]:steps[-1] + 1]
+        else:
+            step_RD = torch.stack([self.step(t, x_BTD.device) for t in steps])
+        signal = (pos_TD[None] + step_RD.view(len(steps), *[1] * (pos_TD.dim() - 1), -1)).to(x_BTD.dtype)
+        return x_BTD[None] + (signal[:, None] if pos_TD.dim() == 2 else signal)
 
 
 class UniversalTrunk(Trunk):
@@ -184,7 +178,7 @@ class UniversalTrunk(Trunk):
         self.trained_steps = cfg.act_steps if cfg.act else cfg.n_steps
         self.steps = self.trained_steps
         self.signal = CoordinateSignal(cfg, self.trained_steps)
-        self.halting = HaltingUnit(cfg) if cfg.act else None
+        self.halting = act.HaltingUnit(cfg) if cfg.act else None
         self.depth = cfg.n_steps  # nominal residual layer applications (init scaling)
         # ACT may stop once every position halted (same output); FSDP2 turns it off, as
         # its block all-gathers need every rank to apply the block equally often
@@ -235,7 +229,7 @@ class UniversalTrunk(Trunk):
                     break
                 if mon is not None and mon.at_rest:  # no position runs again: the passes left fill keys/values
                     return mon.rest(x_BTD, self.block, {s: ("ut", self.kv_slot(s)) for s in range(t, steps)},
-                                    lambda x, s: self.signal(x, pos_TD, s))
+                                    lambda x, ss: self.signal.over(x, pos_TD, ss))
                 y_BTD = self.block(self.signal(x_BTD, pos_TD, t), mon.ctx if mon else ctx, ("ut", self.kv_slot(t)))
                 x_BTD = y_BTD if mon is None else mon.step(x_BTD, y_BTD)
             return x_BTD
