@@ -163,6 +163,32 @@ def test_counted_flops_are_the_executed_ones(preset, kind, fill):
         assert flops == pytest.approx(exit_flops(m, idx.shape[1], t) * idx.shape[1], rel=1e-6)
 
 
+@pytest.mark.parametrize("preset", ["universal-tiny", "looped-tiny"])
+@pytest.mark.parametrize("kind", ["kl", "kl-lens", "entropy"])
+def test_a_readout_of_the_final_state_is_the_models_logits(preset, kind, monkeypatch):
+    """Every position stopping at one decision: a UT returns the state the rule read, so
+    that readout is its logits (``early_exit.Readout``: the head runs once, the logits are
+    those of a second head bit for bit, the FLOPs counted are the executed ones); a Looped
+    model's end block follows its loop, so its head runs again."""
+    m = _model(preset)
+    set_exit(m, parse_exit(f"{kind}:1e9")[0], "latest")
+    idx = _idx(B=1, T=6)
+    heads = []
+    m.head.register_forward_hook(lambda *_: heads.append(1))
+    cache, again = KVCache(), KVCache()
+    for a, b in ((0, 5), (5, 6)):
+        heads.clear()
+        with torch.no_grad(), FlopCounterMode(display=False) as fc, tally(m) as t, sdpa_kernel(SDPBackend.MATH):
+            got = m(idx[:, a:b], cache=cache).logits
+        assert t.mean("passes") == 1 and len(heads) == (preset == "looped-tiny") + 1 + (kind == "kl-lens")
+        if a == 0:  # exit_flops counts a sequence from its start (a decoded token attends to more)
+            assert fc.get_total_flops() == pytest.approx(exit_flops(m, b, t) * b, rel=1e-6)
+        with monkeypatch.context() as mp, sdpa_kernel(SDPBackend.MATH):  # the model's own head instead
+            mp.setattr("phaseloop.early_exit.Readout.take", lambda self, x: None)
+            assert torch.equal(m(idx[:, a:b], cache=again).logits, got)
+        torch.testing.assert_close(m(idx[:, :b]).logits[:, a:], got, atol=1e-12, rtol=0)  # uncached
+
+
 # ---------------------------------------------------------------------------- the rules
 def _states(m, idx, kind, value, monkeypatch):
     """The state after every pass as the monitor sees it, and the exit passes."""

@@ -167,6 +167,25 @@ def set_kv_share(model, k: int | None) -> None:
     model.trunk.kv_share = k
 
 
+@dataclass
+class Readout:
+    """The logits [B*T, V] a rule read from ``state`` at the decision where every position
+    stopped. Where the trunk returns that very state (a UT: nothing follows its loop) they
+    are the model's logits (``take``, ``DecoderLM.forward``), not computed again, and that
+    readout counts as the model's head: ``exit_readouts`` one fewer (``analysis.exits``)."""
+
+    state: torch.Tensor
+    logits_NV: torch.Tensor
+    readouts: torch.Tensor
+
+    def take(self, x_BTD: torch.Tensor) -> torch.Tensor | None:
+        if x_BTD is not self.state:
+            return None
+        self.state = None  # taken once
+        self.readouts.sub_(1)
+        return self.logits_NV.view(*x_BTD.shape[:2], -1)
+
+
 def monitor(trunk, x0, ctx, n_passes: int, merge=None) -> Monitor | None:
     """The hook a trunk calls before its loop (None when no pass rule is set)."""
     exits = trunk.exits
@@ -202,7 +221,7 @@ class Monitor:
         reads = n_passes - 1 + self.p0 if self.rule.kind in END_READ + LENS_READ else 0
         self.passes = ctx.stats["exit_passes"] = torch.full((B, T), n_passes, dtype=torch.long, device=x0.device)
         self.readouts = ctx.stats["exit_readouts"] = torch.full((B, T), reads, dtype=torch.long, device=x0.device)
-        self.t, self.base, self.exited = 0, ctx, False  # exited: some position of ``done`` stopped
+        self.t, self.base, self.exited, self.read = 0, ctx, False, None  # exited: some position stopped
         self.latest, self.read_latest, self.deepest = {}, {}, {}  # deepest: idle_pass's keys/values
         self._set_running(Running.uniform(~self.done, exits.fill, self.latest, True))
         kind, dtype = self.rule.kind, compute_dtype(x0.dtype)
@@ -319,6 +338,8 @@ class Monitor:
                 if self.rule.kind in END_READ + LENS_READ:
                     self.readouts.masked_fill_(stop_BT, self.t + self.p0)
                 none_left = stopped == run.n  # every running position stopped: no new reduction
+                if none_left and rows is None and self.read is not None and self.read[0] is x:
+                    self.base.readout = Readout(x, self.read[1], self.readouts)
                 self._set_running(Running.uniform(~self.done, self.exits.fill, self.latest, False) if none_left
                                   else None)
         return x
@@ -333,7 +354,9 @@ class Monitor:
         """log p [N, V] of the next token for ``rows``, read from state ``x`` (fp32 at least)."""
         h = self._end_readout(x) if end else x if self.merge is None else self.merge(x)
         h_N = self._rows(h, rows)
-        return F.log_softmax(self.exits.readout(h_N).to(compute_dtype(h_N.dtype)), dim=-1)
+        logits_NV = self.exits.readout(h_N)
+        self.read = (x, logits_NV) if rows is None and h is x else None  # the model's own, if x is final
+        return F.log_softmax(logits_NV.to(compute_dtype(h_N.dtype)), dim=-1)
 
     def _end_readout(self, x):
         """The state after this pass through the trunk's end block, over the running

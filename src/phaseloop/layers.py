@@ -126,9 +126,8 @@ def timing_signal(positions: torch.Tensor, d: int, min_timescale: float = 1.0,
 # ---------------------------------------------------------------------------- context
 @dataclass
 class Memory:
-    """What a decoder cross-attends to (an encoder's output, Vaswani §3.2.3): its states,
-    a key mask (bool [B, 1, 1, S], True = attend) and the keys/values of each
-    cross-attention module, computed once and reused by every step and token."""
+    """What a decoder cross-attends to (an encoder's output, Vaswani §3.2.3): its states, a key mask
+    (bool [B, 1, 1, S], True = attend) and each cross-attention's keys/values, made once for every step."""
 
     x_BSD: torch.Tensor
     mask_B11S: torch.Tensor | None = None
@@ -164,6 +163,7 @@ class ForwardContext:
     doc_ids: torch.Tensor | None = None
     doc_block_mask: object = None  # FlexAttention's BlockMask of doc_ids (docattn), built once
     running: Running | None = None  # one pass of a loop over the positions still running (passes.py)
+    readout: object = None  # logits an exit rule read from the trunk's final state (early_exit.Readout)
 
     @classmethod
     def at(cls, cfg: ModelConfig, start: int, T: int, device, positions: torch.Tensor | None = None,

@@ -133,7 +133,8 @@ class DecoderLM(nn.Module):
         ctx = ForwardContext.at(self.cfg, start, T, src.device, positions_BT, cache=cache, doc_ids=doc_ids_BT,
                                 key_mask=key_mask)
         x_BTD = self.trunk(self.embed(idx_BT, start, tok_BTD=embeds_BTD, positions_BT=positions_BT), ctx)
-        logits_BTV = self.head(self.norm(x_BTD))
+        read = ctx.readout.take(x_BTD) if ctx.readout is not None else None  # an exit rule's, of this state
+        logits_BTV = self.head(self.norm(x_BTD)) if read is None else read
         if cache is not None:
             cache.pos += T
         out = ModelOutput(logits=logits_BTV, aux_losses=ctx.aux_losses, stats=ctx.stats)
