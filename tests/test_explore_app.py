@@ -103,3 +103,30 @@ def test_a_long_api_call_does_not_hold_up_the_others():
 
     first, second = asyncio.run(both())
     assert first == {"released": True} and second == {"ok": True}
+
+
+def test_a_loading_model_does_not_hold_up_the_cached_answers():
+    """A miss loads under ``load_lock``: meanwhile the cache answers its hits and the other
+    endpoints take ``cache_lock`` (a Runs page polling its curves); the loaded value is kept."""
+    import threading
+    import time
+
+    ctx = ServerContext()
+    ctx.model("a", lambda: "A")
+    started, release = threading.Event(), threading.Event()
+
+    def slow():
+        started.set()
+        release.wait(5)
+        return "B"
+    loading = threading.Thread(target=lambda: ctx.model("b", slow))
+    loading.start()
+    assert started.wait(5)
+    t0 = time.perf_counter()
+    assert ctx.model("a", lambda: "not loaded again") == "A"
+    assert ctx.cache_lock.acquire(timeout=2)
+    ctx.cache_lock.release()
+    assert time.perf_counter() - t0 < 2
+    release.set()
+    loading.join()
+    assert ctx.model("b", lambda: "not loaded again") == "B"

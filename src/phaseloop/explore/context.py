@@ -67,8 +67,11 @@ class ServerContext:
     _models: OrderedDict = field(default_factory=OrderedDict, repr=False)
     # one model evaluation at a time: a CPU server must not run two forward passes at once
     model_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    # the endpoints run in worker threads (``web.api``): the caches change under this lock
+    # the endpoints run in worker threads (``web.api``): the caches change under this lock,
+    # held for a lookup or an insertion only; a model or corpus loads under ``load_lock``
+    # (one at a time), so a load holds up other loads, not the cached answers
     cache_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    load_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def from_paths(cls, paths: list[str | Path]) -> ServerContext:
@@ -113,12 +116,23 @@ class ServerContext:
 
     def model(self, key: Any, load: Callable[[], Any]) -> Any:
         """A loaded model from the bounded LRU cache (``load()`` on a miss; one load at a time)."""
+        return self.cached(self._models, key, load, self.model_cache_size)
+
+    def cached(self, cache: OrderedDict, key: Any, load: Callable[[], Any], size: int) -> Any:
+        """``cache[key]`` of a bounded LRU cache, made by ``load()`` on a miss under ``load_lock``
+        (``cache_lock`` is not held meanwhile: the other endpoints' lookups go on)."""
         with self.cache_lock:
-            if key in self._models:
-                self._models.move_to_end(key)
-                return self._models[key]
+            if key in cache:
+                cache.move_to_end(key)
+                return cache[key]
+        with self.load_lock:
+            with self.cache_lock:  # another thread may have loaded it while this one waited
+                if key in cache:
+                    cache.move_to_end(key)
+                    return cache[key]
             value = load()
-            self._models[key] = value
-            while len(self._models) > self.model_cache_size:
-                self._models.popitem(last=False)
+            with self.cache_lock:
+                cache[key] = value
+                while len(cache) > size:
+                    cache.popitem(last=False)
             return value

@@ -77,13 +77,8 @@ class Inside:
         L = model.cfg.max_seq_len
         if params.get("window") not in (None, ""):
             k = number(params, "window", int, lo=0, hi=7)
-            with self.ctx.cache_lock:
-                if key not in self.windows:  # the corpus is read once per loaded run
-                    self.windows[key] = validation_windows(run, run_cfg, L - 1)  # L tokens each
-                    while len(self.windows) > ANALYSES:
-                        self.windows.popitem(last=False)
-                self.windows.move_to_end(key)
-                windows = self.windows[key]
+            # the corpus is read once per loaded run, L tokens a window
+            windows = self.ctx.cached(self.windows, key, lambda: validation_windows(run, run_cfg, L - 1), ANALYSES)
             if k >= len(windows):
                 raise BadInput(f"window must be between 0 and {len(windows) - 1}, got {k}")
             return windows[k]
