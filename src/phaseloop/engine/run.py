@@ -59,8 +59,10 @@ def _first_difference(saved: dict, want: dict, section: str) -> str | None:
 
 
 def _records(path: Path) -> tuple[list[str], list[dict], bool]:
-    """(lines, records, torn): a last line cut short by a kill is dropped (``torn``);
-    a bad line before it is damage, refused by line number."""
+    """(lines, records, open_end): a last line cut short by a kill is dropped, and a last
+    line without its newline (a kill between the record and it) must be ended before the
+    next record is appended (``open_end`` either way); a bad line before it is damage,
+    refused by line number."""
     try:
         text = path.read_text() if path.exists() else ""
     except UnicodeDecodeError:
@@ -72,7 +74,7 @@ def _records(path: Path) -> tuple[list[str], list[dict], bool]:
             records.append(json.loads(line))
         except ValueError:
             if i == len(lines) - 1:
-                return lines[:-1], records, True
+                return lines[:-1], records, True  # torn
             raise CheckpointError(f"{path} line {i + 1} is not valid JSON: the file is damaged; "
                                   "restore it, or delete that line to resume") from None
         if not isinstance(records[-1], dict):
@@ -83,7 +85,7 @@ def _records(path: Path) -> tuple[list[str], list[dict], bool]:
             raise CheckpointError(f"{path} line {i + 1} has no step number (\"step\": {step!r}, a whole number "
                                   "every record holds): the file is damaged; restore it, or delete that line "
                                   "to resume")
-    return lines, records, False
+    return lines, records, bool(text) and not text.endswith("\n")
 
 
 def _expected(every, steps: int, step: int) -> list[int]:
@@ -211,7 +213,7 @@ class RunFolder:
     def check(self) -> None:
         """Refuse damage before anything is changed: metrics.jsonl must parse and, when
         resuming, hold every training record up to the checkpoint (``check_records``)."""
-        lines, records, torn = _records(self.metrics_path)
+        records = self._read_records()[1]
         if self.resuming and (self.path / "summary.json").is_file():  # a finished run's record of its end
             read_object(self.path / "summary.json", "a run summary", "restore it from a copy")
         ckpt = self.checkpoint
@@ -243,19 +245,31 @@ class RunFolder:
     def start(self, step: int) -> None:
         """Create the folder, remove orphans of interrupted writes, keep the metric
         records up to ``step``, write config.json."""
-        lines, records, torn = _records(self.metrics_path)
+        lines, records, open_end = self._read_records()
         self.path.mkdir(parents=True, exist_ok=True)
         remove_orphans(self.path)
         if self.resuming and step == 0 and self.log_note is not None:
             self.log_note(f"note: {self.path} has no checkpoint yet; starting from step 0")
         keep = [line for line, r in zip(lines, records) if r.get("step", 0) <= step]
-        # records after the checkpoint are logged again; a last line without its newline (a kill
-        # between the record and it) is ended, or the next record would join it
-        if torn or len(keep) < len(lines) or (lines and not self.metrics_path.read_bytes().endswith(b"\n")):
+        # records after the checkpoint are logged again; a torn or unended last line is dropped
+        # or ended, or the next record would join it
+        if open_end or len(keep) < len(lines):
             atomic_write_bytes(self.metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
         if not (self.path / "config.json").exists():
             write_json(self.path / "config.json", self.run_cfg)
             self.config = json.loads(dumps(self.run_cfg))  # as written (the checkpoints record its digest)
+
+    def _read_records(self) -> tuple[list[str], list[dict], bool]:
+        """``_records`` of metrics.jsonl, parsed once for ``check`` and ``start`` (again if
+        the file changed in between: its size and modification time)."""
+        try:
+            st = self.metrics_path.stat()
+            stamp = (st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            stamp = None
+        if stamp is None or getattr(self, "_parsed", (None,))[0] != stamp:
+            self._parsed = (stamp, _records(self.metrics_path))
+        return self._parsed[1]
 
     def log(self, record: dict) -> None:
         with open(self.metrics_path, "a") as f:
