@@ -234,7 +234,43 @@ def test_windows_and_chunks_equal_a_direct_computation():
         for (_, c, n), (ll, greedy) in zip(reqs, got):
             want, want_greedy = direct(c, n)
             assert ll == pytest.approx(want, abs=1e-5) and greedy == want_greedy  # fp32 logits, batched
-    assert lm.counts["?"] == {"requests": 6, "truncated": 4, "chunked": 2}
+    assert lm.counts["?"] == {"requests": 6, "truncated": 4, "chunked": 2, "unknown": 0}
+
+
+def test_a_continuation_spelled_with_the_unknown_token_is_never_greedy(tmp_path):
+    """A word-level tokenizer spells a word outside its vocabulary as [UNK]: a model whose
+    argmax is [UNK] would be "right" (HFLM counts it: LAMBADA 0.96 for an untrained model);
+    here it is not greedy, counted as unknown, its log-likelihood unchanged."""
+    from types import SimpleNamespace
+
+    from phaseloop.data.tokenizer_train import train_tokenizer
+    from phaseloop.hf.scoring import PhaseloopLM
+
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat\n" * 20)
+    tok = train_tokenizer(str(text), "wordlevel", 12, tmp_path / "wl", progress=False)
+    unk, cat = tok.unk_id, int(tok.encode("cat")[0])
+    assert tok.encode("the zebra").tolist()[1] == unk and unk != cat
+
+    class Says(torch.nn.Module):  # every position's argmax is ``token``
+        def __init__(self, token):
+            super().__init__()
+            self.cfg, self.token, self.p = SimpleNamespace(max_seq_len=16), token, torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, ids):
+            logits = torch.zeros(*ids.shape, tok.vocab_size)
+            logits[..., self.token] = 2.0
+            return SimpleNamespace(logits=logits)
+
+    ctx = tok.encode("the cat sat on the").tolist()
+    reqs = [(("", ""), ctx, [unk]), (("", ""), ctx, [cat])]
+    says_unk, says_cat = PhaseloopLM(Says(unk), tok), PhaseloopLM(Says(cat), tok)
+    (ll_unk, g_unk), (_, g_cat) = says_unk._loglikelihood_tokens(reqs)
+    assert (g_unk, g_cat) == (False, False) and says_unk.counts["?"]["unknown"] == 1
+    assert ll_unk == pytest.approx(2.0 - math.log(math.exp(2.0) + tok.vocab_size - 1), abs=1e-6)
+    assert [g for _, g in says_cat._loglikelihood_tokens(reqs)] == [False, True]
+    assert downstream.unknown_note([{"task": "lambada", "unknown": 1, "requests": 2}]).endswith(
+        "lambada 1/2; a byte-level tokenizer (bytes, or `phaseloop tokenizer train --kind bpe`) has none")
 
 
 def test_depth_sweep_per_depth_and_the_trained_depth_equals_plain(tmp_path, capsys, root, monkeypatch):

@@ -63,6 +63,27 @@ def test_options_that_do_not_apply_are_refused(extra, words, pairs, tmp_path, ca
     assert words in err
 
 
+def test_jsonl_tasks_refuse_n_test(pairs, tmp_path, capsys):
+    """A JSONL task tests its whole test file: --n-test (which it ignored) is refused by name."""
+    err = one_line_error(capsys, main(["task", "--task", f"jsonl:{pairs}", "--n-test", "1", "--steps", "1",
+                                       "--out", str(tmp_path / "r"), "--quiet"]))
+    assert err.startswith("phaseloop: error: --n-test: ") and "drop it" in err
+
+
+def test_text_commands_refuse_a_task_run_in_one_line(tmp_path, capsys):
+    """A task run's ids are the task's own symbols: generate, eval and export refuse it by
+    name (before: bytes read it, past its 13-symbol embedding, an IndexError traceback)."""
+    out = tmp_path / "r"
+    assert main(["task", "--task", "copy", "--train-len", "1-3", "--test-len", "3", "--n-test", "5", *TINY_SET,
+                 "--steps", "1", "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    run = str(out / "seed-0")
+    for argv in (["generate", run, "--prompt", "ab"], ["eval", run], ["export", run, "--out", str(tmp_path / "hf")]):
+        err = one_line_error(capsys, main(argv))
+        assert "is a task run" in err and "task 'copy'" in err and "phaseloop task" in err, argv
+    assert not (tmp_path / "hf").exists()
+
+
 def test_jsonl_example_longer_than_set_max_seq_len_is_refused_before_training(tmp_path, capsys):
     data = _write_jsonl(tmp_path / "long.jsonl", ["ab", "ba", "abcabcabcabc", "cab"])
     out = tmp_path / "r"

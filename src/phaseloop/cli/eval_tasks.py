@@ -55,7 +55,7 @@ def check_flags(args) -> None:
 
 
 def eval_tasks(args) -> int:
-    from phaseloop.hf.downstream import evaluate_run, truncation_note
+    from phaseloop.hf.downstream import evaluate_run, truncation_note, unknown_note
 
     results = evaluate_run(args.run, args.tasks, depths=args.depth, extend_loops=args.extend_loops,
                            limit=args.limit, shots=args.shots or 0, batch_size=args.batch_size or 32,
@@ -63,9 +63,9 @@ def eval_tasks(args) -> int:
     if args.samples is not None:
         atomic_write_bytes(args.samples, "".join(json.dumps(line) + "\n" for r in results
                                                  for line in _sample_lines(r)).encode())
-    note = truncation_note(results[0]["tasks"], results[0]["window"])
-    if note:
-        dist.say(note)
+    for note in (truncation_note(results[0]["tasks"], results[0]["window"]), unknown_note(results[0]["tasks"])):
+        if note:
+            dist.say(note)
     for r in results:
         r.pop("samples")
     if args.json:

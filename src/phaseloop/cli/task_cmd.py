@@ -39,7 +39,8 @@ def add_parsers(sub) -> None:
             task.add_argument("--paper", action="store_true", help="the paper's setting: train 40, test 400, "
                               "random position offsets for UT")
             task.add_argument("--offsets", help="max random start offset in training: an integer or auto")
-            task.add_argument("--n-test", type=int, default=100, help="test examples per test length")
+            task.add_argument("--n-test", type=int, help="test examples per test length (default 100; "
+                              "a JSONL task tests its whole test file)")
             task.add_argument("--test-file", help="JSONL test file for --task jsonl:PATH (default: 10%% held out)")
             task.add_argument("--tokenizer", help="jsonl tasks: encode with this tokenizer (default: characters)")
         else:
@@ -103,9 +104,12 @@ def _task_out(args, kind: str) -> Path:
 def cmd_task(args) -> int:
     """Algorithmic task (or a JSONL file): train over seeds; table, metrics.json, plot."""
 
-    if args.task.startswith("jsonl:") and (args.train_len or args.test_len or args.paper):
-        raise PhaseloopError("--train-len/--test-len/--paper set the lengths of algorithmic tasks; "
-                             "a JSONL task's lengths are those in its files: drop them")
+    given = [f for f, v in (("--train-len", args.train_len), ("--test-len", args.test_len),
+                            ("--n-test", args.n_test), ("--paper", args.paper or None)) if v is not None]
+    if args.task.startswith("jsonl:") and given:
+        raise PhaseloopError(f"{'/'.join(given)}: --train-len/--test-len/--n-test/--paper set the lengths and "
+                             "test examples of algorithmic tasks; a JSONL task's are those in its files: drop "
+                             + ("it" if len(given) == 1 else "them"))
     cfg, arch, tc, seeds = _task_setup(args)
     train_len = args.train_len or ("40" if args.paper else "1-20")
     test_len = args.test_len or ("400" if args.paper else "40,80")
@@ -115,7 +119,8 @@ def cmd_task(args) -> int:
     if offsets != "auto" and not offsets.isdecimal():
         raise PhaseloopError(f"bad --offsets {offsets!r}; write auto or an integer >= 0")
     out = _task_out(args, f"task-{args.task.split(':')[0]}-{model_label(cfg, arch)}")
-    res = run_task(args.task, cfg, tc, seeds, train_len, test_len, out, n_test=args.n_test,
+    n_test = 100 if args.n_test is None else args.n_test
+    res = run_task(args.task, cfg, tc, seeds, train_len, test_len, out, n_test=n_test,
                    test_file=args.test_file, offsets=offsets if offsets == "auto" else int(offsets),
                    arch=arch, log=None if args.quiet else print, resume=args.resume,
                    tokenizer=args.tokenizer, test_depths=args.test_depth or (),

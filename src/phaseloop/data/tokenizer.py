@@ -90,7 +90,7 @@ class ByteTokenizer:
 
     name = kind = "bytes"
     vocab_size = 256
-    sha256 = path = None
+    sha256 = path = unk_id = None
     chunk_safe = byte_level = True
 
     def encode(self, data: bytes | str) -> np.ndarray:
@@ -176,7 +176,8 @@ class HFTokenizer:
             raise ConfigError(f"{self.path} has an empty vocabulary (0 tokens), so no text can be "
                               "encoded; pass a trained tokenizer (`phaseloop tokenizer train`)")
         unk = (spec.get("model") or {}).get("unk_token")
-        self._no_unk = model == "WordLevel" and (unk is None or self.tok.token_to_id(unk) is None)
+        self.unk_id = self.tok.token_to_id(unk) if isinstance(unk, str) else None  # what a word outside it becomes
+        self._no_unk = model == "WordLevel" and self.unk_id is None
 
     @cached_property
     def chunk_safe(self) -> bool:

@@ -368,6 +368,11 @@ def run_tokenizer(path: str | Path, run_cfg: dict):
     """The tokenizer a run was trained with: bytes, or the run's own copy of its
     tokenizer.json, refused when that copy no longer has the recorded sha256."""
     run_dir = run_folder(path)
+    if isinstance(run_cfg.get("task"), dict):  # tasks.runner: ids of the task's own symbols (CharVocab, WordVocab)
+        raise ConfigError(f"{run_dir} is a task run (`phaseloop task` / `babi`, task "
+                          f"{str(run_cfg['task'].get('task', '?'))[:60]!r}): its tokens are the task's own "
+                          "symbols, not text, so no text tokenizer reads it; evaluate it with `phaseloop task` "
+                          "or `phaseloop babi` (the same --out)")
     data = run_cfg.get("data", {})
     if data.get("tokenizer", "bytes") == "bytes" and data.get("tokenizer_sha256") is None:
         # (a tokenizer file has a digest, whatever its folder's name)
@@ -386,6 +391,7 @@ def run_tokenizer(path: str | Path, run_cfg: dict):
 
 def run_corpus(run: str | os.PathLike, run_cfg: dict, spec: str | None = None, progress: bool = False) -> Corpus:
     """A trained run's data (or ``spec`` instead), read with the run's own tokenizer."""
+    tok = run_tokenizer(run, run_cfg)  # first: a task run is refused as one, not for its data section
     data = run_cfg["data"]
     args = corpus_args(data) if spec is None else {**(data.get("load") or {}), "spec": spec}
-    return load_corpus(tokenizer=run_tokenizer(run, run_cfg), progress=progress, strict=False, **args)
+    return load_corpus(tokenizer=tok, progress=progress, strict=False, **args)

@@ -216,7 +216,8 @@ def _row(name: str, result: dict, samples: list[dict], counts: dict, seconds: fl
            "chance": sum(1 / len(s["arguments"]) for s in samples) / len(samples)
            if name != "lambada" else 0.0, "split": TASKS[name].split,
            "requests": counts.get("requests", 0), "truncated": counts.get("truncated", 0),
-           "chunked": counts.get("chunked", 0), "seconds": seconds, "build_seconds": build_s}
+           "chunked": counts.get("chunked", 0), "unknown": counts.get("unknown", 0), "seconds": seconds,
+           "build_seconds": build_s}
     for k in ("acc", "acc_norm", "perplexity"):
         if f"{k},none" in result:
             row[k] = float(result[f"{k},none"])
@@ -244,6 +245,18 @@ def truncation_note(rows: list[dict], window: int) -> str | None:
             "as lm-eval does: " + ", ".join(f"{r['task']} {r['truncated']}/{r['requests']}" for r in cut)
             + ("; continuations longer than the window were scored in window-sized chunks: "
                + ", ".join(f"{r['task']} {r['chunked']}" for r in chunked) if chunked else ""))
+
+
+def unknown_note(rows: list[dict]) -> str | None:
+    """One line on the requests whose continuation the tokenizer could only encode with its
+    unknown token (``scoring``: never greedy), or None."""
+    unk = [r for r in rows if r.get("unknown")]
+    if not unk:
+        return None
+    return ("note: the run's tokenizer spells these continuations with its unknown token (words outside its "
+            "vocabulary), so they count as never predicted and their choices may tie: "
+            + ", ".join(f"{r['task']} {r['unknown']}/{r['requests']}" for r in unk)
+            + "; a byte-level tokenizer (bytes, or `phaseloop tokenizer train --kind bpe`) has none")
 
 
 def provenance() -> dict:

@@ -15,6 +15,11 @@ chunks of at most ``window`` tokens from its end: the last chunk exactly as abov
 earlier chunk's tokens conditioned on the ``window`` tokens before that chunk's last
 token (so every token is scored, with at least as much context as the last chunk's
 first token). ``counts`` says how many requests were truncated or chunked, per task.
+
+One departure from HFLM: a continuation holding the tokenizer's unknown token (a word-level
+vocabulary's [UNK] for a word outside it) is never greedy, even where the model's argmax is
+that token: it could not have spelled the word (LAMBADA's accuracy; counted as
+``unknown``). Its log-likelihood is kept as the tokenizer gives it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ class PhaseloopLM(TemplateLM):
         self.window = model.cfg.max_seq_len
         self._prefix = prefix_token_id(tok, hf_tokenizer(tok))
         self._device = next(model.parameters()).device
-        self.counts: dict[str, Counter] = {}  # task -> requests, truncated, chunked
+        self.unk = getattr(tok, "unk_id", None)
+        self.counts: dict[str, Counter] = {}  # task -> requests, truncated, chunked, unknown
 
     @property
     def eot_token_id(self) -> int:
@@ -58,18 +64,19 @@ class PhaseloopLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         pieces = []  # (request index, input tokens, tokens it predicts at its end)
         tasks = getattr(self, "_tasks", None) or ["?"] * len(requests)  # "?": called directly
+        logp, greedy = [0.0] * len(requests), [True] * len(requests)
         for i, ((_, ctx, cont), task) in enumerate(zip(requests, tasks)):
             whole, first, end = ctx + cont, len(ctx), len(ctx) + len(cont)
             c = self.counts.setdefault(task, Counter())
             c["requests"] += 1
             c["truncated"] += end > self.window + 1
             c["chunked"] += len(cont) > self.window
+            greedy[i] = self.unk is None or self.unk not in cont  # an unknown word is never predicted
+            c["unknown"] += not greedy[i]
             while end > first:
                 start = max(first, end - self.window)
                 pieces.append((i, whole[max(0, end - 1 - self.window):end - 1], whole[start:end]))
                 end = start
-        logp = [0.0] * len(requests)
-        greedy = [True] * len(requests)
         order = sorted(range(len(pieces)), key=lambda k: -len(pieces[k][1]))
         with torch.inference_mode():
             for b in range(0, len(order), self.batch_size):
