@@ -336,6 +336,76 @@ def test_missing_and_damaged_data_are_one_line(run, root, tmp_path, capsys, monk
     one_line_error(capsys, main(["eval", str(run), "--tasks", "piqa"]), f"{arrow} is damaged (FileNotFoundError")
 
 
+def _requests_copy(root, tmp_path, rel):
+    import shutil
+
+    dst = tmp_path / "data" / "oe_eval_tasks" / rel
+    shutil.copytree(root / "oe_eval_tasks" / rel, dst)
+    return dst / "requests.jsonl.gz"
+
+
+@pytest.mark.parametrize("rel, task, edit, says", [
+    ("boolq/rc_0shot", "boolq", lambda r: r.pop("doc"), "a request without its fields (KeyError"),
+    ("lambada/bpb_0shot", "lambada", lambda r: r.pop("request"), "a request without its fields (KeyError"),
+    ("arc_easy/test_rc_5shot", "arc_easy", lambda r: r["doc"].update(gold=5), "gold 5 of 4 choices"),
+    ("arc_easy/test_rc_5shot", "arc_easy", lambda r: r["doc"].update(gold=-1), "gold -1 of 4 choices"),
+    ("arc_easy/test_rc_5shot", "arc_easy", "cut", "10 documents where the shipped file holds 2376"),
+    ("lambada/bpb_0shot", "lambada", "empty", "0 documents where the shipped file holds 5153"),
+])
+def test_request_files_of_another_shape_are_damage_by_name(root, tmp_path, monkeypatch, rel, task, edit, says):
+    """Files that still unzip and parse but hold requests of another shape, or fewer
+    documents than shipped (cut at a line, emptied), are refused naming the file (they were
+    KeyError / IndexError tracebacks, or a 10-document ARC-Easy scored silently)."""
+    import gzip
+
+    path = _requests_copy(root, tmp_path, rel)
+    lines = [json.loads(x) for x in gzip.open(path, "rt", encoding="utf-8")]
+    if edit == "cut":
+        lines = lines[:40]
+    elif edit == "empty":
+        lines = []
+    else:
+        edit(lines[0])
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(x) + "\n" for x in lines)
+    monkeypatch.setenv(downstream_data.ENV, str(tmp_path / "data"))
+    entry = next(e for e in downstream_data.FILES[task].values() if e[1] == rel)  # that split alone
+    with pytest.raises(PhaseloopError) as e:
+        downstream_data._READERS[entry[0]](entry)
+    msg = str(e.value)
+    assert msg.startswith(f"{path} is damaged") and says in msg and "\n" not in msg, msg
+
+
+def test_an_unwritable_datasets_cache_is_named_as_the_cache(run, tmp_path, root):
+    """Not the installed data's damage (the message blamed the shard and said to reinstall)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    p = subprocess.run([sys.executable, "-m", "phaseloop", "eval", str(run), "--tasks", "piqa", "--limit", "2"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(blocker / "cache")})
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "datasets cannot write its cache at" in p.stderr and "HF_DATASETS_CACHE" in p.stderr
+    assert "reinstall" not in p.stderr
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[1, 2]", "is not a downstream result"),
+    ('{"settings": {"tasks": ["piqa"], "limit": 4, "shots": 0}}', "is not a downstream result"),
+    ('{"settings": {', "delete it, and the run is scored again"),
+])
+def test_a_damaged_downstream_json_is_one_line_saying_delete_it(tmp_path, content, says):
+    """A run's cached scores that are JSON of another shape or cut short: named, with the
+    fix (they were AttributeError / KeyError tracebacks in compare and compare --report)."""
+    from phaseloop.compare.evals import run_scores
+
+    (tmp_path / "downstream.json").write_text(content)
+    for call in (lambda: downstream.run_results(tmp_path, ["piqa"], limit=4),
+                 lambda: run_scores(tmp_path, {"tasks": ["piqa"], "limit": 4, "shots": 0})):
+        with pytest.raises(PhaseloopError) as e:
+            call()
+        assert says in str(e.value) and "delete it" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_the_wheel_is_never_imported(root):
     """Its metadata pins datasets<4 / pyarrow<20: phaseloop only reads its files."""
     code = ("import sys; from phaseloop.hf import downstream, downstream_data; downstream_data.data_root(); "

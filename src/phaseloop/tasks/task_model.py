@@ -238,12 +238,13 @@ def decode_pairs(tm, pairs: Sequence[Pair], batch_size: int = 100, device="cpu",
             max_new = max(len(pairs[i][1]) for i in chunk) + slack
             gen_BN, p_BP = tm.greedy([pairs[i][0] for i in chunk], max_new, device)
             for b, i in enumerate(chunk):
-                row = gen_BN[b].tolist()
+                cut = min(len(pairs[i][1]) + slack, gen_BN.shape[1])  # its own budget, whatever the chunk's
+                row = gen_BN[b, :cut].tolist()
                 k = row.index(EOS) if EOS in row else len(row)
                 ids[i] = row[:k]
                 if p_BP is not None:
                     # positions processed for this example: prompt + SEP + tokens fed back
-                    used = p_BP.shape[1] - gen_BN.shape[1] + min(k + 1, gen_BN.shape[1])
+                    used = p_BP.shape[1] - gen_BN.shape[1] + min(k + 1, cut)
                     ponder[i] = p_BP[b, :used].float().cpu()
                     ans[i] = float(p_BP[b, tm.answer_position(L)])
     model.train(was_training)
