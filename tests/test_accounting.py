@@ -107,6 +107,11 @@ def test_cli_match(capsys):
     assert main(["params", "--match", "transformer-base", "--shared"]) == 0
     out = capsys.readouterr().out
     assert "d = 979" in out and "shared-d979" in out
+    b = r["buildable"]  # 979 is the count the explainer checks; 8 heads divide 976, which builds
+    assert (b["d"], b["n_heads"]) == (976, 8) and "8 heads need a width they divide: d = 976" in out
+    assert acc.count_built(acc.EncDecSpec(**b["spec"]), flops=False)["built_total"] == b["model"]["total"]
+    big = acc.match("transformer-big", shared=True)["buildable"]
+    assert big["d"] % 16 == 0 and abs(big["d"] - acc.match("transformer-big", shared=True)["d_exact"]) <= 8
     assert main(["params", "--shared"]) == 2
     assert main(["params", "--match", "nope", "--shared"]) == 2
     assert "unknown accounting preset" in capsys.readouterr().err

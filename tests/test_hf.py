@@ -426,6 +426,17 @@ def test_lm_eval_bad_input(trained, tmp_path, capsys, monkeypatch):
                    "lambada_test.jsonl line 2 is not a JSON object: the file is damaged")
     one_line_error(capsys, main(["lm-eval", str(trained), "--tasks", "wikitext2_local", "--data-dir", str(bad)]),
                    "wiki.test.raw is not UTF-8 text (byte 0): the file is damaged")
+    # parses, but not what the tasks read (tracebacks deep in jinja2 / datasets before)
+    for text, says in (('{"x": "hello world"}\n', "line 1 has no \"text\" string (it has 'x')"),
+                       ('{"text": 5}\n', "line 1 has no \"text\" string"), ("\n", "holds no record")):
+        (bad / "lambada" / "lambada_test.jsonl").write_text(text)
+        one_line_error(capsys, main(["lm-eval", str(trained), "--tasks", "lambada_local", "--data-dir", str(bad)]),
+                       says)
+    (bad / "wikitext-2" / "wiki.test.raw").write_bytes(b"")
+    one_line_error(capsys, main(["lm-eval", str(trained), "--tasks", "wikitext2_local", "--data-dir", str(bad)]),
+                   "wiki.test.raw holds no article")
+    one_line_error(capsys, main(["lm-eval", str(trained), "--tasks", "lambada_local,"]),
+                   "has an empty name between its commas")
 
 
 def test_compare_lm_eval_column_mean_std_over_seeds(tmp_path, text_file, data_dir):

@@ -124,7 +124,7 @@ BAD = [
     (["task", "--task", "copy", "--train-len", "abc", "--out", "{root}/t2"], "abc"),
     (["task", "--task", "jsonl:{root}/loop", "--out", "{root}/t3"], "symlink loop"),
     (["task", "--task", "jsonl:", "--out", "{root}/t5"], "empty path"),
-    (["task", "--task", "jsonl:{text}", "--train-len", "3", "--out", "{root}/t6"], "drop them"),
+    (["task", "--task", "jsonl:{text}", "--train-len", "3", "--out", "{root}/t6"], "--train-len: --train-len/"),
     (["task", "--task", "copy", "--out", "{root}/afile"], "afile"),
     (["babi", "--data-dir", "{root}/adir", "--out", "{root}/t4"], "bAbI"),
     (["task", "--task", "copy", "--seeds", "0,1,0", "--out", "{root}/t7"], "seed 0 is repeated"),

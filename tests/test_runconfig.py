@@ -154,6 +154,17 @@ def test_arch_at_its_defaults_round_trips(arch, tmp_path, capsys):
     assert "--arch " + arch + " but the model is arch 'rope' (from --preset rope-tiny)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--preset", "rope-tiny", "--seq-len", "128"], "seq_len 128 is longer than the model's max_seq_len 64"),
+    (["--preset", "rope-tiny", "--depth-sample", "2:6"], "depth_sample=2:6"),
+    (["--preset", "rope-tiny", "--doc-sep", "ab"], "--doc-sep 'ab' encodes to 2 tokens"),
+])
+def test_print_config_refuses_what_training_refuses(argv, says, capsys):
+    """A configuration --print-config prints is one --config then trains (these three were
+    printed, rc 0, and refused only when training began)."""
+    one_line_error(capsys, main(["train", *argv, "--print-config"]), says)
+
+
 def read_config_text(tmp_path, text: str) -> dict:
     (tmp_path / "x.toml").write_text(text)
     return read_config(tmp_path / "x.toml")

@@ -232,6 +232,17 @@ def test_angle_drift_and_zero_sum_commands(tmp_path, text_file, capsys):
     H = sum(1 / k for k in range(1, 65))
     emb = float(out.split("embedding")[1].split()[0])
     assert emb == pytest.approx(3 * H / 64, abs=1e-4)
+    assert f"N=3, T=64 (horn value N*H_T/T = {3 * H / 64:.4f})" in out
+    # a PNG path that is a folder: refused before anything is written; a checkpoint: its run's files
+    (run / "angle_drift.json").unlink()
+    assert main(["angles", str(run), "--png", str(tmp_path)]) == 2
+    assert "is a folder; name the PNG file" in capsys.readouterr().err
+    assert not (run / "angle_drift.json").exists()
+    assert main(["angles", str(run / "checkpoint")]) == 0
+    assert (run / "angle_drift.json").is_file() and not (run / "checkpoint" / "angle_drift.json").exists()
+    capsys.readouterr()
+    assert main(["zero-sum", str(run), "--seq-len", "1000"]) == 2  # as eval: within max_seq_len
+    assert "seq_len 1000 is longer than the model's max_seq_len 64" in capsys.readouterr().err
 
 
 def test_angles_on_a_model_without_rotation(tmp_path, text_file, capsys):
@@ -239,10 +250,16 @@ def test_angles_on_a_model_without_rotation(tmp_path, text_file, capsys):
 
     run = tmp_path / "run"
     main(["train", "--preset", "rope-tiny", "--steps", "2", "--batch-size", "2", "--eval-windows", "1",
-          "--data", str(text_file), "--out", str(run), "--quiet"])
+          "--seq-len", "16", "--data", str(text_file), "--out", str(run), "--quiet"])
     capsys.readouterr()
     assert main(["angles", str(run)]) == 2
     assert "no phase rotation" in capsys.readouterr().err
+    # zero-sum measures any run: at its trained windows (16, not max_seq_len 64), no horn value
+    # where it has none, over any number of stripes that tiles d_model (not only the heads')
+    assert main(["zero-sum", str(run), "--windows", "1", "--phases", "4"]) == 0
+    assert "N=4, T=16 (no horn)" in capsys.readouterr().out
+    assert main(["zero-sum", str(run), "--windows", "1", "--phases", "5"]) == 2
+    assert "5 stripes do not tile d_model=96" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- as the author trained it

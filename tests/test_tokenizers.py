@@ -54,6 +54,16 @@ def test_bpe_is_byte_level_with_exact_byte_counts(bpe):
     assert bpe.chunk_safe
 
 
+def test_wordlevel_min_frequency_keeps_the_words_seen_that_often(tmp_path):
+    """--min-frequency is a word-level vocabulary's rarest word kept (it was ignored: 1)."""
+    text = tmp_path / "w.txt"
+    text.write_text("the cat sat on the mat\n" * 3 + "once\n")
+    for min_f, has_once in ((None, True), (1, True), (2, False)):
+        tok = train_tokenizer(str(text), "wordlevel", 100, tmp_path / f"wl{min_f}", min_frequency=min_f,
+                              progress=False)
+        assert ("once" in tok.tok.get_vocab()) == has_once and tok.unk_id is not None
+
+
 def test_wordlevel_has_unk_and_counts_decoded_bytes(words):
     assert words.kind == "wordlevel" and words.vocab_size == 12
     ids = words.encode("the zebra sat")

@@ -165,15 +165,23 @@ def solve_width(target_params: int, shared: bool = True, enc_layers: int = 6, de
 
 def match(target: str, shared: bool = True, seq_len: int = DEFAULT_SEQ_LEN) -> dict:
     """Width of a (weight-tied) encoder-decoder with the parameter count of ``target``;
-    returns the exact d, the nearest integer d and the counts of that model."""
+    returns the exact d, the nearest integer d and the counts of that model (the UT
+    explainer's 978.9 -> 979), and the nearest width its heads divide (``buildable``: the
+    model that can be built, e.g. 976 for 8 heads)."""
     ref = get(target)
     want = count(ref, seq_len)["total"]
     d_exact = solve_width(want, shared, ref.enc_layers, ref.dec_layers, ref.vocab_size)
+
+    def at(d: int) -> EncDecSpec:
+        return replace(ref, name=f"{'shared' if shared else 'stack'}-d{d}", d_model=d, shared=shared)
     d = max(1, round(d_exact))
-    name = f"{'shared' if shared else 'stack'}-d{d}"
-    spec = replace(ref, name=name, d_model=d, shared=shared)
+    h = ref.n_heads
+    d_built = max(h, h * round(d_exact / h))
+    spec = at(d)
     return {"target": target, "target_total": want, "shared": shared, "d_exact": d_exact,
-            "d": d, "model": count(spec, seq_len), "spec": asdict(spec)}
+            "d": d, "model": count(spec, seq_len), "spec": asdict(spec),
+            "buildable": {"d": d_built, "n_heads": h, "model": count(at(d_built), seq_len),
+                          "spec": asdict(at(d_built))}}
 
 
 def get(name: str) -> EncDecSpec:

@@ -12,7 +12,7 @@ from phaseloop.analysis.params import count_params, format_count
 from phaseloop.cli import argtypes
 from phaseloop.cli.options import parse_overrides
 from phaseloop.config import PRESETS, ModelConfig
-from phaseloop.errors import PhaseloopError
+from phaseloop.errors import ConfigError, PhaseloopError
 from phaseloop.tasks.parity_demo import render_demo
 
 
@@ -57,8 +57,13 @@ def cmd_params(args) -> int:
         raise PhaseloopError(f"--built applies to the encoder-decoder presets ({', '.join(acc.PRESETS)}); "
                              "a decoder-only preset is always counted from its built model")
     names = list(PRESETS) if args.all else [args.preset or registry.default_preset()]
-    rows = [count_params(ModelConfig.from_preset(n, **parse_overrides(args.set)), args.seq_len)
-            | {"preset": n} for n in names]
+    rows = []
+    for n in names:
+        try:
+            cfg = ModelConfig.from_preset(n, **parse_overrides(args.set))
+        except ConfigError as e:  # with --all: which preset the --set does not fit
+            raise (ConfigError(f"preset {n}: {e}") if args.all else e) from None
+        rows.append(count_params(cfg, args.seq_len) | {"preset": n})
     if args.json:
         print(json.dumps(rows if args.all else rows[0], indent=2))
         return 0
@@ -93,7 +98,12 @@ def _params_encdec(args) -> int:
         kind = "weight-tied (1+1 layers, shared)" if args.shared else "6+6 distinct layers"
         print(f"{kind} encoder-decoder with the parameters of {args.match} "
               f"({res['target_total']:,}): d = {res['d_exact']:.1f} -> d = {res['d']}, "
-              f"d_ff = {4 * res['d']}, {res['model']['total']:,} parameters\n")
+              f"d_ff = {4 * res['d']}, {res['model']['total']:,} parameters")
+        b = res["buildable"]
+        if b["d"] != res["d"]:  # d = 979 counts; its 8 heads divide 976
+            print(f"(its {b['n_heads']} heads need a width they divide: d = {b['d']}, d_ff = {4 * b['d']}, "
+                  f"{b['model']['total']:,} parameters, is the nearest that can be built)")
+        print()
         print(acc.table(rows + [res["model"]], rows[0]))
         return 0
     spec = acc.get(args.preset)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from phaseloop.cli import argtypes
 from phaseloop.cli.exits import fail, rank
@@ -50,6 +51,20 @@ def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int 
 def windows_of(args) -> int:
     """``--windows``, or the subcommand's default when it was not given (``on_a_run``)."""
     return args.windows if args.windows is not None else args.default_windows
+
+
+def png_path(flag: str, value, example: str) -> Path:
+    """A PNG file to write, refused before anything is computed or written when it is a
+    folder or its folder cannot be written (matplotlib missing too: ``plots.pyplot``)."""
+    from phaseloop.analysis import plots
+    from phaseloop.files import check_out_dir
+
+    plots.pyplot()
+    path = Path(value)
+    if path.is_dir():
+        raise PhaseloopError(f"{flag} {path} is a folder; name the PNG file to write (e.g. {path / example})")
+    check_out_dir(path.parent, flag)
+    return path
 
 
 def depth_options(p, sweep: bool = False) -> None:

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-from phaseloop.analysis import plots
 from phaseloop.cli import argtypes, eval_tasks
-from phaseloop.cli.options import depth_options, exit_options, inference_options, on_a_run, windows_of
+from phaseloop.cli.options import depth_options, exit_options, inference_options, on_a_run, png_path, windows_of
 from phaseloop.cli.sweeps import eval_depths, eval_exits, eval_kv_share
 from phaseloop.deploy.compiled import check as check_compiled
 from phaseloop.deploy.compiled import generate as generate_compiled
@@ -21,7 +19,6 @@ from phaseloop.depth import set_model_depth
 from phaseloop.engine import dist, resolve_device
 from phaseloop.engine.checkpoint import load_run, run_corpus, run_tokenizer
 from phaseloop.errors import PhaseloopError
-from phaseloop.files import check_out_dir
 from phaseloop.inference import Options, decode_layout, generate
 from phaseloop.lm.train import check_seq_len, eval_set, evaluate
 from phaseloop.quant import load_packed, weight_bytes
@@ -109,11 +106,7 @@ def cmd_eval(args) -> int:
         _, tokens = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     windows, docs = eval_set(corpus, tokens, seq_len, windows_of(args), run_cfg["train"])
     if args.plot:  # refuse a plot without matplotlib, or a path it cannot take, before evaluating
-        plots.pyplot()
-        plot = Path(args.plot)
-        if plot.is_dir():
-            raise PhaseloopError(f"--plot {plot} is a folder; name the PNG file to write (e.g. {plot / 'depth.png'})")
-        check_out_dir(plot.parent, "--plot")
+        png_path("--plot", args.plot, "depth.png")
     if args.kv_share is not None:
         return eval_kv_share(args, model, run_cfg, corpus, windows, seq_len, device, docs)
     if args.exit:

@@ -11,13 +11,14 @@ from torch import nn
 
 from phaseloop.analysis import plots
 from phaseloop.analysis.probe import recording
-from phaseloop.archs.three_phase import angle_drift, zero_sum_diagnostic
+from phaseloop.archs.three_phase import angle_drift, horn_zero_sum, zero_sum_diagnostic
 from phaseloop.cli.argtypes import positive_int
-from phaseloop.cli.options import on_a_run, windows_of
+from phaseloop.cli.options import on_a_run, png_path, windows_of
 from phaseloop.data.corpus import eval_windows
-from phaseloop.engine.checkpoint import load_run, run_corpus
+from phaseloop.engine.checkpoint import load_run, run_corpus, run_folder
 from phaseloop.errors import PhaseloopError
 from phaseloop.files import write_json
+from phaseloop.lm.train import check_seq_len
 
 
 def add_commands(sub) -> None:
@@ -30,11 +31,12 @@ def add_commands(sub) -> None:
 
 
 @torch.no_grad()
-def zero_sum_profile(model: nn.Module, idx_BT: torch.Tensor) -> list[dict]:
-    """The zero-sum diagnostic at the embedding output and after every layer application
-    the trunk makes (``Trunk.stream_sites``, via ``probe.recording``): a looped or UT block
-    once per pass, a hyper-connection's n streams (their mean: the diagnostic is linear)."""
-    n = model.cfg.n_phases
+def zero_sum_profile(model: nn.Module, idx_BT: torch.Tensor, n: int | None = None) -> list[dict]:
+    """The zero-sum diagnostic over ``n`` stripes (the model's N) at the embedding output and
+    after every layer application the trunk makes (``Trunk.stream_sites``, via
+    ``probe.recording``): a looped or UT block once per pass, a hyper-connection's n
+    streams (their mean: the diagnostic is linear)."""
+    n = n or model.cfg.n_phases
     with recording(model) as rec:
         model.eval()(idx_BT)
     return [{"site": site, "zero_sum": zero_sum_diagnostic(x if x.dim() == 3 else x.mean(2), n)}
@@ -64,9 +66,8 @@ def cmd_angles(args) -> int:
     print(f"{'layer':>5} {'theta_init':>10} {'mean|drift|':>12} {'max|drift|':>11}")
     for r in rows:
         print(f"{r['layer']:>5} {r['init']:>10.4f} {r['mean_abs_drift']:>12.5f} {r['max_abs_drift']:>11.5f}")
-    run_dir = Path(args.run)
-    png = Path(args.png) if args.png else run_dir / "angle_drift.png"
-    plots.pyplot()  # refuse before writing anything when matplotlib is missing
+    run_dir = run_folder(args.run)  # a checkpoint given: its run's folder
+    png = png_path("--png", args.png or run_dir / "angle_drift.png", "angle_drift.png")  # before writing anything
     write_json(run_dir / "angle_drift.json", rows)
     plot_angle_drift(rows, png)
     print(f"wrote {png} and {run_dir / 'angle_drift.json'}")
@@ -76,15 +77,16 @@ def cmd_angles(args) -> int:
 def cmd_zero_sum(args) -> int:
     """3PT: Σ_i mean(stripe i) averaged over positions, at the embedding and each layer."""
     model, run_cfg = load_run(args.run)
-    if args.phases:
-        model.cfg = model.cfg.replace(n_phases=args.phases)
+    N, D = args.phases or model.cfg.n_phases, model.cfg.d_model
+    if D % N:  # a measurement: only the stripes must tile d_model (the model is not rebuilt)
+        raise PhaseloopError(f"--phases {N}: {N} stripes do not tile d_model={D}; use a divisor of {D}")
     corpus = run_corpus(args.run, run_cfg, args.data)
-    seq_len = args.seq_len or model.cfg.max_seq_len
+    seq_len = args.seq_len or run_cfg["train"].get("seq_len") or model.cfg.max_seq_len  # as eval: the run's
+    check_seq_len(seq_len, model.cfg)
     _, val = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     windows = eval_windows(val, seq_len, windows_of(args))[:, :-1]
-    N, T = model.cfg.n_phases, seq_len
-    expect = N * sum(1 / k for k in range(1, T + 1)) / T
-    print(f"zero-sum diagnostic, N={N}, T={T} (horn value N*H_T/T = {expect:.4f})")
-    for r in zero_sum_profile(model, windows):
+    horn = f" (horn value N*H_T/T = {horn_zero_sum(N, seq_len):.4f})" if model.cfg.horn else " (no horn)"
+    print(f"zero-sum diagnostic, N={N}, T={seq_len}{horn}")
+    for r in zero_sum_profile(model, windows, N):
         print(f"  {r['site']:<18} {r['zero_sum']:+.5f}")
     return 0

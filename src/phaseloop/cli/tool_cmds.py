@@ -23,7 +23,8 @@ def add_parsers(sub) -> None:
     train.add_argument("--kind", choices=("bpe", "wordlevel"), default="bpe",
                        help="byte-level BPE, or a word-level vocabulary with [UNK]")
     train.add_argument("--vocab-size", type=argtypes.int_in(2), default=8192, help="tokens in the vocabulary")
-    train.add_argument("--min-frequency", type=argtypes.nonneg_int, default=2, help="bpe: rarest pair merged")
+    train.add_argument("--min-frequency", type=argtypes.nonneg_int,
+                       help="bpe: the rarest pair merged (default 2); wordlevel: the rarest word kept (default 1)")
     train.add_argument("--out", help="folder to write tokenizer.json into")
     train.add_argument("--name", type=argtypes.safe_name,
                        help="keep it under this name ($PHASELOOP_CACHE/tokenizers/NAME)")

@@ -29,9 +29,10 @@ def _texts(source):
 
 def train_tokenizer(data: str, kind: str, vocab_size: int, out: str | Path | None = None,
                     name: str | None = None, *, text_column: str = "text", split: str = "train",
-                    streaming: bool = False, min_frequency: int = 2, progress: bool = True) -> HFTokenizer:
+                    streaming: bool = False, min_frequency: int | None = None, progress: bool = True) -> HFTokenizer:
     """Train on ``data`` and write ``<out>/tokenizer.json`` (or the registry's ``<name>/``);
-    an existing tokenizer there is never overwritten."""
+    an existing tokenizer there is never overwritten. ``min_frequency``: BPE's rarest pair
+    merged (None: 2), a word-level vocabulary's rarest word kept (None: 1)."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
@@ -40,9 +41,12 @@ def train_tokenizer(data: str, kind: str, vocab_size: int, out: str | Path | Non
         raise ConfigError(f"unknown tokenizer kind {kind!r}; choose {' or '.join(KINDS)}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 2 <= vocab_size <= MAX_INT:
         raise ConfigError(f"--vocab-size {vocab_size!r}: must be an integer from 2 to {MAX_INT}")
+    if min_frequency is None:
+        min_frequency = 2 if kind == "bpe" else 1
     if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or not 0 <= min_frequency <= MAX_INT:
         raise ConfigError(f"--min-frequency {min_frequency!r}: must be an integer from 0 to {MAX_INT} "
-                          "(the fewest occurrences of a pair that is merged; default 2)")
+                          "(the fewest occurrences of a pair merged (bpe, default 2) or a word kept (wordlevel, "
+                          "default 1))")
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if kind == "bpe" and vocab_size < len(alphabet):
         raise ConfigError(f"--vocab-size {vocab_size} is below the byte alphabet ({len(alphabet)} tokens) "
@@ -67,7 +71,7 @@ def train_tokenizer(data: str, kind: str, vocab_size: int, out: str | Path | Non
     else:
         tok = Tokenizer(models.WordLevel(unk_token=UNK))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=1,
+        trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                             show_progress=progress, special_tokens=[UNK])
     tok.train_from_iterator(_texts(source), trainer)
     if tok.get_vocab_size() <= (1 if kind == "wordlevel" else 0):

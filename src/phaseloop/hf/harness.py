@@ -111,6 +111,9 @@ def write_local_tasks(dest: Path, data: Path | None, wanted: list[str]) -> None:
             except UnicodeDecodeError as e:
                 raise DataError(f"task {name}: {path} is not UTF-8 text (byte {e.start}): the file is damaged; "
                                 "restore it from WikiText-2's raw release") from None
+            if not lines:
+                raise DataError(f"task {name}: {path} holds no article (WikiText's ' = Title = ' lines): the file "
+                                "is empty or damaged; restore it from WikiText-2's raw release")
             path = dest / "wikitext2_test_pages.jsonl"
             atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
             atomic_write_bytes(dest / "wikitext_local.py", _WIKITEXT_PY.encode())
@@ -125,14 +128,25 @@ def _check_jsonl(task: str, path: Path) -> None:
     except UnicodeDecodeError as e:
         raise DataError(f"task {task}: {path} is not UTF-8 text (byte {e.start}): the file is damaged; restore it "
                         "from its release") from None
+    records = 0
     for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
-            ok = not line.strip() or isinstance(json.loads(line), dict)
+            obj = json.loads(line)
         except ValueError:
-            ok = False
-        if not ok:
+            obj = None
+        if not isinstance(obj, dict):
             raise DataError(f"task {task}: {path} line {n} is not a JSON object: the file is damaged; restore it "
                             "from its release")
+        if not isinstance(obj.get("text"), str):  # the task's template reads doc.text
+            raise DataError(f"task {task}: {path} line {n} has no \"text\" string (it has "
+                            f"{', '.join(map(repr, list(obj)[:5])) or 'no field'}): the file is damaged; restore "
+                            "it from its release")
+        records += 1
+    if not records:
+        raise DataError(f"task {task}: {path} holds no record: the file is empty or damaged; restore it from its "
+                        "release")
 
 
 def _hflm(HFLM):
@@ -185,8 +199,11 @@ def resolved_tasks(tasks: list[str], *, include_path: str | Path | None = None, 
     YAMLs live in a temporary folder while it is open. ``lm-eval`` and ``compare`` (a
     recipe's ``eval_tasks``, before anything trains) check tasks through here."""
     require("transformers", "lm_eval")
-    if not tasks or any(not t for t in tasks):
+    if not tasks:
         raise PhaseloopError("--tasks is empty; name tasks, e.g. --tasks lambada_local,wikitext2_local")
+    if any(not t for t in tasks):  # "a,,b", a trailing comma
+        raise PhaseloopError(f"--tasks {','.join(tasks)!r} has an empty name between its commas; name tasks "
+                             "separated by commas, e.g. --tasks lambada_local,wikitext2_local")
     _check_include_path(include_path)
     from lm_eval.tasks import TaskManager
 

@@ -33,13 +33,15 @@ from pathlib import Path
 
 from phaseloop import registry
 from phaseloop.config import ModelConfig, merged
-from phaseloop.data.corpus import corpus_args, load_corpus
+from phaseloop.data.corpus import corpus_args, load_corpus, separator_id
 from phaseloop.data.tokenizer import Tokenizer, load_tokenizer
+from phaseloop.depth import check_depth_sample, parse_depth_range
 from phaseloop.engine import TrainConfig, dist
 from phaseloop.engine.checkpoint import TOKENIZER_COPY, read_run_config, run_folder, run_tokenizer
 from phaseloop.errors import ConfigError, PhaseloopError
 from phaseloop.files import parse_toml
-from phaseloop.lm.train import fit_vocab, train
+from phaseloop.lm.train import check_seq_len, fit_vocab, train
+from phaseloop.model import build_model
 
 SECTIONS = ("model", "train", "data")
 # [data]: the source and how to read it (load_corpus's spec, tokenizer, text_column, split,
@@ -240,6 +242,13 @@ def resolve_run(config: str | os.PathLike | dict | None = None, *, preset: str |
         tok = load_tokenizer(data["tokenizer"])
     notes: list[str] = []
     model_cfg = fit_vocab(model_cfg, tok, explicit=saved is not None or "vocab_size" in fields, log=notes.append)
+    # what training refuses before it reads the data, refused here, so --print-config prints no
+    # configuration that --config then refuses
+    check_seq_len(tc.seq_len or model_cfg.max_seq_len, model_cfg)
+    if tc.depth_sample is not None:
+        check_depth_sample(build_model(model_cfg, device="meta"), parse_depth_range(tc.depth_sample), tc.extend_loops)
+    if data["doc_sep"] is not None:
+        separator_id(tok, data["doc_sep"])
     return TrainRun(model=model_cfg, train=tc, data=data, tokenizer=tok, out=out, resume=resume, preset=preset,
                    notes=notes)
 
