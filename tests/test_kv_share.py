@@ -136,6 +136,13 @@ def test_owed_rows_are_what_update_would_have_written(capacity):
         c.truncate(7)
     assert [tuple(t.shape) for t in lazy.entries["a"]] == [(1, 3, 7, 4)] * 2
     assert all(torch.equal(g, w) for g, w in zip(lazy.entries["a"], eager.entries["a"]))
+    for c in (eager, lazy):  # outgrowing the buffer: owed rows grow it as the writes one by one would
+        for r in (r[1:] for r in rows * 4):  # row 1: the one select_rows kept
+            c.owe("a", r, r) if c is lazy else c.update("a", r, r)
+            c.pos += r.shape[2]
+    assert lazy.nbytes == eager.nbytes
+    assert [t.shape for t in lazy.buffers.get("a", ())] == [t.shape for t in eager.buffers.get("a", ())]
+    assert all(torch.equal(g, w) for g, w in zip(lazy.entries["a"], eager.entries["a"]))
     many = KVCache()
     for _ in range(OWED):
         many.owe("b", rows[1], rows[1])

@@ -109,10 +109,16 @@ class KVCache:
         if rows:
             k_BKTE, v_BKTE = (t[0] if len(t) == 1 else torch.cat(t, dim=2) for t in zip(*rows))
             n = self._entries[slot][0].shape[2] if slot in self._entries else 0
-            self._write(slot, k_BKTE, v_BKTE, n, n)
+            buf = self.buffers.get(slot)
+            size, end = (0 if buf is None else buf[0].shape[2]), n
+            for k, _ in rows:  # the buffer each write in turn would have grown to: the same bytes held
+                end += k.shape[2]
+                size = size if end <= size else max(self.capacity or 0, 2 * end if size else end)
+            self._write(slot, k_BKTE, v_BKTE, n, n, size)
 
-    def _write(self, slot, k_BKTE, v_BKTE, start: int, n: int):
-        """Rows [start, start + T) of ``slot``, which holds ``n``; returns its whole (keys, values)."""
+    def _write(self, slot, k_BKTE, v_BKTE, start: int, n: int, size: int = 0):
+        """Rows [start, start + T) of ``slot``, which holds ``n``, into a buffer of at least
+        ``size`` positions; returns its whole (keys, values)."""
         T = k_BKTE.shape[2]
         end = max(n, start + T)
         if self.capacity is None:
@@ -128,7 +134,7 @@ class KVCache:
             return self._entries[slot]
         buf = self.buffers.get(slot)
         if buf is None or end > buf[0].shape[2]:
-            size = max(self.capacity, 2 * end) if buf is not None else max(self.capacity, end)
+            size = size or max(self.capacity, 2 * end if buf is not None else end)
             B, K, _, E = k_BKTE.shape
             new = (k_BKTE.new_empty(B, K, size, E), v_BKTE.new_empty(B, K, size, E))
             if n:
