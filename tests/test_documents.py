@@ -115,6 +115,22 @@ def test_train_eval_and_resume_with_document_options(tmp_path, capsys):
     assert code == 2 and "doc_mask: true there, false now" in err.lower(), err
 
 
+def test_a_module_that_cannot_mask_documents_is_refused_before_the_run_folder(tmp_path, capsys):
+    """pooled_mlp with --doc-mask: refused in one line before config.json is written (it was
+    refused in the first forward, and the config.json left behind blocked every retry)."""
+    from conftest import run_cli
+
+    out = tmp_path / "pm"
+    argv = ["train", "--preset", "hyperloop-tiny", "--set", "hc_transition=pooled_mlp", "--data",
+            str(_folder(tmp_path)), "--steps", "1", "--seq-len", "16", "--batch-size", "2", "--compile", "off",
+            "--quiet", "--out", str(out)]
+    code, err = run_cli(argv + ["--doc-mask"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "drop --doc-mask" in err, err
+    assert not (out / "config.json").exists()
+    code, err = run_cli(argv, capsys)  # the advice followed: it trains
+    assert code == 0, err
+
+
 def test_task_runs_refuse_document_options():
     from phaseloop.engine import TrainConfig
     from phaseloop.tasks.task_model import train_pairs

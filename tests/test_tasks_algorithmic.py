@@ -255,7 +255,10 @@ GOOD = '{"input": "a", "target": "b"}\n'
 @pytest.mark.parametrize(
     "bad_line, lineno, words, fix",
     [
-        ('{"input": "a", "target": }', 3, "invalid JSON", '{"input": "abc", "target": "cba"}'),
+        ('{"input": "a", "target": }', 3, "invalid JSON (Expecting value at column 26)",
+         '{"input": "abc", "target": "cba"}'),
+        ('{"input": "ab"', 3, "invalid JSON (Expecting ',' delimiter at column 15)",  # not "column 1" of
+         '{"input": "abc", "target": "cba"}'),                                        # the newline's "line 2"
         ('{"input": "a"}', 3, "missing key 'target'", 'add "target"'),
         ('{"target": "a"}', 3, "missing key 'input'", 'add "input"'),
         ('{"input": 12, "target": "a"}', 3, "'input' must be a string, got number 12", "double quotes"),

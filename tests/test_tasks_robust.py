@@ -84,6 +84,16 @@ def test_text_commands_refuse_a_task_run_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_finished_seed_resumed_says_it_is_reloaded(tmp_path, capsys):
+    argv = ["task", "--task", "copy", "--train-len", "1-2", "--test-len", "2", "--n-test", "3", *TINY_SET,
+            "--steps", "1", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    assert "[seed 0] training " in capsys.readouterr().out
+    assert main(argv + ["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "[seed 0] reloading (finished) " in out and "[seed 0] training" not in out
+
+
 def test_jsonl_example_longer_than_set_max_seq_len_is_refused_before_training(tmp_path, capsys):
     data = _write_jsonl(tmp_path / "long.jsonl", ["ab", "ba", "abcabcabcabc", "cab"])
     out = tmp_path / "r"

@@ -222,13 +222,20 @@ class PooledMLPTransition(nn.Module):
         hidden = max(16, D // 16)
         self.mlp = nn.Sequential(nn.Linear(n * D, hidden), nn.GELU(), nn.Linear(hidden, n * D))
 
+    def check_training(self, tc) -> None:
+        """What training this module cannot do, refused before a run folder is written
+        (``Trainer.setup`` asks every module of the model that has this method)."""
+        if tc.doc_mask:
+            raise ConfigError(self.ACROSS_DOCUMENTS)
+
+    ACROSS_DOCUMENTS = ("hc_transition='pooled_mlp' pools over every earlier position of the window, across "
+                        "documents; drop --doc-mask or use the paper's hyper-connections (hc_transition='hc')")
+
     def forward(self, streams_BTnD: torch.Tensor, fn, ctx: ForwardContext | None = None,
                 slot=None) -> torch.Tensor:
         B, T, n, D = streams_BTnD.shape
         if ctx is not None and ctx.doc_ids is not None:
-            raise ConfigError("hc_transition='pooled_mlp' pools over every earlier position of the "
-                              "window, across documents; drop --doc-mask or use the paper's "
-                              "hyper-connections (hc_transition='hc')")
+            raise ConfigError(self.ACROSS_DOCUMENTS)
         # running sum in fp32 at least (float64 for a float64 model, so that cached = full)
         sum_BTm = streams_BTnD.flatten(-2).to(compute_dtype(streams_BTnD.dtype)).cumsum(dim=1)
         past = 0

@@ -21,11 +21,13 @@ are streamed as pieces of bytes, so no source is ever read into memory whole.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import sysconfig
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,6 +295,20 @@ def _resolve(spec: str, text_column: str | None, split: str | None, streaming: b
     return Source(name, fp, len(files), kind, files, text_column if kind == "records" else None)
 
 
+@contextmanager
+def _quiet_loggers(*names: str):
+    """The named loggers at ERROR while the block runs (their levels restored after)."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _hf(spec: str, text_column: str, split: str, streaming: bool, from_disk: bool = False,
         strict: bool = True) -> Source:
     try:
@@ -310,8 +326,9 @@ def _hf(spec: str, text_column: str, split: str, streaming: bool, from_disk: boo
             elif split != "train" and strict:  # one Dataset: no split to choose (a run trained so: read)
                 raise DataError(f"{name} is one dataset, saved without splits; --data-split {split} does not "
                                 "apply to it: drop --data-split")
-        else:
-            ds = datasets.load_dataset(name, config or None, split=split, streaming=streaming)
+        else:  # the hub's own warnings (its retries offline) are left out: a failure is the one line below
+            with _quiet_loggers("huggingface_hub", "datasets"):
+                ds = datasets.load_dataset(name, config or None, split=split, streaming=streaming)
     except DataError:
         raise
     except Exception as e:  # offline without a cache, unknown dataset or split, ...

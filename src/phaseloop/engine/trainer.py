@@ -132,6 +132,9 @@ class Trainer:
             check_memory(twin := self.build(), self.device, 16, "training")
             if tc.depth_sample is not None:
                 check_depth_sample(twin, parse_depth_range(tc.depth_sample), tc.extend_loops)
+            for m in twin.modules():  # a module's own refusals of these settings (e.g. documents)
+                if hasattr(m, "check_training"):
+                    m.check_training(tc)
         self.keeper = Keeper(run.path if run is not None else None, tc.keep_checkpoints, tc.keep_best, self.writes)
         if run is not None:
             run.check()

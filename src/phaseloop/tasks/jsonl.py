@@ -65,7 +65,7 @@ def load_jsonl(path: str | os.PathLike) -> list[Example]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))  # its own line: the column within it, not on "line 2"
             except json.JSONDecodeError as e:
                 raise TaskDataError(
                     f"{where}: invalid JSON ({e.msg} at column {e.colno}); write {_SHAPE}"

@@ -285,8 +285,9 @@ def run_task(task: str, model_cfg: ModelConfig, tc: TrainConfig, seeds: Sequence
             max_off = auto_offset(encode_pairs(train, vocab), encode_pairs(test, vocab), is_seq2seq(arch))
         tcs = tc.replace(seed=seed)
         if log:
-            log(f"[seed {seed}] training {label} on {task}: {len(train)} examples, "
-                f"{tcs.steps} steps, max offset {int(max_off)}")
+            done = resume and out is not None and (out / f"seed-{seed}" / "summary.json").is_file()
+            log(f"[seed {seed}] {'reloading (finished)' if done else 'training'} {label} on {task}: "
+                f"{len(train)} examples, {tcs.steps} steps, max offset {int(max_off)}")
         fixes = ([] if name == "jsonl" else ["shorter --train-len / --test-len"]) + (
             ["a smaller --offsets"] if max_off else [])
         hint = f" (or use {' or '.join(fixes)})" if fixes else ""
