@@ -8,9 +8,11 @@ import argparse
 import json
 from pathlib import Path
 
+from phaseloop.analysis import plots
 from phaseloop.cli import argtypes
 from phaseloop.cli.exits import fail, rank
 from phaseloop.errors import PhaseloopError
+from phaseloop.files import check_out_dir
 
 
 class Parser(argparse.ArgumentParser):
@@ -56,9 +58,6 @@ def windows_of(args) -> int:
 def png_path(flag: str, value, example: str) -> Path:
     """A PNG file to write, refused before anything is computed or written when it is a
     folder or its folder cannot be written (matplotlib missing too: ``plots.pyplot``)."""
-    from phaseloop.analysis import plots
-    from phaseloop.files import check_out_dir
-
     plots.pyplot()
     path = Path(value)
     if path.is_dir():
