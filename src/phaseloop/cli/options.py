@@ -13,6 +13,7 @@ from phaseloop.cli import argtypes
 from phaseloop.cli.exits import fail, rank
 from phaseloop.errors import PhaseloopError
 from phaseloop.files import check_out_dir
+from phaseloop.lm.train import check_seq_len
 
 
 class Parser(argparse.ArgumentParser):
@@ -53,6 +54,14 @@ def on_a_run(sub, name: str, hlp: str, func, *, data: bool = True, windows: int 
 def windows_of(args) -> int:
     """``--windows``, or the subcommand's default when it was not given (``on_a_run``)."""
     return args.windows if args.windows is not None else args.default_windows
+
+
+def run_seq_len(args, run_cfg: dict, cfg) -> int:
+    """The windows a command reads a run's data in: ``--seq-len``, else the run's training
+    length, else the model's ``max_seq_len``; longer than ``max_seq_len`` is refused."""
+    seq_len = args.seq_len or run_cfg["train"].get("seq_len") or cfg.max_seq_len
+    check_seq_len(seq_len, cfg)
+    return seq_len
 
 
 def png_path(flag: str, value, example: str) -> Path:

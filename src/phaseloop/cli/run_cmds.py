@@ -9,7 +9,15 @@ import sys
 import torch
 
 from phaseloop.cli import argtypes, eval_tasks
-from phaseloop.cli.options import depth_options, exit_options, inference_options, on_a_run, png_path, windows_of
+from phaseloop.cli.options import (
+    depth_options,
+    exit_options,
+    inference_options,
+    on_a_run,
+    png_path,
+    run_seq_len,
+    windows_of,
+)
 from phaseloop.cli.sweeps import eval_depths, eval_exits, eval_kv_share
 from phaseloop.deploy.compiled import check as check_compiled
 from phaseloop.deploy.compiled import generate as generate_compiled
@@ -20,7 +28,7 @@ from phaseloop.engine import dist, resolve_device
 from phaseloop.engine.checkpoint import load_run, run_corpus, run_tokenizer
 from phaseloop.errors import PhaseloopError
 from phaseloop.inference import Options, decode_layout, generate
-from phaseloop.lm.train import check_seq_len, eval_set, evaluate
+from phaseloop.lm.train import eval_set, evaluate
 from phaseloop.quant import load_packed, weight_bytes
 
 
@@ -98,8 +106,7 @@ def cmd_eval(args) -> int:
     device = run_device(args)
     model, run_cfg = load_model(args, device)
     corpus = run_corpus(args.run, run_cfg, args.data)
-    seq_len = args.seq_len or run_cfg["train"].get("seq_len") or model.cfg.max_seq_len
-    check_seq_len(seq_len, model.cfg)
+    seq_len = run_seq_len(args, run_cfg, model.cfg)
     if args.split == "all":
         tokens = corpus.tokens
     else:

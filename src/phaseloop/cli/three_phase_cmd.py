@@ -13,12 +13,11 @@ from phaseloop.analysis import plots
 from phaseloop.analysis.probe import recording
 from phaseloop.archs.three_phase import angle_drift, horn_zero_sum, zero_sum_diagnostic
 from phaseloop.cli.argtypes import positive_int
-from phaseloop.cli.options import on_a_run, png_path, windows_of
+from phaseloop.cli.options import on_a_run, png_path, run_seq_len, windows_of
 from phaseloop.data.corpus import eval_windows
 from phaseloop.engine.checkpoint import load_run, run_corpus, run_folder
 from phaseloop.errors import PhaseloopError
 from phaseloop.files import write_json
-from phaseloop.lm.train import check_seq_len
 
 
 def add_commands(sub) -> None:
@@ -81,8 +80,7 @@ def cmd_zero_sum(args) -> int:
     if D % N:  # a measurement: only the stripes must tile d_model (the model is not rebuilt)
         raise PhaseloopError(f"--phases {N}: {N} stripes do not tile d_model={D}; use a divisor of {D}")
     corpus = run_corpus(args.run, run_cfg, args.data)
-    seq_len = args.seq_len or run_cfg["train"].get("seq_len") or model.cfg.max_seq_len  # as eval: the run's
-    check_seq_len(seq_len, model.cfg)
+    seq_len = run_seq_len(args, run_cfg, model.cfg)
     _, val = corpus.split(run_cfg["train"].get("val_fraction", 0.1), seq_len + 1)
     windows = eval_windows(val, seq_len, windows_of(args))[:, :-1]
     horn = f" (horn value N*H_T/T = {horn_zero_sum(N, seq_len):.4f})" if model.cfg.horn else " (no horn)"
