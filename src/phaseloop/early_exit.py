@@ -217,8 +217,8 @@ class Monitor:
         self.done = torch.zeros(B, T, dtype=torch.bool, device=x0.device)
         # passes and readouts of a position that runs to the end; those that stop after pass t
         # get t (``step``); a read (``_read``) at each decision, and p_0 from the input
-        self.p0 = int(self.rule.kind in LENS_READ)
-        reads = n_passes - 1 + self.p0 if self.rule.kind in END_READ + LENS_READ else 0
+        self.p0, self.reading = int(self.rule.kind in LENS_READ), self.rule.kind in END_READ + LENS_READ
+        reads = n_passes - 1 + self.p0 if self.reading else 0
         self.passes = ctx.stats["exit_passes"] = torch.full((B, T), n_passes, dtype=torch.long, device=x0.device)
         self.readouts = ctx.stats["exit_readouts"] = torch.full((B, T), reads, dtype=torch.long, device=x0.device)
         self.t, self.base, self.exited, self.read = 0, ctx, False, None  # exited: some position stopped
@@ -335,7 +335,7 @@ class Monitor:
                     stop_BT = stop_BT & ~self.done
                 self.done, self.exited = self.done | stop_BT, True
                 self.passes.masked_fill_(stop_BT, self.t)
-                if self.rule.kind in END_READ + LENS_READ:
+                if self.reading:
                     self.readouts.masked_fill_(stop_BT, self.t + self.p0)
                 none_left = stopped == run.n  # every running position stopped: no new reduction
                 if none_left and rows is None and self.read is not None and self.read[0] is x:
