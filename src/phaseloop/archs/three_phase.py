@@ -191,7 +191,8 @@ def zero_sum_diagnostic(x_BTD: torch.Tensor, n_phases: int) -> float:
 
 def horn_zero_sum(n_phases: int, T: int) -> float:
     """N·H_T/T: the zero-sum diagnostic right after the horn injection over T positions
-    (every channel holds r(t) = 1/(t+1), so each stripe's mean does; 0.0220 for N = 3,
+    (the mean over all channels is then r(t) = 1/(t+1) at position t, so the N stripes'
+    means sum to N·r(t); 0.0220 for N = 3,
     T = 1024). ``zero_sum_diagnostic`` of ``HornInjection``'s output equals it."""
     return n_phases * sum(1.0 / (t + 1) for t in range(T)) / T
 
