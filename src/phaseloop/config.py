@@ -86,7 +86,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model)
     embed_init_std: float = 0.02  # the 3PT paper's baseline uses PyTorch's default N(0, 1)
-    init_std: float = 0.02  # residual projections get init_std / sqrt(2 * depth)
+    init_std: float = 0.02  # residual projections get init_std / sqrt(2 * depth); under init=torch it
+    # still sets the hyper-connections' W and ACT's halting unit (the other Linears take torch's default)
     init: str = "normal"  # linear layers: normal (N(0, init_std)) | torch (nn.Linear's default)
     use_rope: bool = True  # False drops RoPE (e.g. the published UT: its sinusoids only)
     # The shared block (layers.py); the published UT / Transformer switch all three on.
@@ -154,20 +155,33 @@ class ModelConfig:
         raise AttributeError(f"ModelConfig has no field {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """An assigned field counts as given (copies, pickles and replace() keep it); a field
-        of an option group this arch does not carry, or no field at all, is refused."""
+        """An assigned field counts as given (copies, pickles and replace() keep it): the
+        config is built again from its given fields and this one (``replace``), so the value
+        is checked as at construction (a one-line ConfigError, the config unchanged) and the
+        derived fields (d_ff, n_kv_heads) follow it as they do in a copy. A field of an option
+        group this arch does not carry, or no field at all, is refused."""
         if name.startswith("_") or "_groups" not in self.__dict__:  # plain attributes; __init__
             object.__setattr__(self, name, value)
             return
         if name == self.spec.layers_name:
             name = "n_layers"
-        target = self if name in self.__dataclass_fields__ else next(
-            (g for g in self._groups.values() if name in g.__dataclass_fields__), None)
-        if target is None:
+        if name == "arch":
+            raise ConfigError.invalid("arch: an architecture is chosen when a config is built; "
+                              "use replace(arch=...)")
+        if name not in self.__dataclass_fields__ and not any(name in g.__dataclass_fields__
+                                                                 for g in self._groups.values()):
             raise ConfigError.invalid(f"{name}: not a field of arch={self.arch!r} "
                               "(phaseloop archs lists its options); use replace() to change the arch")
-        object.__setattr__(target, name, value)
-        object.__setattr__(self, "_given", self._given | {name})
+        self._adopt(self.replace(**{name: value}))
+
+    def _adopt(self, other: ModelConfig) -> None:
+        """Take ``other``'s fields (same arch) in place."""
+        for f in fields(ModelConfig):
+            object.__setattr__(self, f.name, getattr(other, f.name))
+        object.__setattr__(self, "_given", other._given)
+        for inst in other._groups.values():
+            object.__setattr__(inst, "_cfg", self)
+        object.__setattr__(self, "_groups", other._groups)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ModelConfig) and self.to_dict() == other.to_dict()
@@ -260,6 +274,10 @@ class ModelConfig:
         """The config built from this one's explicit fields plus ``overrides``: values that
         were derived (d_ff, n_kv_heads, the architecture's defaults) are derived again."""
         return ModelConfig(**merged(self._explicit(), overrides))
+
+    def derived(self) -> set[str]:
+        """The core fields whose value was derived from others (d_ff, n_kv_heads not given)."""
+        return _nullable(ModelConfig) - self._given
 
     def _explicit(self) -> dict:
         """The fields given explicitly (core names), from which the rest is derived."""

@@ -10,12 +10,17 @@ Geiping et al. 2025 §6.4, do)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from phaseloop.depth import set_model_depth
+from phaseloop.errors import ConfigError
 from phaseloop.kvcache import KVCache
+from phaseloop.validation import MAX_SEQ_LEN
+
+MAX_DRAFT_TOKENS = 64  # tokens a speculative round drafts at most (--draft-tokens, a request's draft_tokens)
 
 
 def sampling_probs(logits_BV: torch.Tensor, temperature: float, top_k: int | None = None,
@@ -57,6 +62,38 @@ def pick_next(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int | No
 
 
 @torch.no_grad()
+def check_request(prompt_BT: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+                  vocab_size: int | None = None) -> None:
+    """Refuse, in one line (``ConfigError``), a decoding request no model runs: a prompt
+    that is not integer ids [batch, tokens] (each below ``vocab_size`` where given), a
+    negative or fractional token count, a temperature that is negative or not finite, a
+    top-k below 1. What the CLI and the server refuse before they get here, the library's
+    own ``generate`` calls refuse too."""
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(prompt_BT, torch.Tensor) or prompt_BT.dim() != 2 or prompt_BT.shape[1] < 1 \
+            or prompt_BT.dtype.is_floating_point or prompt_BT.dtype.is_complex or prompt_BT.dtype == torch.bool:
+        shape = list(prompt_BT.shape) if isinstance(prompt_BT, torch.Tensor) else type(prompt_BT).__name__
+        raise ConfigError(f"the prompt must be integer token ids [batch, tokens] with at least one token, "
+                          f"not {shape}")
+    if not whole(max_new_tokens) or max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 0")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"temperature={temperature!r}: must be a finite number >= 0 (0 = greedy)")
+    if prompt_BT.shape[1] + max_new_tokens > MAX_SEQ_LEN:
+        raise ConfigError(f"prompt + max_new_tokens = {prompt_BT.shape[1] + max_new_tokens:,} positions: at most "
+                          f"{MAX_SEQ_LEN:,} (2^24, validation.MAX_SEQ_LEN); ask for fewer new tokens")
+    if top_k is not None and (not whole(top_k) or top_k < 1):
+        raise ConfigError(f"top_k={top_k!r}: must be an integer >= 1 (None: no cut)")
+    if vocab_size is not None and prompt_BT.numel():
+        lo, hi = int(prompt_BT.min()), int(prompt_BT.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ConfigError(f"the prompt holds token id {lo if lo < 0 else hi}, outside the model's "
+                              f"vocabulary 0 .. {vocab_size - 1}; encode it with the run's tokenizer")
+
+
 def decode(step: Callable, prompt_BT: torch.Tensor, max_new_tokens: int, *,
            temperature: float = 0.0, top_k: int | None = None,
            generator: torch.Generator | None = None, eos_id: int | None = None,
@@ -68,6 +105,7 @@ def decode(step: Callable, prompt_BT: torch.Tensor, max_new_tokens: int, *,
     sees every model output (e.g. ACT ponder times). With ``eos_id`` decoding stops once
     every row has produced it (later tokens of a finished row are left as generated).
     The last token is never fed back: the model runs at most ``max_new_tokens`` times."""
+    check_request(prompt_BT, max_new_tokens, temperature, top_k)
     # keys/values of prompt + new tokens preallocated, written in place
     cache = KVCache(capacity=prompt_BT.shape[1] + max_new_tokens) if use_cache else None
     out_BT, inp_BT = prompt_BT, prompt_BT
@@ -221,7 +259,7 @@ def speculative_decode(model, prompt_BT: torch.Tensor, max_new_tokens: int, draf
     def pick(logits_BV, probs_BV):
         return logits_BV.argmax(-1) if greedy else torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
 
-    cache = KVCache(capacity=prompt_BT.shape[1] + max_new_tokens + draft_tokens + 1)
+    cache = KVCache(capacity=prompt_BT.shape[1] + max_new_tokens + min(draft_tokens, max_new_tokens) + 1)
     if max_new_tokens <= 0:  # as ``decode``: the model never runs
         return prompt_BT, {"cache": cache, "acceptance": None, "rounds": 0, "passes": 0}
     ran = []  # passes behind each forward's positions, per row: read once at the end (no host read a forward)

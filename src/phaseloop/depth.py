@@ -30,6 +30,25 @@ def set_model_depth(model, depth: int | None, extend: str | None = None) -> None
     trunk.set_depth(depth) if extend is None else trunk.set_depth(depth, extend=extend)
 
 
+def depth_setting(model) -> tuple[int | None, str | None]:
+    """The (depth, extend) with which ``set_model_depth`` puts a model where it runs now:
+    (None, None) at its trained depth (or without a depth to change); ``extend`` is "last"
+    where the depth needs it (a Hyperloop beyond its trained loops)."""
+    trunk = getattr(model, "trunk", None)
+    if trunk is None or not trunk.dynamic_depth or not hasattr(trunk, "passes"):
+        return None, None
+    now = trunk.passes
+    trunk.reset_depth()
+    if trunk.passes == now:
+        return None, None
+    try:
+        set_model_depth(model, now)
+        return now, None
+    except ConfigError:
+        set_model_depth(model, now, "last")
+        return now, "last"
+
+
 # ----------------------------------------------------------------------------- training for depth
 def parse_depth_range(text: str) -> tuple[int, int]:
     """``"LO:HI"`` -> (LO, HI): every depth from LO to HI inclusive, 1 <= LO <= HI <=

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phaseloop.decoding import decode, speculative_decode
+from phaseloop.decoding import check_request, decode, speculative_decode
 from phaseloop.early_exit import ExitRule, refuse_stack, set_exit, set_kv_share
 from phaseloop.errors import ConfigError
 from phaseloop.kvcache import KVCache
@@ -101,10 +101,8 @@ def configured(model, options: Options):
 
 def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
     """Refuse, in one line, what ``model`` cannot decode with ``options``."""
-    if prompt_BT is not None and (prompt_BT.dim() != 2 or prompt_BT.shape[1] < 1):
-        raise ConfigError(f"the prompt must be [batch, tokens] with at least one token, not {list(prompt_BT.shape)}")
-    if options.temperature < 0:
-        raise ConfigError(f"temperature {options.temperature}: must be >= 0 (0 = greedy)")
+    if prompt_BT is not None:
+        check_request(prompt_BT, options.max_new_tokens, options.temperature, options.top_k, model.cfg.vocab_size)
     if options.kv_share is not None and not options.use_cache:
         raise ConfigError("--kv-share shares the KV cache across passes: drop --no-cache (without a cache "
                           "every pass reads its own keys, and nothing is shared)")
@@ -118,6 +116,9 @@ def check(model, options: Options, prompt_BT: torch.Tensor) -> None:
                           "unlike token-by-token decoding does: drop --kv-share")
     refuse_stack(model, "draft itself with fewer passes", "--speculative")
     full = model.trunk.passes
+    if full < 2:
+        raise ConfigError(f"--speculative drafts with fewer passes than the model runs, and it runs {full}: "
+                          "decode at --depth 2 or more, or drop --speculative")
     if not isinstance(options.speculative, int) or not 1 <= options.speculative < full:
         raise ConfigError(f"--speculative {options.speculative}: the draft runs 1 .. {full - 1} passes "
                           f"(the model runs {full})")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaseloop.config import MAX_DEPTH, ModelConfig
-from phaseloop.decoding import decode, padded_rows
+from phaseloop.decoding import check_request, decode, padded_rows
 from phaseloop.errors import ConfigError
 from phaseloop.kvcache import KVCache, StaticKVCache
 from phaseloop.layers import Block, ForwardContext, init_weights, make_norm, option_modules
@@ -149,6 +149,7 @@ class DecoderLM(nn.Module):
                  use_cache: bool = True, eos_id: int | None = None, on_output=None) -> torch.Tensor:
         """Sample continuations; temperature 0 means greedy. Returns prompt + new tokens
         (``decoding.decode``: stops early once every row produced ``eos_id``)."""
+        check_request(idx_BT, max_new_tokens, temperature, top_k, self.cfg.vocab_size)
         was_training = self.training
         self.eval()
         try:

@@ -53,7 +53,7 @@ from torch import nn
 from phaseloop.archs import act
 from phaseloop.archs.act import ACTState, PendingInputs, combine, ponder_cost, ponder_diagnostics, ponder_loss
 from phaseloop.archs.seq2seq import EncoderDecoder
-from phaseloop.config import ModelConfig, fail
+from phaseloop.config import MAX_DEPTH, ModelConfig, fail
 from phaseloop.data.tokenizer import PAD
 from phaseloop.early_exit import PASS_RULES, monitor
 from phaseloop.errors import ConfigError
@@ -197,6 +197,8 @@ class UniversalTrunk(Trunk):
         """Depth extrapolation: run ``steps`` applications (ACT: max steps) from now on."""
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ConfigError(f"invalid steps={steps!r}: must be a positive integer")
+        if steps > MAX_DEPTH:
+            raise ConfigError(f"invalid steps={steps}: at most {MAX_DEPTH} steps (config.MAX_DEPTH)")
         self.steps = steps
 
     def set_depth(self, n: int, extend: str | None = None) -> None:

@@ -37,7 +37,7 @@ def add_parsers(sub) -> None:
     ev = on_a_run(sub, "eval", "validation loss / perplexity / bits per byte of a run", cmd_eval,
                   windows=64)
     ev.add_argument("--split", choices=("val", "all"), default="val",
-                    help="val: the held-out tail; all: every token (ev.g. a separate test file)")
+                    help="val: the held-out tail; all: every token (e.g. a separate test file)")
     ev.add_argument("--json", action="store_true")
     quantized_option(ev)
     depth_options(ev, sweep=True)

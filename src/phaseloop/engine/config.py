@@ -98,6 +98,11 @@ class TrainConfig:
     keep_best: bool = _f(False, "keep the checkpoint of the lowest val_loss as RUN/best")
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Every field's type and range, at construction and again where training starts
+        (``Trainer.setup``: a field may have been assigned since); one-line ConfigError."""
         what = "train config"
         check_types(self, what)
         for name, tp in typing.get_type_hints(TrainConfig).items():  # 1 -> 1.0: one spelling on disk

@@ -128,6 +128,7 @@ class Trainer:
         if self._ready:
             return self
         tc, run = self.tc, self.run
+        tc.check()
         with torch.device("meta"):  # refuse what cannot fit (or train at its depths) before allocating it
             check_memory(twin := self.build(), self.device, 16, "training")
             if tc.depth_sample is not None:

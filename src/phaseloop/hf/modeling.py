@@ -31,7 +31,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from phaseloop.depth import set_model_depth
+from phaseloop.depth import depth_setting, set_model_depth
 from phaseloop.errors import ConfigError
 from phaseloop.hf.configuration import PhaseloopConfig
 from phaseloop.layers import KVCache
@@ -121,17 +121,27 @@ class PhaseloopForCausalLM(PreTrainedModel, GenerationMixin):
 
     def save_pretrained(self, *args, **kwargs):
         """Refused on packed ``--quantized`` weights: their codes would be written under names no
-        loader maps back (the folder reloaded with random layers); ``push_to_hub`` calls this too."""
+        loader maps back (the folder reloaded with random layers); ``push_to_hub`` calls this too.
+        Refused too while the trunk runs an exit rule or a shared KV cache, which the folder
+        does not record: reloaded, it would compute another function."""
         if any(isinstance(m, PackedLinear) for m in self.modules()):
             _refuse("save_pretrained on packed --quantized weights", "their int8/int4 codes are not weights a "
                     "loader reads back; `phaseloop export RUN --quantized FILE` writes the model they compute")
+        trunk = getattr(self.model, "trunk", None)
+        for attr, how in (("exits", "early_exit.set_exit(model, None)"), ("kv_share", "set_kv_share(model, None)")):
+            if getattr(trunk, attr, None) is not None:
+                _refuse(f"save_pretrained with the trunk's {attr} set", "a saved folder does not record it, so "
+                        f"the model reloaded would compute another function; clear it ({how}) before saving")
         return super().save_pretrained(*args, **kwargs)
 
     @classmethod
     def from_decoder(cls, model: DecoderLM) -> PhaseloopForCausalLM:
-        """Wrap an existing DecoderLM (its weights, no copy) in eval mode."""
+        """Wrap an existing DecoderLM (its weights, no copy) in eval mode, at the depth it runs
+        at (``config.phaseloop_depth``, so a saved folder reloads at that depth too)."""
+        depth, extend = depth_setting(model)
         with torch.device("meta"):  # the placeholder DecoderLM allocates nothing
-            hf = cls(PhaseloopConfig(phaseloop=model.cfg.to_dict()))
+            hf = cls(PhaseloopConfig(phaseloop=model.cfg.to_dict(), phaseloop_depth=depth,
+                                     phaseloop_extend_loops=extend))
         hf.model = model
         return hf.eval()
 

@@ -90,11 +90,14 @@ class TrainRun:
         sections = self.to_dict()
         _check_nones(sections)
         lines = ["# phaseloop train --config FILE: a run's configuration, every value resolved. A key",
-                 "# left out takes the preset's value, else its default; a none value is left out (commented)."]
+                 "# left out takes the preset's value, else its default; a none value is left out (commented),",
+                 "# and so is a derived one (shown commented: left out, it follows the fields it derives from)."]
+        derived = self.model.derived()
         for name, d in sections.items():
             lines += ["", f"[{name}]"]
             for k, v in d.items():
-                lines.append(f"# {k} = none" if v is None else tomli_w.dumps({k: v}).rstrip("\n"))
+                line = f"# {k} = none" if v is None else tomli_w.dumps({k: v}).rstrip("\n")
+                lines.append(f"# {line}  (derived)" if name == "model" and k in derived else line)
         return "\n".join(lines) + "\n"
 
 

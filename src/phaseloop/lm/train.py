@@ -163,6 +163,7 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, data: str | Corpus = "stdlib"
     ``log`` the notes (e.g. "nothing to resume yet; starting"); ``compile_share`` the runs
     that compile the same blocks (``Trainer``).
     """
+    tc.check()  # a field assigned since it was built is checked before the run folder is touched
     corpus = data if isinstance(data, Corpus) else load_corpus(data)
     fit_vocab(model_cfg, corpus.tokenizer, explicit=True)
     seq_len = tc.seq_len or model_cfg.max_seq_len
