@@ -193,6 +193,21 @@ def test_results_read_from_claim_files(tmp_path):
     assert b["paper"]["lambada"]["rows"][-1] == ["UT + ACT", 142]
 
 
+def test_the_explainers_section_3_8_and_9_numbers_are_served():
+    """explainer.md §3 (BLEU), §8 (agreement, learning to execute, bAbI at 1k) and §9-§11
+    (lineage) reach the pages through /api/learn/results, quoted once in learn_results."""
+    b = TestClient(create_app()).get("/api/learn/results").json()
+    p = b["paper"]
+    assert dict(p["translation"]["rows"]) == {"Transformer base": "28.0", "Transformer big": "28.4",
+                                              "UT small (base's compute)": "26.8",
+                                              "UT base (base's parameters + 6.7 %)": "28.9"}
+    assert p["agreement"]["rows"] == [[1, "−0.008"], [3, "+0.009"], [4, "+0.016"], [5, "+0.027"]]
+    assert p["learning_to_execute"]["rows"] == [["UT", "1.0", "1.0", "1.0"]]
+    assert "1k" in p["babi_error"]["reading"]
+    text = " ".join(x["text"] for x in b["lineage"])
+    assert "~108M → ALBERT-base ~12M" in text and "Mixture-of-Depths" in text and "Looped" in b["lineage"][2]["name"]
+
+
 def test_results_read_from_task_runs(tmp_path):
     """A ``phaseloop task`` metrics.json (its summary made by tasks.report.summarize_seeds)
     and a bAbI one, one level below the served folder, are shown as written."""
@@ -281,6 +296,8 @@ def test_learn_pages_in_a_real_browser(explore_server, browser):
     d.send_keys("3")
     want = f"{accounting.count(accounting.EncDecSpec('x', 512, 8, 3, 3, steps=3))['total']:,}"
     assert wait_text(browser, "#calc-total", lambda t: t == want) == want
+    bleu = wait_text(browser, "#calc-bleu", lambda t: "28.9" in t)
+    assert "UT small (base's compute) 26.8" in bleu and "equal compute" in wait_text(browser, "#calc-bleu-reading")
     d = browser.find_element(By.ID, "calc-d")
     d.clear()
     d.send_keys("-1")
@@ -320,6 +337,12 @@ def test_learn_pages_in_a_real_browser(explore_server, browser):
     # self-check: a right and a wrong answer, checked by the endpoints
     browser.get(base + "/learn/ut/summary")
     wait_text(browser, "#quiz li")
+    assert "ALBERT-base ~12M" in wait_text(browser, "#lineage")
+    browser.get(base + "/learn/ut/results")
+    assert "5 +0.027" in wait_text(browser, "#res-agreement", lambda t: "+0.027" in t)
+    browser.get(base + "/learn/ut/summary")
+    wait_text(browser, "#quiz li")
+    screenshot(browser, "learn-ut-summary-lineage")
     browser.find_element(By.ID, "q2").send_keys("9")
     browser.find_element(By.ID, "qb2").click()
     assert wait_text(browser, "#qa2") == "✓ 9"

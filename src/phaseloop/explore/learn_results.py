@@ -31,8 +31,35 @@ PAPER = {
                              ["Neural GPU (curriculum)", "1.0 / 1.0", "1.0 / 1.0", "1.0 / 1.0"]]},
     "babi_error": {"source": "§3.1 (bAbI 10k, mean error over the 20 tasks)",
                    "columns": ["model", "mean error"],
-                   "rows": [["Transformer", "15.2 %"], ["UT", "0.23 %"], ["UT + ACT", "0.21 %"]]},
+                   "rows": [["Transformer", "15.2 %"], ["UT", "0.23 %"], ["UT + ACT", "0.21 %"]],
+                   "reading": "UT + ACT passes all 20 tasks; the gap to the Transformer is largest with 1k "
+                              "training examples."},
+    "agreement": {"source": "§3.2 (subject–verb agreement: UT + ACT's accuracy minus the best earlier model's)",
+                  "columns": ["attractors", "difference"],
+                  "rows": [[1, "−0.008"], [3, "+0.009"], [4, "+0.016"], [5, "+0.027"]],
+                  "reading": "The more attractors (nouns between subject and verb), the larger the gain."},
+    "learning_to_execute": {"source": "§3.5 (learning to execute, memorisation tasks; accuracy)",
+                            "columns": ["model", "copy", "double", "reverse"],
+                            "rows": [["UT", "1.0", "1.0", "1.0"]]},
+    "translation": {"source": "§3.6 (WMT14 English–German, BLEU)",
+                    "columns": ["model", "BLEU"],
+                    "rows": [["Transformer base", "28.0"], ["Transformer big", "28.4"],
+                             ["UT small (base's compute)", "26.8"], ["UT base (base's parameters + 6.7 %)", "28.9"]],
+                    "reading": "At equal compute sharing the weights costs quality; at equal parameters it gains "
+                               "(the calculator's presets)."},
 }
+# The explainer's §9-§11: where the ideas went next
+LINEAGE = [
+    {"name": "ALBERT (Lan et al. 2020)",
+     "text": "shares every layer's weights: BERT-base ~108M → ALBERT-base ~12M parameters; the compute "
+             "per token does not shrink."},
+    {"name": "Conditional depth",
+     "text": "Mixture-of-Depths (Raposo et al. 2024) and early exit continue per-position halting "
+             "(phaseloop generate / eval --exit)."},
+    {"name": "Looped Transformers",
+     "text": "continue \"more steps for longer inputs\": a shared block run as often as the input needs "
+             "(phaseloop's looped and hyperloop architectures, --depth at inference)."},
+]
 CLAIM_COMMAND = ("python benchmarks/claim_act.py  (writes runs/claim-act/<variant>-s<seed>.json); "
                  "then phaseloop explore runs/claim-act")
 TASK_COMMAND = ("phaseloop task copy --arch universal --out runs/task-copy (or phaseloop babi ... "
@@ -169,7 +196,7 @@ def task_runs(ctx) -> dict:
 
 
 def results(ctx, params) -> dict:
-    return {"paper": PAPER, "measured": measured(ctx), "tasks": task_runs(ctx)}
+    return {"paper": PAPER, "lineage": LINEAGE, "measured": measured(ctx), "tasks": task_runs(ctx)}
 
 
 # Self-check (§8): each answer is read from a widget's endpoint by the page
