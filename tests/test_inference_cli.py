@@ -94,3 +94,23 @@ def test_act_exit_rows_against_the_first_row(runs, capsys):
 def test_bad_options_one_line(runs, capsys, argv, pattern):
     code, err = run_cli([argv[0], runs[argv[1]], "--device", "cpu", *argv[2:]], capsys)
     assert_one_line(code, err, pattern)
+
+
+def test_sizes_that_would_allocate_millions_of_positions_are_refused_or_grown(runs, capsys):
+    """--draft-tokens 100000000 and --max-new-tokens 2000000000 asked for 6.4 and 16 GB up front (a
+    raw allocator error, rc 1); serve --max-context had no bound. Now: refused in one line, and a
+    cache preallocates at most kvcache.PREALLOCATE positions (it grows as it is written)."""
+    from phaseloop.kvcache import PREALLOCATE, KVCache
+
+    code, err = run_cli([*_gen(runs), "--speculative", "1", "--draft-tokens", "100000000"], capsys)
+    assert_one_line(code, err, "must be an integer from 1 to 64")
+    code, err = run_cli([*_gen(runs)[:-2], "--max-new-tokens", "2000000000"], capsys)
+    assert code == 2 and "prompt + max_new_tokens = 2,000,000,006 positions: at most 16,777,216" in err
+    assert "Traceback" not in err
+    code, err = run_cli(["serve", runs["looped-tiny"], "--max-context", "100000000"], capsys)
+    assert code == 2 and "must be an integer from 2 to 16,777,216" in err
+    assert KVCache(capacity=10**7).capacity == PREALLOCATE and KVCache(capacity=100).capacity == 100
+    # speculation's cache: no room for more drafted tokens than the new tokens asked
+    few, many = (cli_json([*_gen(runs), "--max-new-tokens", "5", "--json", "--speculative", "1", "--draft-tokens", k],
+                          capsys)["kv_cache_bytes"] for k in ("5", "64"))
+    assert few == many

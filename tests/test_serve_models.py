@@ -82,9 +82,14 @@ def test_export_serves_as_its_run(runs, tmp_path):
         assert card["phaseloop"]["defaults"] == {"depth": 3}  # the export's own depth
         ran = httpx.get(f"{a.url}/v1/models").json()["data"][0]["phaseloop"]  # depth: passes, as a request's
         assert card["phaseloop"]["depth"] == 3 and ran["depth"] == load_run(run)[0].trunk.passes != ran["layers"]
+        # "depth": null is the trained depth, first and after requests at other depths (it was the
+        # export's depth until a request with a depth reset the model)
+        trained = [complete(a, p) for p in PROMPTS[:2]]
+        assert [complete(b, p, {"depth": None}) for p in PROMPTS[:2]] == trained
         for p in PROMPTS:
             assert complete(b, p) == complete(a, p, {"depth": 3})
             assert complete(b, p, {"depth": 2}) == complete(a, p, {"depth": 2})
+        assert [complete(b, p, {"depth": None}) for p in PROMPTS[:2]] == trained
     # --exit over an export keeps the export's depth (it ran at the trained depth, advertising 3)
     with Background(load(run), Config(port=0)) as a, \
             Background(load(out, defaults=Settings(exit=parse_exit("argmax:1")[0])), Config(port=0)) as b:

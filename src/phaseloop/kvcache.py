@@ -34,6 +34,7 @@ from torch import nn
 from phaseloop.errors import ConfigError
 
 OWED = 64  # forwards a slot's owed rows wait at most (they hold their own tensors meanwhile)
+PREALLOCATE = 8192  # positions a KVCache preallocates per slot at most (beyond: grown, doubling)
 
 
 def _pair(entry) -> bool:
@@ -60,8 +61,10 @@ class KVCache:
         self.pos, self.pad = pos, pad  # pad: [B] leading padding columns per row; None: no padding
         # positions to preallocate per slot: keys/values are then written in place into one
         # buffer (``entries`` holds views of its filled part) instead of grown by torch.cat;
-        # None: grown. A slot that outgrows it doubles its buffer.
-        self.capacity = capacity
+        # None: grown. A slot that outgrows it doubles its buffer. At most PREALLOCATE positions
+        # up front: a request for millions of new tokens grows as it is written instead of
+        # asking for the memory of all of them before the first forward
+        self.capacity = capacity if capacity is None else min(capacity, PREALLOCATE)
         self.buffers: dict = {}
         # slot -> pos at its latest write: written again at the same pos = in the same forward
         # (whoever moves pos back, truncate or decoding.keep_rows, clears it)

@@ -11,6 +11,7 @@ from pathlib import Path
 from phaseloop.analysis import plots
 from phaseloop.cli import argtypes
 from phaseloop.cli.exits import fail, rank
+from phaseloop.decoding import MAX_DRAFT_TOKENS
 from phaseloop.errors import PhaseloopError
 from phaseloop.files import check_out_dir
 from phaseloop.lm.train import check_seq_len
@@ -120,8 +121,8 @@ def inference_options(p, sweep: bool = False) -> None:
     if not sweep:
         p.add_argument("--speculative", type=argtypes.positive_int, metavar="D",
                        help="self-speculative decoding: draft with D passes, verify at the full depth")
-        p.add_argument("--draft-tokens", type=argtypes.positive_int, metavar="K",
-                       help="--speculative: tokens drafted per round (default 4)")
+        p.add_argument("--draft-tokens", type=argtypes.int_in(1, MAX_DRAFT_TOKENS), metavar="K",
+                       help=f"--speculative: tokens drafted per round (default 4, at most {MAX_DRAFT_TOKENS})")
 
 
 def data_options(p) -> None:

@@ -9,6 +9,7 @@ import sys
 from phaseloop.cli import argtypes
 from phaseloop.cli.options import depth_options, exit_options
 from phaseloop.errors import PhaseloopError
+from phaseloop.validation import MAX_SEQ_LEN
 
 PORT_INT = argtypes.int_in(0, 65535, " (0: any free port)")
 
@@ -39,7 +40,7 @@ def add_parsers(sub) -> None:
                    help="sequences waiting for the batch; beyond it requests get 429")
     p.add_argument("--timeout", type=argtypes.positive_float, default=600.0,
                    help="seconds a request may take, waiting included (then 408)")
-    p.add_argument("--max-context", type=argtypes.int_in(2), help="prompt + max_tokens per sequence, in "
+    p.add_argument("--max-context", type=argtypes.int_in(2, MAX_SEQ_LEN), help="prompt + max_tokens per sequence, in "
                    "tokens (default: the model's max_seq_len)")
     p.add_argument("--max-body-bytes", type=argtypes.positive_int, default=1 << 20,
                    help="largest request body (then 413)")

@@ -165,6 +165,8 @@ def _from_export(path: Path):
         raise CheckpointError(f"{path}: the exported model cannot be loaded ({str(e).splitlines()[0][:120]}); "
                               "export the run again (phaseloop export)") from None
     depth = getattr(wrapped.config, "phaseloop_depth", None)
+    if depth is not None:  # the model rests at its trained depth, as ``applied`` leaves it; the export's is a default
+        wrapped.model.trunk.reset_depth()
     return wrapped.model, Settings(depth=depth, extend_loops=getattr(wrapped.config, "phaseloop_extend_loops", None)
                                    if depth is not None else None)
 

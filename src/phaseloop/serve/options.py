@@ -20,13 +20,13 @@ from dataclasses import dataclass, replace
 
 from phaseloop import inference
 from phaseloop.config import MAX_DEPTH
+from phaseloop.decoding import MAX_DRAFT_TOKENS
 from phaseloop.depth import set_model_depth
 from phaseloop.early_exit import ExitRule, parse_exit, set_exit, set_kv_share
 from phaseloop.errors import PhaseloopError
 from phaseloop.serve.schema import bad
 
 FIELDS = ("depth", "extend_loops", "exit", "kv_share", "speculative", "draft_tokens")
-MAX_DRAFT_TOKENS = 64
 
 
 @dataclass(frozen=True)

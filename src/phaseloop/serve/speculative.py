@@ -28,7 +28,7 @@ class Speculative:
         self.model, self.seq, self.device = model, seq, device
         self.draft_passes = seq.settings.speculative
         self.draft_tokens = speculative_options(seq.settings).draft_tokens
-        self.cache = KVCache(capacity=len(seq.prompt) + seq.max_new + self.draft_tokens + 1)
+        self.cache = KVCache(capacity=len(seq.prompt) + seq.max_new + min(self.draft_tokens, seq.max_new) + 1)
         self.next: torch.Tensor | None = None  # [1]: the last token kept, not fed yet
         self.forwards = 0  # of its rounds: drafts + verifications
         seq.speculation = {"draft_passes": self.draft_passes, "draft_tokens": self.draft_tokens,
