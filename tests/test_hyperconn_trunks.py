@@ -69,7 +69,7 @@ def test_mhc_trunk_is_the_spec_recurrence_per_sub_layer():
         out = trunk(x, ctx)
         Y = x[:, :, None, :].repeat(1, 1, n, 1)
         for i, blk in enumerate(trunk.layers):
-            subs = (lambda h: blk.attn(blk.attn_norm(h), ctx), lambda h: blk.ffn(blk.ffn_norm(h)))
+            subs = (lambda h, blk=blk: blk.attn(blk.attn_norm(h), ctx), lambda h, blk=blk: blk.ffn(blk.ffn_norm(h)))
             for j, F_ in enumerate(subs):
                 hc = hcs[2 * i + j]
                 a = hc.alpha
