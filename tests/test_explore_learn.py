@@ -267,6 +267,9 @@ def wait_text(driver, css, pred=lambda t: bool(t.strip()), timeout=20):
     return driver.find_element(By.CSS_SELECTOR, css).text
 
 
+LAST_SUMMARY_SPAN = '[data-api="/api/learn/act?preset=init"][data-field="ponder_cost.0"]'
+
+
 def test_learn_pages_in_a_real_browser(explore_server, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
@@ -277,7 +280,7 @@ def test_learn_pages_in_a_real_browser(explore_server, browser):
     checks = {"/learn/ut/schedules": "#sch-n", "/learn/ut/calculator": "#calc-total",
               "/learn/ut/coordinates": "#co-far", "/learn/ut/parity": "#pa-need",
               "/learn/ut/act": "#act-run", "/learn/ut/results": "#res-none",
-              "/learn/ut/summary": "#quiz li", "/learn/3pt": "#tp-zs",
+              "/learn/ut/summary": LAST_SUMMARY_SPAN, "/learn/3pt": "#tp-zs",
               "/learn/hyperloop": "#hl-parts td", "/learn/ut/equations": "h3"}
     for url in by_url:
         browser.get(base + url)
@@ -338,6 +341,7 @@ def test_learn_pages_in_a_real_browser(explore_server, browser):
     browser.get(base + "/learn/ut/summary")
     wait_text(browser, "#quiz li")
     assert "ALBERT-base ~12M" in wait_text(browser, "#lineage")
+    assert wait_text(browser, LAST_SUMMARY_SPAN) == "2.269"  # every number of the page filled (one by one)
     browser.get(base + "/learn/ut/results")
     assert "5 +0.027" in wait_text(browser, "#res-agreement", lambda t: "+0.027" in t)
     browser.get(base + "/learn/ut/summary")
