@@ -131,6 +131,7 @@ class ModelConfig:
         check_types(self, "config")
         for inst in self._groups.values():
             check_types(inst, "config")
+        object.__setattr__(self, "_derived", frozenset(n for n in ("n_kv_heads", "d_ff") if getattr(self, n) is None))
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)  # derived: not "given"
         if self.d_ff is None:  # 4d for the ReLU FFN (Vaswani), 8/3 d for SwiGLU (same params)
@@ -179,6 +180,7 @@ class ModelConfig:
         for f in fields(ModelConfig):
             object.__setattr__(self, f.name, getattr(other, f.name))
         object.__setattr__(self, "_given", other._given)
+        object.__setattr__(self, "_derived", other._derived)
         for inst in other._groups.values():
             object.__setattr__(inst, "_cfg", self)
         object.__setattr__(self, "_groups", other._groups)
@@ -276,8 +278,8 @@ class ModelConfig:
         return ModelConfig(**merged(self._explicit(), overrides))
 
     def derived(self) -> set[str]:
-        """The core fields whose value was derived from others (d_ff, n_kv_heads not given)."""
-        return _nullable(ModelConfig) - self._given
+        """The core fields whose value was derived from others (d_ff, n_kv_heads left None)."""
+        return set(self._derived)
 
     def _explicit(self) -> dict:
         """The fields given explicitly (core names), from which the rest is derived."""

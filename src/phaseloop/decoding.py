@@ -61,7 +61,6 @@ def pick_next(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int | No
     return torch.multinomial(sampling_probs(logits_BV, temperature, top_k, top_p), 1, generator=generator)
 
 
-@torch.no_grad()
 def check_request(prompt_BT: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
                   vocab_size: int | None = None) -> None:
     """Refuse, in one line (``ConfigError``), a decoding request no model runs: a prompt
@@ -94,6 +93,7 @@ def check_request(prompt_BT: torch.Tensor, max_new_tokens: int, temperature: flo
                               f"vocabulary 0 .. {vocab_size - 1}; encode it with the run's tokenizer")
 
 
+@torch.no_grad()
 def decode(step: Callable, prompt_BT: torch.Tensor, max_new_tokens: int, *,
            temperature: float = 0.0, top_k: int | None = None,
            generator: torch.Generator | None = None, eos_id: int | None = None,
@@ -177,7 +177,7 @@ def join_rows(caches: list[KVCache], capacity: int = 0) -> KVCache:
     out = KVCache(pos=S, capacity=max(S, capacity), pad=torch.cat(pads))  # its buffers, preallocated
     for slot in slots:
         k0 = caches[0].entries[slot][0]
-        buf = tuple(k0.new_zeros(len(out.pad), k0.shape[1], max(S, capacity), k0.shape[3]) for _ in range(2))
+        buf = tuple(k0.new_zeros(len(out.pad), k0.shape[1], max(S, out.capacity), k0.shape[3]) for _ in range(2))
         row = 0
         for c in caches:
             k, v = c.entries[slot]

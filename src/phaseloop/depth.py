@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from phaseloop import registry
 from phaseloop.config import MAX_DEPTH
 from phaseloop.errors import ConfigError
+from phaseloop.trunk import Trunk
 
 
 def set_model_depth(model, depth: int | None, extend: str | None = None) -> None:
@@ -35,7 +36,8 @@ def depth_setting(model) -> tuple[int | None, str | None]:
     (None, None) at its trained depth (or without a depth to change); ``extend`` is "last"
     where the depth needs it (a Hyperloop beyond its trained loops)."""
     trunk = getattr(model, "trunk", None)
-    if trunk is None or not trunk.dynamic_depth or not hasattr(trunk, "passes"):
+    if trunk is None or not trunk.dynamic_depth or getattr(trunk, "passes", None) is None \
+            or type(trunk).reset_depth is Trunk.reset_depth:  # a plugin trunk that cannot say its depth
         return None, None
     now = trunk.passes
     trunk.reset_depth()

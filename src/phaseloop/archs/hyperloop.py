@@ -87,9 +87,6 @@ class HCOptions:
         if not self.hc_dynamic and self.hc_alpha_init != ModelConfig.default_of("hc_alpha_init"):
             fail("hc_alpha_init", self.hc_alpha_init, "static coefficients (hc_dynamic=False) have "
                  "no alpha; drop hc_alpha_init or set hc_dynamic=True")
-        if self.hc_res_form != "sinkhorn" and self.sinkhorn_iters != ModelConfig.default_of("sinkhorn_iters"):
-            fail("sinkhorn_iters", self.sinkhorn_iters, f"has no effect with hc_res={self.hc_res_form!r}; "
-                 "drop it or set hc_res='sinkhorn'")
         if self.n_streams < 2:
             fail("n_streams", self.n_streams, "hyper-connections need >= 2 streams; "
                  "use arch='looped' (or the baseline) for a single residual stream")
@@ -108,9 +105,6 @@ class HyperloopOptions:
         if self.hc_transition == "pooled_mlp" and not cfg.hc_dynamic:
             fail("hc_dynamic", False, "the pooled-MLP variant has no hyper-connection "
                  "coefficients to make static; drop hc_dynamic or use hc_transition='hc'")
-        if self.hc_transition == "pooled_mlp" and cfg.hc_alpha_init != ModelConfig.default_of("hc_alpha_init"):
-            fail("hc_alpha_init", cfg.hc_alpha_init, "the pooled-MLP variant has no alpha scales; drop "
-                 "hc_alpha_init or use hc_transition='hc'")
         if self.hc_transition == "pooled_mlp" and (self.hc_per_layer or cfg.hc_res is not None):
             fail("hc_transition", self.hc_transition,
                  "the pooled-MLP variant has no H_res and runs once per loop; drop hc_res "

@@ -92,13 +92,32 @@ class TrainRun:
         lines = ["# phaseloop train --config FILE: a run's configuration, every value resolved. A key",
                  "# left out takes the preset's value, else its default; a none value is left out (commented),",
                  "# and so is a derived one (shown commented: left out, it follows the fields it derives from)."]
-        derived = self.model.derived()
+        derived = _left_to_derive(sections["model"], self.model.derived())
         for name, d in sections.items():
             lines += ["", f"[{name}]"]
             for k, v in d.items():
                 line = f"# {k} = none" if v is None else tomli_w.dumps({k: v}).rstrip("\n")
                 lines.append(f"# {line}  (derived)" if name == "model" and k in derived else line)
         return "\n".join(lines) + "\n"
+
+
+def _model_of(model: dict) -> ModelConfig:
+    """The model a file's [model] section gives (``resolve_run``'s layers 1-2): its preset
+    with the fields over it, or an architecture at its defaults, else the default preset's."""
+    model = dict(model)
+    preset = model.pop("preset", None)
+    if preset is None and model.get("arch") is not None:
+        return ModelConfig(**model)
+    return ModelConfig.from_preset(preset or registry.default_preset(), **model)
+
+
+def _left_to_derive(model: dict, derived: set[str]) -> set[str]:
+    """The derived fields of a [model] section that come back the same when left out (a
+    preset that gives one would put its own value there instead: that one is written)."""
+    if not derived:
+        return set()
+    back = _model_of({k: v for k, v in model.items() if v is not None and k not in derived}).to_dict()
+    return {k for k in derived if back.get(k) == model.get(k)}
 
 
 def _check_nones(sections: dict) -> None:
