@@ -121,6 +121,19 @@ def test_decoding_options_are_refused_by_both_generate_calls(tiny, kw, says):
         tiny.generate(prompt, **{"max_new_tokens": 2, **kw})
 
 
+def test_numpy_numbers_are_taken_as_python_ones(tiny):
+    import numpy as np
+
+    prompt = torch.tensor([[1, 2, 3]])
+    want = generate(tiny, prompt, Options(max_new_tokens=3, temperature=0.7, top_k=5, seed=1)).tokens
+    got = generate(tiny, prompt, Options(max_new_tokens=np.int64(3), temperature=np.float32(0.7), top_k=np.int64(5),
+                                         seed=1)).tokens
+    assert torch.equal(got, want)
+    assert tiny.generate(prompt, np.int64(2), temperature=np.float64(0.0)).shape == (1, 5)
+    with pytest.raises(ConfigError, match="max_new_tokens=True"):
+        tiny.generate(prompt, True)
+
+
 def test_a_prompt_outside_the_vocabulary_or_of_floats_is_refused(tiny):
     V = tiny.cfg.vocab_size
     for bad, says in ((torch.tensor([[1, V]]), f"token id {V}, outside the model's vocabulary 0 .. {V - 1}"),

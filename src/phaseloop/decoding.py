@@ -11,8 +11,10 @@ Geiping et al. 2025 §6.4, do)."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from phaseloop.depth import set_model_depth
@@ -68,8 +70,8 @@ def check_request(prompt_BT: torch.Tensor, max_new_tokens: int, temperature: flo
     negative or fractional token count, a temperature that is negative or not finite, a
     top-k below 1. What the CLI and the server refuse before they get here, the library's
     own ``generate`` calls refuse too."""
-    def whole(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
+    def whole(v) -> bool:  # numpy's integers too (numbers.Integral), not a bool
+        return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
     if not isinstance(prompt_BT, torch.Tensor) or prompt_BT.dim() != 2 or prompt_BT.shape[1] < 1 \
             or prompt_BT.dtype.is_floating_point or prompt_BT.dtype.is_complex or prompt_BT.dtype == torch.bool:
@@ -78,7 +80,7 @@ def check_request(prompt_BT: torch.Tensor, max_new_tokens: int, temperature: flo
                           f"not {shape}")
     if not whole(max_new_tokens) or max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 0")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, numbers.Real) \
             or not math.isfinite(temperature) or temperature < 0:
         raise ConfigError(f"temperature={temperature!r}: must be a finite number >= 0 (0 = greedy)")
     if prompt_BT.shape[1] + max_new_tokens > MAX_SEQ_LEN:
