@@ -196,7 +196,9 @@ def test_results_read_from_claim_files(tmp_path):
 def test_the_explainers_section_3_8_and_9_numbers_are_served():
     """explainer.md §3 (BLEU), §8 (agreement, learning to execute, bAbI at 1k) and §9-§11
     (lineage) reach the pages through /api/learn/results, quoted once in learn_results."""
-    b = TestClient(create_app()).get("/api/learn/results").json()
+    client = TestClient(create_app())
+    b = client.get("/api/learn/results").json()
+    assert client.get("/api/learn/paper").json() == {"paper": b["paper"], "lineage": b["lineage"]}
     p = b["paper"]
     assert dict(p["translation"]["rows"]) == {"Transformer base": "28.0", "Transformer big": "28.4",
                                               "UT small (base's compute)": "26.8",

@@ -195,8 +195,14 @@ def task_runs(ctx) -> dict:
     return {"found": bool(runs), "runs": runs, "command": TASK_COMMAND}
 
 
+def paper(ctx, params) -> dict:
+    """The paper's tables and the lineage, quoted: what the calculator and summary pages show
+    (without reading the served folders, as ``results`` does for its measured half)."""
+    return {"paper": PAPER, "lineage": LINEAGE}
+
+
 def results(ctx, params) -> dict:
-    return {"paper": PAPER, "lineage": LINEAGE, "measured": measured(ctx), "tasks": task_runs(ctx)}
+    return {**paper(ctx, params), "measured": measured(ctx), "tasks": task_runs(ctx)}
 
 
 # Self-check (§8): each answer is read from a widget's endpoint by the page
@@ -229,4 +235,4 @@ def self_check(ctx, params) -> dict:
     return {"questions": SELF_CHECK}
 
 
-ENDPOINTS = {"/api/learn/results": results, "/api/learn/selfcheck": self_check}
+ENDPOINTS = {"/api/learn/paper": paper, "/api/learn/results": results, "/api/learn/selfcheck": self_check}
