@@ -278,6 +278,44 @@ def test_auto_probes_then_decides_and_a_resumed_run_keeps_the_choice(tmp_path, m
     assert [r["loss"] for r in again.records if "loss" in r] == [r["loss"] for r in t.records][6:]
 
 
+def test_a_run_resumed_while_auto_probes_decides_at_the_same_step(tmp_path, monkeypatch):
+    """A checkpoint written before auto chose (step 3 of a 6-step probe) keeps the probe's
+    times: the resumed run decides after the same step, from those times and its own, and
+    computes as the uninterrupted run does (before, it probed anew and switched 3 steps later)."""
+    from phaseloop.engine import RunFolder
+    from phaseloop.engine.checkpoint import checkpoint_dir, load_trainer_state
+    from phaseloop.errors import CheckpointError
+
+    monkeypatch.setenv("PHASELOOP_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(compiling, "COLD_S", {"cpu": 0.0, "cuda": 0.0})  # any saving pays
+    monkeypatch.setattr(compiling, "SAVING", {"cpu": 0.5, "cuda": 0.5})
+    monkeypatch.setattr(compile_cache, "read_record", lambda key: {})  # not what other tests measured
+    decided, original = [], compiling.RunCompiler._decide
+
+    def spy(self, steps_left):
+        decided.append((steps_left, list(self.times[:3])))
+        original(self, steps_left)
+    monkeypatch.setattr(compiling.RunCompiler, "_decide", spy)
+    cfg = {"train": tconf("auto", 10).to_dict()}
+    full = train("auto", steps=10, run=RunFolder.open(tmp_path / "full", cfg))
+    part = Trainer(lambda: build_model(tiny("rope")), full.tc, Batches(), lambda m, b, d: m(*b),
+                   run=RunFolder.open(tmp_path / "part", cfg))
+    torch.manual_seed(0)
+    part.fit(stop_after=3)
+    meta, _ = load_trainer_state(checkpoint_dir(tmp_path / "part"))
+    assert "compile" not in meta and len(meta["compile_probe"]) == 3 and len(decided) == 1  # the full run's
+    again = Trainer(lambda: build_model(tiny("rope")), full.tc, Batches(), lambda m, b, d: m(*b),
+                    run=RunFolder.open(tmp_path / "part", cfg, resume=True))
+    again.fit()
+    assert decided[0][0] == decided[1][0] == 4  # after step 6 of 10, in both runs
+    assert decided[1][1] == meta["compile_probe"]  # the times recorded before the checkpoint
+    assert again.compiler.mode == full.compiler.mode == "block"
+    assert [r["loss"] for r in again.records if "loss" in r] == [r["loss"] for r in full.records][3:]
+    for damaged in ("fast", [1.0] * 9, [-1.0], [True]):
+        with pytest.raises(CheckpointError, match="compile_probe .* is damaged"):
+            compiling.RunCompiler("auto", full.model, torch.device("cpu"), "", probe=damaged)
+
+
 @pytest.mark.parametrize("preset,how", [("rope-tiny", "ddp"), ("hyperloop-tiny", "fsdp")])
 def test_block_mode_under_torchrun_equals_one_eager_process(tmp_path, text_file, preset, how, monkeypatch):
     """Blocks compiled before DDP / FSDP2 wrap the model (torchtitan's order), 2 processes

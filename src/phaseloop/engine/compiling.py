@@ -20,7 +20,9 @@ Modes (``TrainConfig.compile``):
   fraction of a step compiling saved) replaces the estimates below. A block never compiled
   here costs a cold compile, which the runs of a comparison that share it (``share``: the
   runner counts them) split: the first compiles, the others load it warm. The choice is
-  kept in the run's checkpoints, so a resumed run computes as before.
+  kept in the run's checkpoints, so a resumed run computes as before; a checkpoint written
+  while auto still probes keeps the probe's step times, so a resumed run decides at the
+  same step as the uninterrupted one (from the same times, those before the checkpoint).
 
 Compiled artefacts persist in ``$PHASELOOP_CACHE/compile/`` (inductor's FX-graph and
 AOTAutograd caches, keyed by inductor on the graph, the torch version and its settings),
@@ -40,7 +42,7 @@ import torch
 from torch import nn
 
 from phaseloop.engine import compile_cache, dist
-from phaseloop.errors import PhaseloopError, first_line
+from phaseloop.errors import CheckpointError, PhaseloopError, first_line
 from phaseloop.layers import Block
 
 MODES = ("off", "block", "model", "auto")
@@ -161,6 +163,17 @@ def _cache_counts() -> tuple[int, int, int]:
             counters["stats"]["unique_graphs"])
 
 
+def _probe(times) -> list[float]:
+    """A checkpoint's ``compile_probe`` (None: none); refused in one line if damaged."""
+    if times is None:
+        return []
+    if not (isinstance(times, list) and len(times) <= PROBE and all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float("inf") for t in times)):
+        raise CheckpointError(f"the checkpoint's compile_probe {str(times)[:60]} is damaged (it holds up to {PROBE} "
+                              "step times in seconds); restore the checkpoint or resume with --compile off or block")
+    return [float(t) for t in times]
+
+
 _COMPILED_HERE: set[str] = set()  # shape keys this process compiled: a later run reuses them free
 
 
@@ -176,11 +189,12 @@ class RunCompiler:
     choice, and the fallback to eager when the first compiled step fails.
 
     ``chosen``: the mode a resumed run recorded (auto's earlier choice), else None;
+    ``probe``: the probe's step times it recorded where auto had not chosen yet (``state``);
     ``share``: the runs, this one included, that compile the same blocks (``shares``)."""
 
     def __init__(self, mode: str, model: nn.Module, device: torch.device, key_extra: str,
                  chosen: str | None = None, sharded: bool = False, main: bool = True,
-                 verbose: bool = True, share: int = 1):
+                 verbose: bool = True, share: int = 1, probe: list | None = None):
         self.model, self.device, self.key_extra, self.main, self.share = model, device, key_extra, main, share
         self.verbose = verbose  # auto's line on stderr (a quiet run keeps it in its summary)
         self.line: str | None = None  # what auto chose and why (summary.json: compile_note)
@@ -194,7 +208,7 @@ class RunCompiler:
         self.eager_fwd = self.fwd = None
         self.undo: Callable[[], None] | None = None
         self.pending = False  # the next step is the first compiled one
-        self.times: list[float] = []  # auto's eager probe steps
+        self.times: list[float] = _probe(probe) if self.mode == "auto" else []  # auto's eager probe steps
         self.compiled: list[float] | None = None  # auto: compiled steps timed to measure the saving
         if self.mode == "block":  # before FSDP2 / DDP wrap the model (as torchtitan orders it)
             self._apply_block()
@@ -203,6 +217,12 @@ class RunCompiler:
     def chosen(self) -> str | None:
         """The mode to record in checkpoints (None while auto has not decided)."""
         return None if self.mode == "auto" else self.mode
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: the mode chosen, or auto's probe so far."""
+        if self.chosen is not None:
+            return {"compile": self.chosen}
+        return {"compile_probe": list(self.times)} if self.times else {}
 
     def _say(self, msg: str) -> None:
         if self.main:

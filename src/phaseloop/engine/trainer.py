@@ -152,11 +152,11 @@ class Trainer:
             load_init(self.model, tc.init_from, self.log if self.world.main else None)
         if tc.checkpoint_activations:  # before FSDP2 wraps the blocks, as torchtitan does
             dist.checkpoint_activations(self.model)
+        meta = restored[0] if restored is not None else {}
         self.compiler = compiling.RunCompiler(  # block mode compiles before DDP / FSDP2 wrap
-            tc.compile, self.model, self.device, compiling.batch_key(tc),
-            restored[0].get("compile") if restored is not None else None,
+            tc.compile, self.model, self.device, compiling.batch_key(tc), meta.get("compile"),
             sharded=self.world.size > 1 and tc.parallel == "fsdp", main=self.world.main,
-            verbose=self.progress, share=self.compile_share)
+            verbose=self.progress, share=self.compile_share, probe=meta.get("compile_probe"))
         self.fwd = dist.parallelize(self.model, tc.parallel, self.device,  # from outside the model
                                     varying_depth=tc.depth_sample is not None)
         self.compiler.attach(self.fwd)
@@ -230,7 +230,7 @@ class Trainer:
                             {"elapsed": self.elapsed + self.unlogged, "tokens": self.tokens, "skipped": self.skipped,
                              **({"flops": self.flops.total} if self.flops.total is not None else {}),
                              "world_size": self.world.size,
-                             **({"compile": self.compiler.chosen} if self.compiler.chosen else {})},
+                             **self.compiler.state()},
                             rng=rng, config=self.run.config)
             self.keeper.saved(self.step)
         dist.barrier()
