@@ -288,3 +288,33 @@ def test_torchao_cpu():
         errs[bits] = err
         assert rep["n_quantized"] == 4 and rep["bytes_after"] < rep["bytes_before"]
     assert errs[8] < 0.01 and errs[8] < errs[4] < 0.3, errs
+
+
+def test_gptq_runs_in_full_fp32_with_tf32_restored_after():
+    """TF32 (CUDA's 10-bit-mantissa fp32 products) is off while GPTQ builds its Hessian and
+    propagates errors, as the reference implementation sets it, and the caller's setting
+    comes back after; nothing in phaseloop switches it on outside a training step."""
+    from torch.overrides import TorchFunctionMode
+
+    from phaseloop.engine import resolve_device
+    from phaseloop.engine.optim import tf32
+    from phaseloop.quant.gptq import _HessianAccumulator
+
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    seen = []
+
+    class Products(TorchFunctionMode):  # the TF32 flags at every matrix product GPTQ calls
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("addmm_", "matmul", "__matmul__"):
+                seen.append([f.allow_tf32 for f in flags])
+            return func(*args, **(kwargs or {}))
+
+    with tf32(True), Products():
+        acc = _HessianAccumulator(8, "cpu")
+        acc.add(torch.randn(5, 8))
+        gptq_quantize(torch.randn(4, 8), acc.H, 4, 4, block_size=4)  # two blocks: Err1 @ Hinv
+        assert [f.allow_tf32 for f in flags] == [True, True]  # restored
+    assert len(seen) >= 2 and all(s == [False, False] for s in seen), seen
+    before = [f.allow_tf32 for f in flags]
+    resolve_device("cpu"), resolve_device("auto")
+    assert [f.allow_tf32 for f in flags] == before

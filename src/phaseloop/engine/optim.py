@@ -3,6 +3,7 @@ and precision."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import platform
 import re
@@ -95,10 +96,24 @@ def resolve_device(name: str, what: str = "--device") -> torch.device:
         raise ConfigError(f"{what} {name!r}: use auto, cpu or cuda[:N]")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"{what} {name!r}: no CUDA device here; use {fix}")
-    if name.startswith("cuda"):  # TF32 for the fp32 matmuls autocast leaves (Ampere and later)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
     return torch.device(name)
+
+
+@contextlib.contextmanager
+def tf32(on: bool):
+    """torch's TF32 switches for CUDA's fp32 matmuls and convolutions (Ampere and later; no
+    effect elsewhere) set to ``on`` while the block runs, restored after: training steps
+    take TF32 for the fp32 products autocast leaves; evaluation, decoding and GPTQ keep
+    full fp32 (its Hessian, as the reference implementation does)."""
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    was = [f.allow_tf32 for f in flags]
+    for f in flags:
+        f.allow_tf32 = on
+    try:
+        yield
+    finally:
+        for f, w in zip(flags, was):
+            f.allow_tf32 = w
 
 
 def autocast(device: torch.device):

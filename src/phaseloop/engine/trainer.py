@@ -35,7 +35,7 @@ from phaseloop.engine.config import TrainConfig
 from phaseloop.engine.flops import FlopCount
 from phaseloop.engine.initfrom import load_init
 from phaseloop.engine.keep import Keeper
-from phaseloop.engine.optim import autocast, check_memory, lr_at, make_optimizer, peak_memory_mb, resolve_device
+from phaseloop.engine.optim import autocast, check_memory, lr_at, make_optimizer, peak_memory_mb, resolve_device, tf32
 from phaseloop.engine.run import RunFolder
 from phaseloop.engine.trackers import Trackers
 from phaseloop.engine.trackers import check as check_trackers
@@ -273,7 +273,7 @@ class Trainer:
         aux: dict[str, torch.Tensor] = {}
         tokens = self.tokens
         drawn, weights = step_batches(self.batches, tc, self.world.size)  # weighting.py
-        with sampled_depth(self.model, tc, self.step) as depth:  # the step's depth (tc.depth_sample), if any
+        with sampled_depth(self.model, tc, self.step) as depth, tf32(dev.type == "cuda"):  # tc.depth_sample's
             for i, batch in enumerate(drawn):
                 with dist.no_sync(fwd, sync=i == tc.grad_accum - 1), autocast(dev):
                     out = self.loss_fn(fwd, batch, dev)

@@ -27,12 +27,14 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 import torch.nn as nn
 
+from phaseloop.engine.optim import tf32
 from phaseloop.errors import ConfigError
 from phaseloop.quant.core import check_bits, check_weight, qparams, quant_codes, resolve_group_size
 from phaseloop.quant.targets import default_skip, select_linears
 
 # --------------------------------------------------------------------------- GPTQ
 
+@tf32(False)  # full fp32 on CUDA, as the reference sets allow_tf32 = False
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: int | None = 128,
                   damp: float = 0.01, block_size: int = 128, *, sym: bool = False,
                   scale_dtype: torch.dtype = torch.float16):
@@ -128,6 +130,7 @@ class _HessianAccumulator:
         self.n = 0
         self.calls = 0
 
+    @tf32(False)
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
         m = x.shape[0]
