@@ -180,3 +180,25 @@ def test_compare_under_torchrun_equals_one_process(tmp_path, text_file):
     assert two.stdout.count("| rope |") == 1  # rank 0 reports, once
     for run in ("rope-s0", "universal+act-s0"):
         _assert_close(_records(tmp_path / "one" / "runs" / run), _records(tmp_path / "two" / "runs" / run))
+
+
+def test_fsdp2_shards_on_the_runs_device_mesh(monkeypatch):
+    """FSDP2 is given a mesh of the run's device: its default mesh is the machine's
+    accelerator, which would move a `--device cpu` run's parameters onto a GPU its gloo
+    group cannot reduce on. Checked in one process by standing in for a world of 2."""
+    import torch
+    import torch.distributed.device_mesh as dm
+    import torch.distributed.fsdp as fsdp
+    from conftest import tiny_model_config
+
+    from phaseloop.engine import dist
+    from phaseloop.models import build_model
+
+    meshes, sharded = [], []
+    monkeypatch.setattr(dist, "world", lambda: dist.World(0, 2, 0))
+    monkeypatch.setattr(dm, "init_device_mesh", lambda kind, shape: meshes.append((kind, shape)) or f"mesh:{kind}")
+    monkeypatch.setattr(fsdp, "fully_shard", lambda m, mesh=None: sharded.append(mesh))
+    model = build_model(tiny_model_config("rope"))
+    assert dist.parallelize(model, "fsdp", torch.device("cpu")) is model
+    assert meshes == [("cpu", (2,))]
+    assert sharded == ["mesh:cpu"] * (len(dist.blocks_of(model)) + 1)  # every block, then the model

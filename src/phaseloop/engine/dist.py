@@ -181,9 +181,14 @@ def parallelize(model: nn.Module, how: str, device: torch.device, varying_depth:
     for m in model.modules():  # a data-dependent depth (ACT's early exit) would differ by rank
         if isinstance(m, Trunk):
             m.fix_depth()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # the mesh of the run's device: FSDP2's default is the machine's accelerator, which
+    # would move a --device cpu run's parameters to a GPU its gloo group cannot reduce on
+    mesh = init_device_mesh(device.type, (w.size,))
     for block in blocks_of(model):
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
