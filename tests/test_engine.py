@@ -372,3 +372,53 @@ def test_an_evaluation_between_logged_steps_has_its_training_time(tmp_path):
     evals = [r["elapsed_s"] for r in recs if "val_loss" in r]
     train = [r["elapsed_s"] for r in recs if "loss" in r]
     assert len(evals) == 4 and 0 < evals[0] < evals[1] < evals[2] <= train[-1] == evals[3]
+
+
+def test_a_resumed_optimizer_keeps_this_runs_implementation():
+    """A checkpoint records its param groups' fused / foreach flags; a run resumed on
+    another device (CPU's foreach state into CUDA's fused AdamW) keeps its own, and the
+    state itself loads unchanged (fused AdamW runs on CPU too, so both sides are real)."""
+    from phaseloop.engine import dist
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    first = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    model(torch.randn(5, 4)).square().sum().backward()
+    first.step()
+    saved = first.state_dict()
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    dist.load_optimizer(model, fused, saved, "ddp")
+    assert fused.param_groups[0]["fused"] is True and not fused.param_groups[0]["foreach"]
+    for p in model.parameters():
+        assert torch.equal(fused.state[p]["exp_avg"], first.state[p]["exp_avg"])
+        assert float(fused.state[p]["step"]) == 1.0
+    fused.step()  # fused AdamW takes the loaded state
+    back = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    dist.load_optimizer(model, back, fused.state_dict(), "ddp")
+    assert back.param_groups[0]["foreach"] is True and not back.param_groups[0]["fused"]
+
+
+def test_the_compile_fallback_rewinds_the_cuda_random_state(monkeypatch):
+    """A failed first compiled step is re-run from the random state before it, the CUDA
+    generator's too (dropout draws there on CUDA), checked with the CUDA calls stood in for."""
+    tc = TrainConfig(steps=1, batch_size=2, warmup_steps=1, log_every=1, eval_every=10, compile="off")
+
+    class Batches:
+        def state(self):
+            return {}
+
+        def set_state(self, s):
+            pass
+
+    t = Trainer(lambda: nn.Linear(2, 2), tc, Batches(), lambda m, b, d: None)
+    t.tokens, t.flops, t.optimizer = 0, type("F", (), {"total": None})(), torch.optim.SGD([nn.Parameter(torch.ones(1))])
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", device)) or "cuda-state")
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", state, device)))
+    t.device = torch.device("cuda", 0)
+    t._rewind(t._snapshot())
+    assert calls == [("get", t.device), ("set", "cuda-state", t.device)]
+    calls.clear()
+    t.device = torch.device("cpu")
+    t._rewind(t._snapshot())
+    assert calls == []

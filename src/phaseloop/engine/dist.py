@@ -228,10 +228,18 @@ def full_state(model: nn.Module, optimizer, how: str) -> tuple[dict, dict | None
                  "param_groups": [{**g, "params": [idx[n] for n in g["params"]]} for g in osd["param_groups"]]}
 
 
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how, not what, a group steps
+
+
 def load_optimizer(model: nn.Module, optimizer, state: dict, how: str) -> None:
     """The inverse of ``full_state`` for the optimiser (every rank holds the full state); a
-    state of another optimizer's shape (a forged or foreign checkpoint) is one line."""
+    state of another optimizer's shape (a forged or foreign checkpoint) is one line. The
+    implementation this run chose (``optim.adamw``: fused on CUDA, foreach elsewhere) is
+    kept over the checkpoint's, which a run started on another device recorded."""
     try:
+        own = [{k: g[k] for k in IMPLEMENTATION if k in g} for g in optimizer.param_groups]
+        if isinstance(state.get("param_groups"), list) and len(state["param_groups"]) == len(own):
+            state = {**state, "param_groups": [{**g, **o} for g, o in zip(state["param_groups"], own)]}
         if world().size == 1 or how != "fsdp":
             optimizer.load_state_dict(state)
             return

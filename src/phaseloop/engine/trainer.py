@@ -256,11 +256,14 @@ class Trainer:
     def _snapshot(self):
         """What a step consumes (data position, random state, token count): the compile
         fallback re-runs a failed first compiled step from here."""
-        return self.batches.state(), torch.get_rng_state(), self.tokens, self.flops.total
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None  # dropout's there
+        return self.batches.state(), torch.get_rng_state(), self.tokens, self.flops.total, cuda
 
     def _rewind(self, snap) -> None:
         self.batches.set_state(snap[0])
         torch.set_rng_state(snap[1])
+        if snap[4] is not None:
+            torch.cuda.set_rng_state(snap[4], self.device)
         self.tokens, self.flops.total = snap[2], snap[3]
         self.optimizer.zero_grad(set_to_none=True)
 
