@@ -216,3 +216,22 @@ def test_passes_are_those_each_forward_ran(preset):
     assert g.mean_passes == pytest.approx(want / len(g.passes))
     if preset == "universal-act-tiny":
         assert g.mean_passes < full  # halted before the step limit
+
+
+@pytest.mark.parametrize("speculative", [None, 1])
+def test_generation_is_timed_after_the_device_finished(monkeypatch, speculative):
+    """``seconds`` (tokens/s) is read once the device ran what was queued: on CUDA a
+    greedy decode that never reads a token would otherwise stop the clock early. The CUDA
+    call is stood in for; on the CPU nothing is waited for."""
+    import phaseloop.inference as inference
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: synced.append(device))
+    assert inference.clock(torch.device("cuda", 1)) > 0 and synced == [torch.device("cuda", 1)]
+    seen = []
+    real = inference.clock
+    monkeypatch.setattr(inference, "clock", lambda device: seen.append(device) or real(device))
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_preset("looped-tiny"))
+    out = generate(model, torch.tensor([[1, 2, 3]]), Options(max_new_tokens=4, speculative=speculative))
+    assert seen == [torch.device("cpu")] * 2 and out.seconds > 0 and synced == [torch.device("cuda", 1)]

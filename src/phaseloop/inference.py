@@ -173,6 +173,14 @@ def _mean_passes(passes: list) -> list:
     return passes
 
 
+def clock(device: torch.device) -> float:
+    """``time.perf_counter`` once ``device`` has finished the work queued on it (a CUDA
+    decode whose tokens were never read would otherwise be timed before it ran)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @torch.no_grad()
 def generate(model, prompt_BT: torch.Tensor, options: Options) -> Generation:
     """Decode ``prompt_BT`` with ``options`` (``Generation``: the tokens and the figures)."""
@@ -182,12 +190,12 @@ def generate(model, prompt_BT: torch.Tensor, options: Options) -> Generation:
     model.eval()
     try:
         with configured(model, options):
-            t0 = time.perf_counter()
+            t0 = clock(prompt_BT.device)
             if options.speculative is not None:
                 ids, info = speculative_decode(model, prompt_BT, options.max_new_tokens, options.speculative,
                                                options.draft_tokens, options.temperature, options.top_k,
                                                gen, options.eos_id)
-                seconds = time.perf_counter() - t0
+                seconds = clock(prompt_BT.device) - t0
                 n = ids.shape[1] - prompt_BT.shape[1]
                 return Generation(ids, ids[:, prompt_BT.shape[1]:], seconds, [info["passes"] / max(n, 1)] * n,
                                   info["cache"].nbytes, info["acceptance"], info["rounds"])
@@ -202,7 +210,7 @@ def generate(model, prompt_BT: torch.Tensor, options: Options) -> Generation:
                          top_k=options.top_k, generator=gen, eos_id=options.eos_id, use_cache=options.use_cache,
                          on_output=lambda out: passes.append(_passes(out, model.trunk)))
             passes = _mean_passes(passes)
-            seconds = time.perf_counter() - t0
+            seconds = clock(prompt_BT.device) - t0
     finally:
         model.train(was_training)
     n = ids.shape[1] - prompt_BT.shape[1]
