@@ -4,6 +4,8 @@ exited ones' results discarded); cached decoding equals the full pass under fill
 latest projects nothing; only the running rows reach the FFN; the counted FLOPs are the
 executed ones; the rules compute what their papers define."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from phaseloop import ModelConfig, build_model
 from phaseloop.analysis.exits import exit_flops, tally
-from phaseloop.early_exit import HUGINN_H0, Monitor, parse_exit, set_exit
+from phaseloop.early_exit import Monitor, parse_exit, set_exit
 from phaseloop.layers import KVCache
 from phaseloop.passes import Running
 
@@ -213,39 +215,83 @@ def _first_exit(stop_TBT):
     return want
 
 
-@pytest.mark.parametrize("kind", ["kl", "entropy", "accel"])
+@pytest.mark.parametrize("kind", ["kl", "kl-lens", "entropy", "state", "accel"])
 def test_rules_as_their_papers_define_them(kind, monkeypatch):
-    """UT (no end block: p_t = head(norm(h_t))): kl = Huginn's F.kl_div(log p_t, log p_{t-1},
-    log_target=True) with p_0 uniform; entropy = |H_t - H_{t-1}| with H_0 = 100; accel =
-    Pappone et al.'s ||Δ_t - Δ_{t-1}|| below EPS at two successive passes."""
+    """UT (no end block: p_t = head(norm(h_t))), each rule's value written out from the
+    states the monitor saw: kl = Huginn's F.kl_div(log p_t, log p_{t-1}, log_target=True)
+    = KL(p_{t-1} || p_t) with p_0 uniform; kl-lens = KL(p_t || p_{t-1}) with p_0 read from
+    the loop's input; entropy = |H_t - H_{t-1}| with H_0 = 100 nats; state = ||h_t - h_{t-1}||
+    / ||h_{t-1}|| with h_0 the input; accel = Pappone et al.'s ||Δ_t - Δ_{t-1}|| below EPS at
+    two successive passes (from pass 2). The head is sharpened (x30) so that p_t are far
+    from uniform and KL's two directions differ; several thresholds each."""
     m = _model("universal-tiny")
+    with torch.no_grad():
+        m.head.weight.mul_(30)
     idx = _idx()
     set_exit(m, None)
     seen, _ = _states(m, idx, "state", 0, monkeypatch)  # every pass, nobody exits
-    logp = [F.log_softmax(m.head(m.norm(h)), -1) for h in seen]
-    V = m.cfg.vocab_size
+    x0 = m.embed(idx)
+    lens = lambda h: F.log_softmax(m.head(m.norm(h)), -1)
+    logp, V = [lens(h) for h in seen], m.cfg.vocab_size
+    kl = lambda p, q: (p.exp() * (p - q)).sum(-1)  # KL(p || q) of log-probabilities
     if kind == "kl":
-        prev = [torch.full_like(logp[0], -torch.log(torch.tensor(float(V))).item())] + logp[:-1]
-        val = torch.stack([F.kl_div(lp, pp, reduction="none", log_target=True).sum(-1) for lp, pp in zip(logp, prev)])
+        prev = [torch.full_like(logp[0], -math.log(V))] + logp[:-1]
+        val = torch.stack([kl(pp, lp) for lp, pp in zip(logp, prev)])
+        assert torch.allclose(val, torch.stack([F.kl_div(lp, pp, reduction="none", log_target=True).sum(-1)
+                                                for lp, pp in zip(logp, prev)]))
+    elif kind == "kl-lens":
+        val = torch.stack([kl(lp, pp) for lp, pp in zip(logp, [lens(x0)] + logp[:-1])])
     elif kind == "entropy":
         H = [-(lp.exp() * lp).sum(-1) for lp in logp]
-        val = torch.stack([(h - hp).abs() for h, hp in zip(H, [torch.full_like(H[0], HUGINN_H0)] + H[:-1])])
+        val = torch.stack([(h - hp).abs() for h, hp in zip(H, [torch.full_like(H[0], 100.0)] + H[:-1])])
+    elif kind == "state":
+        val = torch.stack([(h - hp).norm(dim=-1) / hp.norm(dim=-1) for h, hp in zip(seen, [x0] + seen[:-1])])
     else:
-        x0 = m.embed(idx)
         delta = [a - b for a, b in zip(seen, [x0] + seen[:-1])]
         acc = [torch.full(idx.shape, float("inf"), dtype=torch.float64)] + [
             (d - dp).norm(dim=-1) for d, dp in zip(delta[1:], delta[:-1])]
         val = torch.stack(acc)
-    decided = val[1:-1] if kind == "accel" else val[:-1]  # accel: none after pass 1
-    eps = float(decided.detach().flatten().quantile(0.5 if kind != "accel" else 0.7))
-    below = val < eps
-    if kind == "accel":  # two hits in a row
-        below = below & torch.cat([torch.zeros_like(below[:1]), below[:-1]])
-    _, passes = _states(m, idx, kind, eps, monkeypatch)
-    want = _first_exit(below[:-1])
-    assert torch.equal(passes, want) and (passes < D).any()
-    if kind in ("entropy", "accel"):  # no exit after pass 1 (entropy) / before pass 3 (accel)
-        assert int(passes.min()) >= (2 if kind == "entropy" else 3)
+    decided = (val[1:-1] if kind == "accel" else val[:-1]).detach().flatten()  # accel: none after pass 1
+    values = [float(decided.quantile(q)) for q in (0.2, 0.4, 0.6, 0.8)]
+    if kind == "entropy":  # H_1 <= ln V, so |H_1 - 100| >= 100 - ln V: no exit after pass 1 below that
+        values += [10.0, 100 - math.log(V) + 0.5]
+    if kind == "accel":  # above the first pass's own step, which a_t must not count (a_1 does not exist)
+        values += [float(val[1:].max()) * 1.01, float((seen[0] - x0).norm(dim=-1).max()) * 1.01]
+    exited = set()
+    for eps in values:
+        below = val < eps
+        if kind == "accel":  # two hits in a row
+            below = below & torch.cat([torch.zeros_like(below[:1]), below[:-1]])
+        _, passes = _states(m, idx, kind, eps, monkeypatch)
+        assert torch.equal(passes, _first_exit(below[:-1])), eps
+        exited |= set(passes.unique().tolist())
+        if kind == "entropy" and eps < 100 - math.log(V):
+            assert int(passes.min()) >= 2
+        if kind == "accel":
+            assert int(passes.min()) >= 3
+    assert len(exited) >= (2 if kind == "accel" else 3)  # different passes (accel: 3 or 4 of D = 4)
+
+
+def test_accel_counts_successive_hits_from_the_second_pass():
+    """Pappone et al.'s rule on states with set steps (the monitor driven directly):
+    a_t = |Δ_t - Δ_{t-1}| exists from pass 2 and must be below EPS at two passes in a row."""
+    from types import SimpleNamespace
+
+    from phaseloop.early_exit import Exits
+    from phaseloop.layers import ForwardContext
+
+    def exit_pass(steps, eps=0.5):
+        trunk = SimpleNamespace(exits=Exits(parse_exit(f"accel:{eps}")[0], torch.nn.Identity(),
+                                            torch.nn.Linear(1, 2)), readout_blocks=0)
+        ctx, x = ForwardContext(cos=None, sin=None), torch.zeros(1, 1, 1)
+        mon = Monitor(trunk, x, ctx, len(steps) + 1)
+        for d in steps:
+            x = mon.step(x, x + d)
+        return int(ctx.stats["exit_passes"])
+
+    assert exit_pass([0.1, 0.1, 0.1, 0.1]) == 3  # a_2, a_3 = 0: after pass 3, not 2 (|Δ_1| < EPS is no a_1)
+    assert exit_pass([1.0, 1.0, 3.0, 3.0, 3.0]) == 5  # hit (a_2), miss (a_3), hit, hit: after pass 5
+    assert exit_pass([1.0, 3.0, 5.0, 7.0]) == 5  # never two hits: every pass
 
 
 def test_kl_reads_looped_models_through_the_end_block():
