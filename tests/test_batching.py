@@ -219,3 +219,11 @@ def test_rows_that_all_exit_fill_each_rows_own_keys(share, rest_batch, monkeypat
         for s in slots:
             for got, want in zip(batch.entries[s], alone[b].entries[s], strict=True):
                 assert (got[b:b + 1, :, -(len(p) + 1):] - want).abs().max() < 1e-10, (b, s)
+
+
+def test_top_k_keeps_ties_at_the_kth_logit():
+    """``sampling_probs``: the top_k largest logits, ties at the k-th kept (as documented)."""
+    logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0]])
+    p = sampling_probs(logits, 1.0, top_k=2)
+    want = torch.tensor([[3.0, 2.0, 2.0]]).softmax(-1)
+    torch.testing.assert_close(p, torch.cat([want, torch.zeros(1, 2)], 1), atol=1e-7, rtol=0)

@@ -422,3 +422,21 @@ def test_the_compile_fallback_rewinds_the_cuda_random_state(monkeypatch):
     t.device = torch.device("cpu")
     t._rewind(t._snapshot())
     assert calls == []
+
+
+def test_weighted_micro_batches_divide_the_auxiliary_losses_by_grad_accum():
+    """With --loss-ignore-id each micro-batch's cross-entropy is weighted by its share of
+    the step's counted targets, and its auxiliary losses (ACT's ponder cost) by
+    1 / grad_accum, as without it: the step's ponder gradient is their mean."""
+    from phaseloop.engine.weighting import step_loss
+
+    ce, aux = torch.tensor(2.0, requires_grad=True), torch.tensor(0.3, requires_grad=True)
+    out = ModelOutput(logits=torch.zeros(1, 1, 1), ce_loss=ce, aux_losses={"ponder_loss": aux})
+    out.loss = ce + aux
+    for weight in (None, 0.25):
+        scaled, logged = step_loss(out, weight, 4)
+        want = (2.0 / 4 if weight is None else 2.0 * 0.25) + 0.3 / 4
+        assert float(scaled) == pytest.approx(want) and float(logged) == pytest.approx(want - 0.3 / 4)
+        ce.grad = aux.grad = None
+        scaled.backward()
+        assert float(aux.grad) == pytest.approx(0.25)

@@ -139,6 +139,52 @@ def test_gptq_beats_rtn_on_output_error():
     assert (ref - X @ dequantize(qp, sp, zp).T).norm() < (ref - X @ dequantize(qr, sr, zr).T).norm()
 
 
+def test_gptq_equals_its_algorithm_column_by_column():
+    """Frantar et al. 2022, Alg. 1 written out without the lazy block updates: each column
+    quantised with its group's parameters taken from the error-updated weights when the
+    group starts, its error spread over the later columns by the upper Cholesky factor of
+    H^-1 (damped). The blocked implementation equals it at every block size."""
+    from phaseloop.quant.core import qparams, quant_codes
+
+    X = _correlated_inputs(n=256, d=64)
+    H = 2 * X.T @ X / X.shape[0]
+    torch.manual_seed(3)
+    W0, g, bits = torch.randn(6, 64) * 0.5, 16, 4
+    Hd = H + 0.01 * torch.diagonal(H).mean() * torch.eye(64)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Hd)), upper=True)
+    W, Q, S = W0.clone(), torch.zeros_like(W0), []
+    for c in range(64):
+        if c % g == 0:
+            scale, zero = qparams(W[:, c:c + g], bits, False, torch.float16)
+            S.append(scale)
+        Q[:, c] = quant_codes(W[:, c], scale, zero, 2 ** bits - 1)
+        err = (W[:, c] - (Q[:, c] - zero) * scale) / U[c, c]
+        W[:, c:] -= err[:, None] * U[c, c:][None]
+    for block in (16, 32, 64):
+        q, s, _ = gptq_quantize(W0, H, bits, g, damp=0.01, block_size=block)
+        assert torch.equal(q.float(), Q), block
+        torch.testing.assert_close(s.float(), torch.stack(S, 1), atol=0, rtol=1e-3)
+
+
+def test_scales_round_up_to_their_dtype():
+    """A scale stored in fp16 / bf16 is the smallest value of that dtype at or above the
+    fp32 one (xmax - xmin) / qmax, so every weight of its group lies within half a step of
+    its code (the RTN bound)."""
+    from phaseloop.quant.core import _round_up_to_dtype
+
+    torch.manual_seed(4)
+    s = torch.rand(20000) * 3 + 1e-3
+    for dtype in (torch.float16, torch.bfloat16):
+        r = _round_up_to_dtype(s, dtype)
+        assert torch.equal(r.to(dtype).float(), r) and bool((r >= s).all())
+        below = torch.nextafter(r.to(dtype), torch.zeros((), dtype=dtype)).float()
+        assert bool((below < s).all())  # the smallest such value
+    w = torch.randn(400, 32)
+    q, sc, z = quantize_rtn(w, 4, 32)
+    step = sc.float().repeat_interleave(32, 1)
+    assert float(((dequantize(q, sc, z) - w).abs() / step).max()) <= 0.5 + 1e-6
+
+
 def test_gptq_dead_columns():
     X = _correlated_inputs(n=256, d=64)
     X[:, 5] = 0.0

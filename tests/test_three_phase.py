@@ -86,6 +86,15 @@ def test_horn_sets_channel_mean_and_keeps_orthogonal_directions(start):
     assert torch.allclose(centred(y), centred(x), atol=1e-5)
 
 
+def test_learnable_horn_gain_scales_the_mean():
+    """r(t) = g / (t + 1) with the learned gain g (ours), at a gain away from its init of 1."""
+    horn = HornInjection(cfg3(learnable_horn=True))
+    with torch.no_grad():
+        horn.gain.fill_(0.5)
+    y = horn(torch.randn(2, 4, 48) * 3, start_pos=2)
+    assert torch.allclose(y.mean(-1), (0.5 / torch.arange(3.0, 7.0)).expand(2, 4), atol=1e-6)
+
+
 def test_horn_is_on_the_embedding_output_at_absolute_positions():
     m = build_model(cfg3())
     idx = torch.randint(0, 64, (1, 5))
