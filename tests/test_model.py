@@ -241,3 +241,24 @@ def test_generate_sampling_top_k_and_seed():
     logits = m(a[:, :-1]).logits[0, 2:]
     top3 = logits.topk(3, dim=-1).indices
     assert all(a[0, 3 + i].item() in top3[i].tolist() for i in range(20))
+
+
+def test_rope_rotates_each_pair_by_its_angle():
+    """RoPE (Su et al. 2021, §3.2) in the rotate-half layout written out per pair: element
+    i and i + E/2 of a head at position p rotated by p * base^(-2i/E); so a query-key dot
+    product depends on the positions' difference only."""
+    E, base = 8, 500.0
+    x = torch.randn(1, 2, 5, E, dtype=torch.float64)
+    pos = torch.arange(3, 8)
+    got = apply_rope(x, *rope_tables(pos, E, base))
+    want = torch.empty_like(x)
+    for t, p in enumerate(pos.tolist()):
+        for i in range(E // 2):
+            a = p * base ** (-2 * i / E)
+            u, v = x[..., t, i], x[..., t, i + E // 2]
+            want[..., t, i] = u * math.cos(a) - v * math.sin(a)
+            want[..., t, i + E // 2] = u * math.sin(a) + v * math.cos(a)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)  # the tables are fp32
+    q, k = torch.randn(E, dtype=torch.float64), torch.randn(E, dtype=torch.float64)
+    rot = lambda v, p: apply_rope(v.view(1, 1, 1, E), *rope_tables(torch.tensor([p]), E, base)).flatten()
+    assert float(rot(q, 9) @ rot(k, 4)) == pytest.approx(float(rot(q, 15) @ rot(k, 10)), abs=1e-5)
