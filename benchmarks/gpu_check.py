@@ -7,8 +7,12 @@ Measured, interleaved and side by side (``common.time_interleaved``, medians):
      ``torch.compile``d (fused AdamW, SDPA with is_causal, TF32 for fp32 matmuls);
   2. step ratios: 3PT / RoPE at N = 3 and N = 12, Hyperloop / Looped and mHC /
      Transformer at the 240m width;
-  3. generation tok/s with the preallocated KV cache (greedy, batch 1);
-  4. a loss check: 50 steps of bf16 autocast against fp32 from the same init and data.
+  3. batch-1 greedy generation tok/s as ``phaseloop generate`` runs it (``inference.generate``:
+     fp32 weights, no autocast, the KV cache preallocated), and on a looped model with an
+     exit rule and with self-speculation (whose greedy tokens must equal the full depth's);
+  4. a loss check: 50 steps on real text (the built-in ``stdlib`` corpus, bytes) of bf16
+     autocast against full fp32 (TF32 off) from the same init and batches: both must learn
+     (the last 10 losses' mean 0.5 nats under the first) and track each other within 5 %.
 
     python benchmarks/gpu_check.py                # on a GPU (targets: MFU >= 0.40 compiled, 3PT/RoPE <= 1.03)
     python benchmarks/gpu_check.py --smoke        # CPU, tiny shapes, a minute
@@ -29,7 +33,11 @@ from common import time_interleaved
 
 from phaseloop import ModelConfig, build_model
 from phaseloop.analysis.params import count_params
+from phaseloop.data.corpus import load_corpus
+from phaseloop.early_exit import parse_exit
 from phaseloop.engine import TrainConfig, autocast, dist, make_optimizer, resolve_device
+from phaseloop.engine.optim import tf32
+from phaseloop.inference import Options, generate
 
 FULL = dict(batch=16, seq=1024, gen=256, loss_preset="rope-small", loss_batch=16, loss_seq=256,
             rope="rope-123m", tpt="3pt-123m", looped="looped-240m", hyper="hyperloop-240m",
@@ -111,26 +119,35 @@ def ratios(s, device) -> dict:
 
 
 @torch.no_grad()
-def generation(s, device) -> float:
-    torch.manual_seed(0)
-    cfg = ModelConfig.from_preset(s["rope"], max_seq_len=max(s["gen"] + 16, 64))
-    model = build_model(cfg).to(device).eval()
-    prompt = torch.randint(0, cfg.vocab_size, (1, 16), device=device)
-    with autocast(device):
-        model.generate(prompt, 4, temperature=0)  # warm up
-        sync(device)
-        t0 = time.perf_counter()
-        model.generate(prompt, s["gen"], temperature=0)
-        sync(device)
-    return s["gen"] / (time.perf_counter() - t0)
+def generation(s, device) -> dict:
+    out = {}
+    for name, preset, rows in (("rope", s["rope"], {"full": Options(max_new_tokens=s["gen"])}),
+                               ("looped", s["looped"], {
+                                   "full": Options(max_new_tokens=s["gen"]),
+                                   "exit": Options(max_new_tokens=s["gen"], exit=parse_exit("state:0.5")[0],
+                                                   kv_fill="latest"),
+                                   "speculative": Options(max_new_tokens=s["gen"], speculative=1)})):
+        torch.manual_seed(0)
+        cfg = ModelConfig.from_preset(preset, max_seq_len=max(s["gen"] + 16, 64))
+        model = build_model(cfg).to(device).eval()
+        prompt = torch.randint(0, cfg.vocab_size, (1, 16), device=device)
+        generate(model, prompt, Options(max_new_tokens=4))  # warm up
+        got = {row: generate(model, prompt, o) for row, o in rows.items()}
+        for row, g in got.items():
+            out[f"{name} {row}"] = {"tok_per_s": g.tokens_per_s, "mean_passes": g.mean_passes,
+                                    **({"acceptance": g.acceptance} if g.acceptance is not None else {})}
+        if "speculative" in got:
+            out["looped speculative"]["greedy_equal"] = torch.equal(got["speculative"].tokens, got["full"].tokens)
+    return out
 
 
 def loss_check(s, device, steps: int = 50) -> dict:
-    """bf16 autocast vs fp32 from the same init and batches (on CPU both are fp32)."""
+    """bf16 autocast vs full fp32 from the same init and batches of real text (on CPU both are fp32)."""
     cfg = ModelConfig.from_preset(s["loss_preset"], max_seq_len=max(s["loss_seq"], 64))
+    tokens = torch.from_numpy(load_corpus("stdlib").tokens[:2_000_000].astype("int64"))
     gen = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, cfg.vocab_size, (s["loss_batch"], s["loss_seq"] + 1), generator=gen)
-            for _ in range(steps)]
+    starts = torch.randint(0, len(tokens) - s["loss_seq"] - 1, (steps, s["loss_batch"]), generator=gen)
+    data = [torch.stack([tokens[a:a + s["loss_seq"] + 1] for a in row.tolist()]) for row in starts]
     curves = {}
     for mode in ("bf16", "fp32"):
         torch.manual_seed(0)
@@ -140,16 +157,17 @@ def loss_check(s, device, steps: int = 50) -> dict:
         for xy in data:
             xy = xy.to(device)
             ctx = autocast(device) if mode == "bf16" else torch.autocast(device.type, enabled=False)
-            with ctx:
+            with ctx, tf32(False):
                 loss = model(xy[:, :-1], xy[:, 1:]).loss
-            loss.backward()
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
         curves[mode] = losses
     diff = max(abs(a - b) / b for a, b in zip(curves["bf16"][-10:], curves["fp32"][-10:]))
-    return {"bf16_final": curves["bf16"][-1], "fp32_final": curves["fp32"][-1],
-            "max_rel_diff_last10": diff, "tracks": diff < 0.05}
+    learns = all(sum(c[-10:]) / 10 < c[0] - 0.5 for c in curves.values())
+    return {"bf16_first": curves["bf16"][0], "bf16_final": curves["bf16"][-1], "fp32_final": curves["fp32"][-1],
+            "max_rel_diff_last10": diff, "learns": learns, "tracks": learns and diff < 0.05}
 
 
 def main(argv=None) -> int:
@@ -168,7 +186,7 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "smoke": args.smoke, "peak_flops": peak,
            "throughput": throughput(s, device, backend, peak), "ratios": ratios(s, device),
-           "generate_tok_per_s": generation(s, device), "loss_check": loss_check(s, device)}
+           "generate": generation(s, device), "loss_check": loss_check(s, device)}
     res["seconds"] = time.perf_counter() - t0
     print(f"device {res['device']}, torch {res['torch']}, peak {peak or 0:.3g} FLOP/s")
     print(f"{'model':<18}{'mode':<10}{'step ms':>10}{'tok/s':>12}{'MFU':>8}{'peak MB':>10}{'1st step s':>12}")
@@ -179,9 +197,12 @@ def main(argv=None) -> int:
               f"{r['first_step_s']:>12.1f}")
     for k, v in res["ratios"].items():
         print(f"step ratio {k:<20} {v:.3f}")
+    for k, v in res["generate"].items():
+        print(f"generate {k:<20} {v['tok_per_s']:>10.1f} tok/s" + "".join(
+            f", {f} {v[f]:.3g}" if isinstance(v[f], float) else f", {f} {v[f]}" for f in v if f != "tok_per_s"))
     lc = res["loss_check"]
-    print(f"generate (cache) {res['generate_tok_per_s']:.0f} tok/s; bf16 vs fp32 after 50 steps: "
-          f"{lc['bf16_final']:.4f} vs {lc['fp32_final']:.4f} (max rel diff {lc['max_rel_diff_last10']:.4f}); "
+    print(f"bf16 vs fp32 after 50 steps on text: {lc['bf16_first']:.4f} -> {lc['bf16_final']:.4f} vs "
+          f"{lc['fp32_final']:.4f} (max rel diff {lc['max_rel_diff_last10']:.4f}, learns {lc['learns']}); "
           f"{res['seconds']:.0f} s")
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     return 0

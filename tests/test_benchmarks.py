@@ -26,7 +26,10 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path, one_thread):
     assert [(r["model"], r["mode"]) for r in res["throughput"]] == [
         ("rope-tiny", "eager"), ("rope-tiny", "compiled"), ("3pt-tiny", "eager"), ("3pt-tiny", "compiled")]
     assert set(res["ratios"]) == {"3pt/rope N=3", "3pt/rope N=12", "hyperloop/looped", "mhc/transformer"}
-    assert res["generate_tok_per_s"] > 0 and res["loss_check"]["tracks"]
+    assert set(res["generate"]) == {"rope full", "looped full", "looped exit", "looped speculative"}
+    assert all(v["tok_per_s"] > 0 for v in res["generate"].values())
+    assert res["generate"]["looped speculative"]["greedy_equal"] and res["generate"]["looped exit"]["mean_passes"] > 0
+    assert res["loss_check"]["learns"] and res["loss_check"]["tracks"]
 
 
 def test_bench_step_runs(capsys, one_thread):
