@@ -325,7 +325,8 @@ class Monitor:
         if self.t < self.n:  # nothing to decide after the last pass
             rows = None if run.all else run.flat_N
             stop_N = self._stop(before, x, rows)
-            # the one host read of a pass (of a single position: no reduction); none: the same positions run on
+            # the decision's host read (of a single position: no reduction); none stopped: the same positions
+            # run on, and no new ``Running`` (whose gather indices read the device again, ``passes.Running``)
             stopped = int(stop_N) if stop_N.numel() == 1 else int(stop_N.sum())
             if stopped:
                 if rows is not None:

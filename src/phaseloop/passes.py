@@ -37,7 +37,9 @@ class Running:
     def __post_init__(self):
         B, T = self.mask.shape
         counts_B = self.mask.sum(1)
-        self.n = int(counts_B.sum())  # the one host read of a pass
+        # host reads where some positions stopped: this count, the longest row, and the
+        # boolean index and nonzero below (sizes the gathered rows need); none for ``uniform``
+        self.n = int(counts_B.sum())
         self.any, self.all = self.n > 0, self.n == B * T
         if self.any and not self.all:
             Tq = int(counts_B.max())
