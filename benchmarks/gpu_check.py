@@ -4,7 +4,8 @@ rots. It prints one table and writes JSON (``--out``).
 
 Measured, interleaved and side by side (``common.time_interleaved``, medians):
   1. bf16 training tok/s, MFU and peak memory of rope-123m and 3pt-123m, eager and
-     ``torch.compile``d (fused AdamW, SDPA with is_causal, TF32 for fp32 matmuls);
+     ``torch.compile``d (fused AdamW, SDPA with is_causal, TF32 for fp32 matmuls, as the
+     trainer's steps);
   2. step ratios: 3PT / RoPE at N = 3 and N = 12, Hyperloop / Looped and mHC /
      Transformer at the 240m width;
   3. batch-1 greedy generation tok/s as ``phaseloop generate`` runs it (``inference.generate``:
@@ -53,7 +54,8 @@ def sync(device):
 
 
 def step_fn(cfg: ModelConfig, batch: int, seq: int, device, compile_backend: str | None = None):
-    """One full training step (autocast forward, backward, clip, fused/foreach AdamW)."""
+    """One full training step as the trainer runs it (autocast forward, backward with TF32 on
+    CUDA, clip, fused/foreach AdamW)."""
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
     opt = make_optimizer(model, TrainConfig())
@@ -62,9 +64,10 @@ def step_fn(cfg: ModelConfig, batch: int, seq: int, device, compile_backend: str
     y = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
 
     def step():
-        with autocast(device):
-            loss = fwd(x, y).loss
-        loss.backward()
+        with tf32(device.type == "cuda"):
+            with autocast(device):
+                loss = fwd(x, y).loss
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -157,7 +160,7 @@ def loss_check(s, device, steps: int = 50) -> dict:
         for xy in data:
             xy = xy.to(device)
             ctx = autocast(device) if mode == "bf16" else torch.autocast(device.type, enabled=False)
-            with ctx, tf32(False):
+            with ctx, tf32(mode == "bf16" and device.type == "cuda"):  # bf16 as trained, fp32 in full
                 loss = model(xy[:, :-1], xy[:, 1:]).loss
                 loss.backward()
             opt.step()

@@ -279,9 +279,11 @@ def test_auto_probes_then_decides_and_a_resumed_run_keeps_the_choice(tmp_path, m
 
 
 def test_a_run_resumed_while_auto_probes_decides_at_the_same_step(tmp_path, monkeypatch):
-    """A checkpoint written before auto chose (step 3 of a 6-step probe) keeps the probe's
-    times: the resumed run decides after the same step, from those times and its own, and
-    computes as the uninterrupted run does (before, it probed anew and switched 3 steps later)."""
+    """A checkpoint written before auto chose (step 3 of a 6-step probe) keeps the probe:
+    the resumed run decides after the same step, from those times and its own (its first
+    step a warm-up, not timed), and computes as the uninterrupted run does (before, it probed
+    anew and switched 3 steps later). A probe of other shapes, device or world size is
+    dropped; a damaged one is refused."""
     from phaseloop.engine import RunFolder
     from phaseloop.engine.checkpoint import checkpoint_dir, load_trainer_state
     from phaseloop.errors import CheckpointError
@@ -293,7 +295,7 @@ def test_a_run_resumed_while_auto_probes_decides_at_the_same_step(tmp_path, monk
     decided, original = [], compiling.RunCompiler._decide
 
     def spy(self, steps_left):
-        decided.append((steps_left, list(self.times[:3])))
+        decided.append((steps_left, list(self.times[:3]), list(self.warm)))
         original(self, steps_left)
     monkeypatch.setattr(compiling.RunCompiler, "_decide", spy)
     cfg = {"train": tconf("auto", 10).to_dict()}
@@ -303,17 +305,24 @@ def test_a_run_resumed_while_auto_probes_decides_at_the_same_step(tmp_path, monk
     torch.manual_seed(0)
     part.fit(stop_after=3)
     meta, _ = load_trainer_state(checkpoint_dir(tmp_path / "part"))
-    assert "compile" not in meta and len(meta["compile_probe"]) == 3 and len(decided) == 1  # the full run's
+    probe = meta["compile_probe"]
+    assert "compile" not in meta and len(probe["times"]) == 3 and probe["warm"] == [0] and len(decided) == 1
     again = Trainer(lambda: build_model(tiny("rope")), full.tc, Batches(), lambda m, b, d: m(*b),
                     run=RunFolder.open(tmp_path / "part", cfg, resume=True))
     again.fit()
     assert decided[0][0] == decided[1][0] == 4  # after step 6 of 10, in both runs
-    assert decided[1][1] == meta["compile_probe"]  # the times recorded before the checkpoint
+    assert decided[1][1:] == (probe["times"], [0, 3])  # the recorded times; step 4 warmed this process up
     assert again.compiler.mode == full.compiler.mode == "block"
     assert [r["loss"] for r in again.records if "loss" in r] == [r["loss"] for r in full.records][3:]
-    for damaged in ("fast", [1.0] * 9, [-1.0], [True]):
+    model, cpu = full.model, torch.device("cpu")
+    same = compiling.RunCompiler("auto", model, cpu, full.compiler.key_extra, probe=probe)
+    assert same.times == probe["times"] and same.warm == [0, 3]
+    other = compiling.RunCompiler("auto", model, cpu, "8x64x1", probe=probe)  # another batch: probed anew
+    assert other.times == [] and other.warm == [0]
+    for damaged in ("fast", probe["times"], {**probe, "times": [1.0] * 9}, {**probe, "times": [-1.0]},
+                    {**probe, "times": [True]}, {**probe, "warm": [5]}, {k: v for k, v in probe.items() if k != "key"}):
         with pytest.raises(CheckpointError, match="compile_probe .* is damaged"):
-            compiling.RunCompiler("auto", full.model, torch.device("cpu"), "", probe=damaged)
+            compiling.RunCompiler("auto", model, cpu, "", probe=damaged)
 
 
 @pytest.mark.parametrize("preset,how", [("rope-tiny", "ddp"), ("hyperloop-tiny", "fsdp")])

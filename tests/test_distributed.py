@@ -196,9 +196,12 @@ def test_fsdp2_shards_on_the_runs_device_mesh(monkeypatch):
 
     meshes, sharded = [], []
     monkeypatch.setattr(dist, "world", lambda: dist.World(0, 2, 0))
+    monkeypatch.setattr(dist, "_MESHES", {})
     monkeypatch.setattr(dm, "init_device_mesh", lambda kind, shape: meshes.append((kind, shape)) or f"mesh:{kind}")
     monkeypatch.setattr(fsdp, "fully_shard", lambda m, mesh=None: sharded.append(mesh))
     model = build_model(tiny_model_config("rope"))
     assert dist.parallelize(model, "fsdp", torch.device("cpu")) is model
     assert meshes == [("cpu", (2,))]
     assert sharded == ["mesh:cpu"] * (len(dist.blocks_of(model)) + 1)  # every block, then the model
+    dist.parallelize(build_model(tiny_model_config("rope")), "fsdp", torch.device("cpu"))
+    assert meshes == [("cpu", (2,))]  # made once in a process group (a comparison's runs share it)

@@ -336,7 +336,7 @@ def test_torchao_cpu():
     assert errs[8] < 0.01 and errs[8] < errs[4] < 0.3, errs
 
 
-def test_gptq_runs_in_full_fp32_with_tf32_restored_after():
+def test_gptq_runs_in_full_fp32_with_tf32_restored_after(monkeypatch):
     """TF32 (CUDA's 10-bit-mantissa fp32 products) is off while GPTQ builds its Hessian and
     propagates errors, as the reference implementation sets it, and the caller's setting
     comes back after; nothing in phaseloop switches it on outside a training step."""
@@ -362,5 +362,6 @@ def test_gptq_runs_in_full_fp32_with_tf32_restored_after():
         assert [f.allow_tf32 for f in flags] == [True, True]  # restored
     assert len(seen) >= 2 and all(s == [False, False] for s in seen), seen
     before = [f.allow_tf32 for f in flags]
-    resolve_device("cpu"), resolve_device("auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolve_device("cuda") switched TF32 on
+    assert resolve_device("cuda") == torch.device("cuda") and resolve_device("auto") == torch.device("cuda")
     assert [f.allow_tf32 for f in flags] == before

@@ -21,8 +21,9 @@ Modes (``TrainConfig.compile``):
   here costs a cold compile, which the runs of a comparison that share it (``share``: the
   runner counts them) split: the first compiles, the others load it warm. The choice is
   kept in the run's checkpoints, so a resumed run computes as before; a checkpoint written
-  while auto still probes keeps the probe's step times, so a resumed run decides at the
-  same step as the uninterrupted one (from the same times, those before the checkpoint).
+  while auto still probes keeps the probe's step times, so a resumed run of the same
+  shapes, device and world size decides after the same step as the uninterrupted one (its
+  own first step is a warm-up, not timed; a probe of another setup is dropped: probed anew).
 
 Compiled artefacts persist in ``$PHASELOOP_CACHE/compile/`` (inductor's FX-graph and
 AOTAutograd caches, keyed by inductor on the graph, the torch version and its settings),
@@ -163,15 +164,18 @@ def _cache_counts() -> tuple[int, int, int]:
             counters["stats"]["unique_graphs"])
 
 
-def _probe(times) -> list[float]:
-    """A checkpoint's ``compile_probe`` (None: none); refused in one line if damaged."""
-    if times is None:
-        return []
-    if not (isinstance(times, list) and len(times) <= PROBE and all(
-            isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float("inf") for t in times)):
-        raise CheckpointError(f"the checkpoint's compile_probe {str(times)[:60]} is damaged (it holds up to {PROBE} "
-                              "step times in seconds); restore the checkpoint or resume with --compile off or block")
-    return [float(t) for t in times]
+def _probe(probe, key: str) -> tuple[list[float], list[int]]:
+    """A checkpoint's ``compile_probe``: (step times, warm-up indices), none where it was
+    made with other shapes, device or world size (``key``); refused in one line if damaged."""
+    num = lambda t: isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float("inf")
+    times, warm = (probe.get("times"), probe.get("warm")) if isinstance(probe, dict) else (None, None)
+    if not (isinstance(probe.get("key") if isinstance(probe, dict) else None, str)
+            and isinstance(times, list) and len(times) <= PROBE and all(num(t) for t in times)
+            and isinstance(warm, list) and all(type(i) is int and 0 <= i < len(times) for i in warm)):
+        raise CheckpointError(f"the checkpoint's compile_probe {str(probe)[:60]} is damaged (its key, up to {PROBE} "
+                              "step times in seconds and their warm-up steps); restore the checkpoint or resume "
+                              "with --compile off or block")
+    return ([float(t) for t in times], list(warm)) if probe["key"] == key else ([], [0])
 
 
 _COMPILED_HERE: set[str] = set()  # shape keys this process compiled: a later run reuses them free
@@ -189,12 +193,12 @@ class RunCompiler:
     choice, and the fallback to eager when the first compiled step fails.
 
     ``chosen``: the mode a resumed run recorded (auto's earlier choice), else None;
-    ``probe``: the probe's step times it recorded where auto had not chosen yet (``state``);
+    ``probe``: the probe it recorded where auto had not chosen yet (``state``);
     ``share``: the runs, this one included, that compile the same blocks (``shares``)."""
 
     def __init__(self, mode: str, model: nn.Module, device: torch.device, key_extra: str,
                  chosen: str | None = None, sharded: bool = False, main: bool = True,
-                 verbose: bool = True, share: int = 1, probe: list | None = None):
+                 verbose: bool = True, share: int = 1, probe: dict | None = None):
         self.model, self.device, self.key_extra, self.main, self.share = model, device, key_extra, main, share
         self.verbose = verbose  # auto's line on stderr (a quiet run keeps it in its summary)
         self.line: str | None = None  # what auto chose and why (summary.json: compile_note)
@@ -208,7 +212,12 @@ class RunCompiler:
         self.eager_fwd = self.fwd = None
         self.undo: Callable[[], None] | None = None
         self.pending = False  # the next step is the first compiled one
-        self.times: list[float] = _probe(probe) if self.mode == "auto" else []  # auto's eager probe steps
+        self.times: list[float] = []  # auto's eager probe steps
+        self.warm = [0]  # those that warmed a process up (its first step): not timed
+        if self.mode == "auto" and probe is not None:
+            times, warm = _probe(probe, self._probe_key())
+            if times:  # the next step is this process's first
+                self.times, self.warm = times, [*warm, len(times)]
         self.compiled: list[float] | None = None  # auto: compiled steps timed to measure the saving
         if self.mode == "block":  # before FSDP2 / DDP wrap the model (as torchtitan orders it)
             self._apply_block()
@@ -222,7 +231,13 @@ class RunCompiler:
         """What a checkpoint keeps: the mode chosen, or auto's probe so far."""
         if self.chosen is not None:
             return {"compile": self.chosen}
-        return {"compile_probe": list(self.times)} if self.times else {}
+        warm = [i for i in self.warm if i < len(self.times)]  # the steps taken
+        return {"compile_probe": {"key": self._probe_key(), "times": list(self.times), "warm": warm}} \
+            if self.times else {}
+
+    def _probe_key(self) -> str:
+        """What the probe's step times depend on: the shapes, batch and device, the world size."""
+        return f"{shape_key(self.model, self.key_extra, self.device, 'auto')}/{dist.world().size}"
 
     def _say(self, msg: str) -> None:
         if self.main:
@@ -289,8 +304,9 @@ class RunCompiler:
         return rec
 
     def _eager_s(self) -> float:
-        """The median eager probe step (auto), else 0 (an eager step was never timed)."""
-        return compile_cache.median(self.times[1:]) if len(self.times) > 1 else 0.0
+        """The median eager probe step (auto; a process's first step is not timed), else 0."""
+        timed = [t for i, t in enumerate(self.times) if i not in self.warm]
+        return compile_cache.median(timed) if timed else 0.0
 
     def _record(self, **values: float) -> None:
         if self.main:

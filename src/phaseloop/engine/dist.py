@@ -181,15 +181,28 @@ def parallelize(model: nn.Module, how: str, device: torch.device, varying_depth:
     for m in model.modules():  # a data-dependent depth (ACT's early exit) would differ by rank
         if isinstance(m, Trunk):
             m.fix_depth()
-    from torch.distributed.device_mesh import init_device_mesh
-
-    # the mesh of the run's device: FSDP2's default is the machine's accelerator, which
-    # would move a --device cpu run's parameters to a GPU its gloo group cannot reduce on
-    mesh = init_device_mesh(device.type, (w.size,))
+    mesh = _mesh(device.type, w.size)
     for block in blocks_of(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+_MESHES: dict = {}  # (device type, size) -> (the default group it was made in, the mesh)
+
+
+def _mesh(kind: str, size: int):
+    """FSDP2's mesh on the run's device: its default is the machine's accelerator, which would
+    move a --device cpu run's parameters to a GPU its gloo group cannot reduce on. One per
+    process group (a mesh over another backend than the default group's makes a new group:
+    made once, not at every run of a comparison)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    have = _MESHES.get((kind, size))
+    if have is None or have[0] is not group:
+        have = _MESHES[(kind, size)] = (group, init_device_mesh(kind, (size,)))
+    return have[1]
 
 
 @contextlib.contextmanager
