@@ -195,3 +195,15 @@ def test_layer_matmul_flops_are_the_4x_convention():
     assert round(ut["layer_matmul_flops_per_token"] / 1e9, 4) == 0.3523
     assert ut["layer_matmul_flops_per_token"] == 4 * base["layer_matmul_flops_per_token"]
     assert round(ut["flops_per_token"] / base["flops_per_token"], 2) == 3.30
+
+
+def test_without_input_embedding_keeps_an_untied_head():
+    """The Hyperloop paper's count: the total less the input embedding only; an untied
+    head is counted."""
+    from phaseloop.analysis.params import count_params
+    from phaseloop.config import ModelConfig
+
+    c = count_params(ModelConfig(arch="rope", vocab_size=256, d_model=64, n_heads=4, n_layers=2, d_ff=128,
+                                 max_seq_len=32, tie_embeddings=False))
+    assert c["unembedding"] == c["embedding"] == 256 * 64
+    assert c["without_input_embedding"] == c["non_embedding"] + c["unembedding"] == c["total"] - 256 * 64

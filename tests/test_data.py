@@ -202,3 +202,25 @@ def test_evaluation_builds_no_autograd_graph():
     model.register_forward_hook(lambda m, i, o: seen.append(torch.is_grad_enabled()))
     evaluate(model, torch.randint(0, 256, (4, 17)))
     assert seen == [False]
+
+
+def test_window_arithmetic_at_the_edges():
+    """Evaluation windows of seq_len + 1 tokens start every seq_len tokens up to the last
+    that fits (41 tokens, 10: 0, 10, 20, 30); the validation split is int(n * fraction)
+    tokens, moved to a document start only within half of it; training windows start
+    anywhere a window fits (12 tokens, 10: at 0 and 1)."""
+    import numpy as np
+
+    from phaseloop.data.corpus import Corpus, TrainBatches, eval_starts
+    from phaseloop.data.store import TokenView
+    from phaseloop.data.tokenizer import ByteTokenizer
+
+    assert eval_starts(41, 10, 100).tolist() == [0, 10, 20, 30]
+
+    def corpus(n, docs):
+        return Corpus("x", "f", 1, n, ByteTokenizer(), TokenView([np.zeros(n, np.uint8)]), np.array(docs), {}, {})
+    assert len(corpus(999, [0]).split(0.1)[1]) == 99  # int(99.9)
+    assert len(corpus(1000, [0, 830]).split(0.1)[1]) == 100  # 830 is 70 from the cut at 900: not moved
+    assert len(corpus(1000, [0, 870]).split(0.1)[1]) == 130  # 30 from it: the split starts there
+    tb = TrainBatches(np.arange(12), seq_len=10, batch_size=256, seed=0)
+    assert sorted(set(tb.next()[0][:, 0].tolist())) == [0, 1]

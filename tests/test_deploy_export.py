@@ -309,3 +309,15 @@ def test_llama_cpp_runs_the_gguf_to_phaseloops_greedy_tokens(runs, ggufs, name, 
             assert np.abs(np.array(llm.scores[:len(ids)]) - ref).max() > 50 * err
         finally:
             llm.close()
+
+
+def test_gguf_eos_is_an_id_no_text_maps_to():
+    """llama.cpp stops at the file's EOS id: the first padding id past the tokenizer's
+    (256 of 260 for the byte tokenizer), not a byte a text can hold (255 would stop at 0xFF)."""
+    import gguf
+
+    from phaseloop.data.tokenizer import ByteTokenizer
+
+    t = gguf_tokenizer(ByteTokenizer(), 260)
+    assert t["eos"] == 256 and t["tokens"][256] == "[PAD256]" and t["types"][256] == gguf.TokenType.UNUSED
+    assert all(ty == gguf.TokenType.NORMAL for ty in t["types"][:256])

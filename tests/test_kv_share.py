@@ -231,3 +231,30 @@ def test_act_rows_under_a_shared_cache_are_each_row_alone():
     assert generate(m, x[:1], Options(max_new_tokens=2, kv_share=1)).tokens.shape == (1, 2)
     with pytest.raises(ConfigError, match="drop --no-cache"):
         generate(_model("looped-tiny"), x[:1], Options(max_new_tokens=2, kv_share=1, use_cache=False))
+
+
+def test_truncate_counts_positions_from_the_caches_origin():
+    """A cache that starts at position 10 (a task's offset) and holds 10, 11, 12: truncating
+    to 11 keeps one row, the keys of position 10."""
+    from phaseloop.kvcache import KVCache
+
+    c = KVCache(pos=10)
+    k = torch.arange(3.0).view(1, 1, 3, 1)
+    c.update("s", k, k)
+    c.pos = 13
+    c.truncate(11)
+    assert c.entries["s"][0].shape[2] == 1 and float(c.entries["s"][0][0, 0, 0, 0]) == 0.0 and c.pos == 11
+
+
+def test_a_slot_short_of_the_caches_positions_cannot_join_a_batch():
+    """A slot holding 2 of a cache's 3 positions (ACT's lazily extended step) is named, and
+    join_rows refuses it by that name instead of failing on tensor shapes."""
+    from phaseloop.decoding import join_rows, not_joinable
+    from phaseloop.kvcache import KVCache
+
+    c = KVCache(pos=3)
+    k = torch.zeros(1, 1, 2, 4)
+    c.entries["s"] = (k, k)
+    assert not_joinable(c) == "its cache slot 's' holds 2 of 3 positions"
+    with pytest.raises(ValueError, match="holds 2 of 3 positions"):
+        join_rows([c, c])

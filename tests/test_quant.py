@@ -365,3 +365,24 @@ def test_gptq_runs_in_full_fp32_with_tf32_restored_after(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolve_device("cuda") switched TF32 on
     assert resolve_device("cuda") == torch.device("cuda") and resolve_device("auto") == torch.device("cuda")
     assert [f.allow_tf32 for f in flags] == before
+
+
+def test_byte_layouts_and_counts():
+    """int4 packs the even column in the low nibble (a file's layout, which other tools
+    read); storage counts rows padded to whole bytes and a partial last group; an int8
+    layer's running bytes are its codes and scales, not the kernel's constant of ones;
+    ``quantize_model`` counts fp32 scales at 4 bytes."""
+    from phaseloop.quant.core import QuantizedWeight, pack_int4, packed_bytes
+    from phaseloop.quant.packed import PackedLinear, weight_bytes
+
+    assert pack_int4(torch.tensor([[1, 2]])).tolist() == [[0x21]]
+    assert packed_bytes(8, 100, 4, 32) == 8 * 50 + 8 * 4 * 2 * 2  # ceil(100 / 32) = 4 groups
+    assert packed_bytes(8, 7, 4, None) == 8 * 4 + 8 * 1 * 2 * 2  # 7 codes in 4 bytes
+    torch.manual_seed(0)
+    q, s, z = quantize_rtn(torch.randn(16, 64), 8, 32)
+    layer = PackedLinear(QuantizedWeight.from_codes(q, s, z, 8))
+    held = [t for t in layer.buffers(recurse=False) if t is not None and t is not getattr(layer, "ones", None)]
+    assert getattr(layer, "ones", None) is not None
+    assert weight_bytes(nn.Sequential(layer)) == (sum(t.untyped_storage().nbytes() for t in held), 4 * 16 * 64)
+    r = quantize_model(nn.Sequential(nn.Linear(64, 64, bias=False)), 4, 32, skip=(), scale_dtype=torch.float32)
+    assert r["quantized_bytes_after"] == 64 * 32 + 64 * 2 * 2 * 4

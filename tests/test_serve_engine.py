@@ -95,3 +95,54 @@ def test_a_request_keeps_the_default_it_leaves_out():
     assert parse({"depth": None}, server) == Settings()  # the trained depth: nothing to extend
     assert parse({"extend_loops": None}, server) == Settings(depth=3)
     assert parse({"extend_loops": "last"}, Settings()) == Settings(extend_loops="last")  # check() refuses it
+
+
+# ------------------------------------------------------------ a sequence's text and a response's numbers
+def _text_seq(**kw):
+    return Sequence([0], 10, kw.pop("sampling", Sampling(0.0)), Settings(), lambda ids: "".join(chr(i) for i in ids),
+                    lambda e: None, **kw)
+
+
+def test_the_earliest_stop_string_cuts_the_text_and_eos_is_not_shown():
+    s = _text_seq(stop=["b", "ab"])
+    for ch in "xabd":
+        if s.finish is None:
+            s.push(ord(ch), None)
+    assert (s.text, s.finish) == ("x", "stop")  # "ab" starts before "b"
+    s = _text_seq(eos_id=ord("$"))
+    for ch in "hi$":
+        s.push(ord(ch), None)
+    assert (s.text, s.finish) == ("hi", "stop")
+
+
+def test_each_choice_of_a_seeded_request_draws_its_own_stream():
+    """n choices of one seeded request: choice i seeds seed + i, so they differ and each
+    is reproducible."""
+    draws = []
+    for index in (0, 1, 0):
+        s = _text_seq(sampling=Sampling(1.0, seed=7), index=index)
+        s.seed_on("cpu")
+        draws.append(torch.randint(0, 1000, (3,), generator=s.generator).tolist())
+    assert draws[0] != draws[1] and draws[0] == draws[2]
+    assert draws[1] == torch.randint(0, 1000, (3,), generator=torch.Generator().manual_seed(8)).tolist()
+
+
+def test_usage_top_logprobs_and_the_context_limit():
+    """usage counts every prompt's tokens; top_logprobs list the most probable first; a
+    prompt plus max_tokens may fill max_context exactly."""
+    from types import SimpleNamespace as NS
+
+    import pytest
+
+    from phaseloop.serve.responses import Vocab, _chat_logprobs, usage
+    from phaseloop.serve.schema import APIError, Limits, _check_length
+
+    req = NS(prompts=[[1, 2, 3], [4, 5]])
+    got = usage(req, [NS(tokens=[7, 8], speculation=None), NS(tokens=[9], speculation=None)])
+    assert got == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    v = Vocab(lambda ids: "".join(chr(i) for i in ids), lambda t: bytes([t]), True)
+    out = _chat_logprobs([97], [(-0.1, {97: -0.1, 98: -2.5, 99: -4.0})], v, 2)
+    assert [(e["token"], e["logprob"]) for e in out["content"][0]["top_logprobs"]] == [("a", -0.1), ("b", -2.5)]
+    _check_length([[1] * 6], 10, Limits(max_context=16, vocab_size=256))  # 16 of 16
+    with pytest.raises(APIError, match="maximum context is 16 tokens; the prompt has 6 and max_tokens asks for 11"):
+        _check_length([[1] * 6], 11, Limits(max_context=16, vocab_size=256))

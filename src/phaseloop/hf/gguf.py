@@ -90,6 +90,7 @@ def gguf_tokenizer(tok, vocab_size: int) -> dict:
     types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(n_real)]
     tokens += [f"[PAD{i}]" for i in range(n_real, vocab_size)]
     types += [gguf.TokenType.UNUSED] * (vocab_size - n_real)
+    # llama.cpp stops at the EOS id: the first padding id (never a real token), else byte 0
     eos = n_real if vocab_size > n_real else tokens.index(b2u[0])
     return {"model": "gpt2", "pre": pre, "tokens": tokens, "types": types, "merges": merges, "eos": eos}
 
