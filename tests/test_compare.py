@@ -391,3 +391,33 @@ def test_match_to_without_a_budget_to_match_is_refused():
                           "match": "none", "scale": "tiny"})
     with pytest.raises(RecipeError, match="match_to='a' with no budget to match"):
         plan_variants(r)
+
+
+def test_seed_mean_curves_budgets_and_the_table_arithmetic():
+    """The seed-mean curve averages time as it averages loss, its band runs from the
+    lowest to the highest seed; a budget picks the closest depth and reports
+    (got - target) / target, refusing a shortfall beyond the tolerance as an excess; the
+    table's PPL column shows PPL's own spread and FLOPs in millions."""
+    from phaseloop.analysis.params import measure
+    from phaseloop.compare.budget import match_budget
+    from phaseloop.compare.options import RecipeError
+    from phaseloop.compare.report import format_table
+    from phaseloop.compare.stats import mean_curve
+
+    m = mean_curve([{"step": [10, 20], "val_loss": [3.0, 2.0], "elapsed_s": [1.0, 2.0]},
+                    {"step": [10, 20], "val_loss": [2.0, 1.0], "elapsed_s": [3.0, 6.0]}])
+    assert m["elapsed_s"] == [2.0, 4.0] and m["lo"] == [2.0, 1.0] and m["hi"] == [3.0, 2.0]
+    c = ModelConfig.from_preset("rope-tiny")
+    p2, p3 = (measure(c.replace(n_layers=n), 16)["total"] for n in (2, 3))
+    target = p2 + (p3 - p2) // 10
+    cfg, _, info = match_budget(c, target, "params", "depth", 16, 0.5)
+    assert cfg.n_layers == 2 and info["rel_diff"] == pytest.approx((p2 - target) / target)
+    with pytest.raises(RecipeError):
+        match_budget(c, 2 * measure(c.replace(n_layers=64), 16)["total"], "params", "depth", 16, 0.1)
+    ms = lambda mean, std: {"mean": mean, "std": std}
+    v = {"name": "rope", "finished_seeds": [0, 1], "params": 1000, "depth": 2, "flops_per_token": 2e6,
+         "tok_per_s": ms(100, None), "mfu": ms(None, None), "peak_memory_mb": ms(10, None),
+         "val_loss": ms(3.0, 0.1), "val_bpb": ms(1.5, 0.05), "val_ppl": ms(20.0, 2.0),
+         "step_speedup": None, "wallclock_speedup": None, "vs_reference": None, "settings": {}}
+    row = format_table({"variants": [v], "lr": 1e-3}).splitlines()[-1]
+    assert "| 2.00 |" in row and "20.00 ± 2.00" in row, row

@@ -321,3 +321,23 @@ def test_dry_run_refuses_a_bad_variant_before_its_first_line(text_file):
     with pytest.raises(PhaseloopError, match="d_model"):
         dry_run(r, log=msgs.append, data=str(text_file))
     assert msgs == []
+
+
+def test_a_grid_points_score_is_its_seeds_mean_and_sample_spread(tmp_path):
+    """score: the seeds' mean val loss and its sample standard deviation; a point where any
+    seed diverged scores inf (the others' mean would make a diverging rate look good)."""
+    from types import SimpleNamespace
+
+    from phaseloop.compare.runs import DIVERGED
+    from phaseloop.compare.tune import score
+
+    runs = []
+    for s, loss in ((0, 3.0), (1, 3.2)):
+        (tmp_path / f"s{s}").mkdir()
+        (tmp_path / f"s{s}" / "summary.json").write_text(json.dumps({"val_loss": loss}))
+        runs.append(SimpleNamespace(run_dir=tmp_path / f"s{s}", seed=s))
+    got = score(runs)
+    assert got["loss"] == pytest.approx(3.1) and got["std"] == pytest.approx(math.sqrt(0.02))
+    (tmp_path / "s1" / "summary.json").unlink()
+    (tmp_path / "s1" / DIVERGED).write_text("")
+    assert score(runs)["loss"] == float("inf")

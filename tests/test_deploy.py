@@ -184,3 +184,16 @@ def test_only_those_import_lines_are_dropped(caplog):
         logging.getLogger("torch.utils._pytree").warning(
             "%s is an Enum subclass and is now natively supported by torch.compile", "E")
     assert [r.getMessage() for r in caplog.records] == ["a real torchao warning"]
+
+
+def test_prepare_refuses_a_cache_shorter_than_two_positions():
+    """An exported program's cache holds 2 .. max_seq_len positions (a prompt token and
+    one more), as its refusal says."""
+    from phaseloop import ConfigError, ModelConfig, build_model
+    from phaseloop.deploy.program import prepare
+
+    model = build_model(ModelConfig.from_preset("rope-tiny"))
+    for bad in (1, 0, model.cfg.max_seq_len + 1):
+        with pytest.raises(ConfigError, match=f"--max-seq-len {bad}: choose 2 .. {model.cfg.max_seq_len}"):
+            prepare(model, max_len=bad)
+    assert prepare(model, max_len=2).max_len == 2

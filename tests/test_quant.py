@@ -386,3 +386,16 @@ def test_byte_layouts_and_counts():
     assert weight_bytes(nn.Sequential(layer)) == (sum(t.untyped_storage().nbytes() for t in held), 4 * 16 * 64)
     r = quantize_model(nn.Sequential(nn.Linear(64, 64, bias=False)), 4, 32, skip=(), scale_dtype=torch.float32)
     assert r["quantized_bytes_after"] == 64 * 32 + 64 * 2 * 2 * 4
+
+
+@pytest.mark.parametrize("method", ["rtn", "torchao"])
+def test_a_layer_narrower_than_its_group_is_recorded_as_per_row(method):
+    """group_size 1024 on rope-tiny (every in_features below it): each layer falls back to
+    one group per row, and the report names every one."""
+    if method == "torchao" and importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao is not installed (the quant extra)")
+    from phaseloop import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    rep = quantize_model(build_model(ModelConfig.from_preset("rope-tiny")), bits=8, group_size=1024, method=method)
+    assert rep["n_quantized"] > 0 and len(rep["per_row_fallback"]) == rep["n_quantized"]

@@ -81,3 +81,15 @@ def test_what_a_static_cache_cannot_hold_is_refused_in_one_line():
         StaticKVCache(0)
     with pytest.raises(ConfigError, match="document positions and masks"):
         rope(x, cache=StaticKVCache(8), doc_ids_BT=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_static_cache_fills_exactly_and_refuses_past_it_across_calls():
+    """max_len positions fit (8 tokens into 8); positions past it, over two calls, are one
+    ConfigError, not an index error inside the write."""
+    m = build_model(ModelConfig.from_preset("rope-tiny")).eval()
+    with torch.no_grad():
+        m(torch.randint(0, 256, (1, 8)), cache=StaticKVCache(8))
+        cache = StaticKVCache(8)
+        m(torch.randint(0, 256, (1, 5)), cache=cache)
+        with pytest.raises(ConfigError, match="10 positions exceed the static cache's max_len=8"):
+            m(torch.randint(0, 256, (1, 5)), cache=cache)

@@ -301,3 +301,13 @@ def test_jsonl_bad_utf8_and_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_jsonl(tmp_path / "nope.jsonl")
     assert json.loads(GOOD)  # sanity of the fixture
+
+
+def test_test_examples_are_drawn_apart_from_the_training_ones():
+    """At the same lengths the test set is drawn from its own stream (seed 2s + 1, train 2s):
+    of 50 reversed strings of length 12, none of the test ones is a training one."""
+    from phaseloop.tasks.algorithmic import TaskSpec
+
+    s = TaskSpec("reverse", train_lengths=[12], test_lengths=[12])
+    tr, te = s.train(50, seed=3), s.test(50, seed=3)
+    assert not {e.input for e in te} & {e.input for e in tr}
