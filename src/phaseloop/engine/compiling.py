@@ -168,8 +168,9 @@ def _probe(probe, key: str) -> tuple[list[float], list[int]]:
     """A checkpoint's ``compile_probe``: (step times, warm-up indices), none where it was
     made with other shapes, device or world size (``key``); refused in one line if damaged."""
     num = lambda t: isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float("inf")
-    times, warm = (probe.get("times"), probe.get("warm")) if isinstance(probe, dict) else (None, None)
-    if not (isinstance(probe.get("key") if isinstance(probe, dict) else None, str)
+    got = probe if isinstance(probe, dict) else {}
+    times, warm = got.get("times"), got.get("warm")
+    if not (isinstance(got.get("key"), str)
             and isinstance(times, list) and len(times) <= PROBE and all(num(t) for t in times)
             and isinstance(warm, list) and all(type(i) is int and 0 <= i < len(times) for i in warm)):
         raise CheckpointError(f"the checkpoint's compile_probe {str(probe)[:60]} is damaged (its key, up to {PROBE} "
